@@ -1,0 +1,314 @@
+"""The async client engines embed: hash, look up, read into their buffers, offer and save.
+
+The store is best effort toward the engine. Every public method here returns
+a typed result and never raises because of the store: a connection error,
+timeout, 4xx/5xx answer, malformed frame or checksum mismatch becomes a miss
+(lookups, reads) or a dropped save, counted in :attr:`PrefixClient.failures`
+and logged at most once per ``warn_interval_s`` per operation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import aiohttp
+import aiohttp.payload
+import numpy as np
+import xxhash
+
+from ..protocol.keys import Kind
+from ..protocol.namespace import Namespace
+from ..protocol.stream import FrameReader
+from ..protocol.wire import (
+    CONTENT_TYPE,
+    HAVE,
+    PREFIX_BYTES,
+    STATUS_HAVE,
+    STATUS_OK,
+    WANT,
+    GetItem,
+    GetResult,
+    ItemResult,
+    ItemSpec,
+    LookupAnswer,
+    LookupRequest,
+    WireError,
+    decode_frame,
+    encode_header,
+)
+from .config import ClientConfig
+from .prompt import Prompt, with_payload
+from .results import LookupResult, SaveResult
+
+log = logging.getLogger(__name__)
+
+Buffer = bytearray | memoryview | np.ndarray
+"""A writable buffer the client fills (bytearray, memoryview, numpy array)."""
+
+
+class StoreUnavailable(Exception):
+    """Internal: the store could not answer; public methods turn it into a miss."""
+
+
+class _FramePayload(aiohttp.payload.Payload):
+    """A request body of a header plus payload views, sent without joining them."""
+
+    def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
+        super().__init__(parts, content_type=CONTENT_TYPE)
+        self._parts = parts
+        self._size = sum(len(p) for p in parts)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        raise TypeError("a binary frame has no text form")
+
+    async def write(self, writer: Any) -> None:
+        for part in self._parts:
+            await writer.write(part)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        await self.write(writer)
+
+
+def _view(buf: Buffer) -> memoryview:
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("output buffers must be C-contiguous")
+        return memoryview(buf.reshape(-1).view(np.uint8))
+    return memoryview(buf).cast("B")
+
+
+class PrefixClient:
+    def __init__(self, namespace: Namespace, config: ClientConfig | None = None) -> None:
+        self.namespace = namespace
+        self.config = config or ClientConfig()
+        self._session: aiohttp.ClientSession | None = None
+        self._registered = False
+        self.failures: collections.Counter[str] = collections.Counter()
+        self._last_warning: dict[str, float] = {}
+
+    async def __aenter__(self) -> PrefixClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            timeout = aiohttp.ClientTimeout(total=self.config.timeout_s, sock_connect=self.config.connect_timeout_s)
+            self._session = aiohttp.ClientSession(
+                base_url=self.config.url, timeout=timeout,
+                connector=aiohttp.TCPConnector(limit=64, enable_cleanup_closed=True),
+                auto_decompress=False)
+        return self._session
+
+    def prompt(self, tokens: Sequence[int] | np.ndarray | bytes, extra_keys: Sequence[bytes] | None = None) -> Prompt:
+        return Prompt(self.namespace, tokens, extra_keys)
+
+    # ------------------------------------------------------------ plumbing
+
+    def _fail(self, op: str, err: BaseException) -> None:
+        self.failures[op] += 1
+        now = time.monotonic()
+        if now - self._last_warning.get(op, -1e18) >= self.config.warn_interval_s:
+            self._last_warning[op] = now
+            log.warning("prefixstore %s failed (%d so far), treated as a miss: %s", op, self.failures[op], err)
+
+    async def _post(self, path: str, header: dict[str, object],
+                    payloads: Sequence[bytes | memoryview] = ()) -> dict[str, object]:
+        """POST a frame, return the answer's header. Raises StoreUnavailable."""
+        body = _FramePayload([encode_header(header), *payloads])
+        try:
+            async with self._http().post(path, data=body) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise StoreUnavailable(f"{path} answered {resp.status}: {raw[:300].decode(errors='replace')}")
+            answer, _ = decode_frame(raw)
+            return answer
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, WireError) as err:
+            raise StoreUnavailable(f"{path}: {type(err).__name__}: {err}") from err
+
+    async def _ensure_namespace(self) -> None:
+        if not self._registered:
+            answer = await self._post("/v1/namespaces", {"namespace": self.namespace.to_wire()})
+            if answer.get("ns") != self.namespace.id:
+                raise StoreUnavailable("the store registered a different namespace id (version skew?)")
+            self._registered = True
+
+    async def _call(self, path: str, header: dict[str, object],
+                    payloads: Sequence[bytes | memoryview] = ()) -> dict[str, object]:
+        """A namespaced call; registers the namespace first and again if the store forgot it."""
+        await self._ensure_namespace()
+        try:
+            return await self._post(path, header, payloads)
+        except StoreUnavailable as err:
+            if "answered 404" not in str(err):
+                raise
+            self._registered = False
+            await self._ensure_namespace()
+            return await self._post(path, header, payloads)
+
+    # ------------------------------------------------------------ lookup
+
+    async def lookup(self, prompt: Prompt | Sequence[int] | np.ndarray, lease: bool | None = None) -> LookupResult:
+        """One round trip: the reusable KV and state lengths, and a lease on them."""
+        p = prompt if isinstance(prompt, Prompt) else self.prompt(prompt)
+        req = LookupRequest(namespace_id=self.namespace.id, hashes=b"".join(p.hashes), tokens=p.packed,
+                            lease=self.config.lease if lease is None else lease)
+        try:
+            answer = LookupAnswer.from_header(await self._call("/v1/lookup", req.to_header()))
+        except (StoreUnavailable, WireError) as err:
+            self._fail("lookup", err)
+            return LookupResult(prompt=p, ok=False)
+        return LookupResult(prompt=p, kv_tokens=answer.kv_tokens, state_tokens=answer.state_tokens,
+                            checkpoint_hint=answer.checkpoint_hint, matched_blocks=answer.matched_blocks,
+                            child=answer.child, snapshot=answer.snapshot, lease_id=answer.lease_id)
+
+    async def release(self, lease_id: bytes | None) -> bool:
+        if lease_id is None:
+            return False
+        try:
+            answer = await self._call("/v1/release", {"lease": lease_id})
+        except StoreUnavailable as err:
+            self._fail("release", err)
+            return False
+        return bool(answer.get("released"))
+
+    # ------------------------------------------------------------ read
+
+    async def read(self, items: Sequence[GetItem], outs: Sequence[Buffer]) -> list[int]:
+        """Read payloads into caller buffers. Per item: bytes written, or -1 for a miss.
+
+        A buffer may be larger than its payload; only the first bytes are written."""
+        if len(items) != len(outs):
+            raise ValueError("read: one output buffer per item")
+        views = [_view(o) for o in outs]
+        done: list[int] = [-1] * len(items)
+        batch: list[int] = []
+        budget = 0
+        for i, v in enumerate(views):
+            if batch and (budget + len(v) > self.config.max_get_bytes or len(batch) >= self.config.max_items):
+                await self._read_batch(items, views, batch, done)
+                batch, budget = [], 0
+            batch.append(i)
+            budget += len(v)
+        if batch:
+            await self._read_batch(items, views, batch, done)
+        return done
+
+    async def _read_batch(self, items: Sequence[GetItem], views: list[memoryview], batch: list[int],
+                          done: list[int]) -> None:
+        header = {"ns": self.namespace.id, "items": [items[i].to_wire() for i in batch]}
+        try:
+            await self._ensure_namespace()
+            body = _FramePayload([encode_header(header)])
+            async with self._http().post("/v1/get", data=body) as resp:
+                if resp.status != 200:
+                    raw = await resp.read()
+                    raise StoreUnavailable(f"/v1/get answered {resp.status}: {raw[:300].decode(errors='replace')}")
+                reader = FrameReader(resp.content)
+                answer, _ = await reader.read_header(64 << 20)
+                raw_items = answer.get("items")
+                if not isinstance(raw_items, list) or len(raw_items) != len(batch):
+                    raise StoreUnavailable("/v1/get: answer lists a different number of items")
+                results = [GetResult.from_wire(x) for x in raw_items]
+                for i, r in zip(batch, results):
+                    if r.status != STATUS_OK:
+                        continue
+                    view = views[i]
+                    if r.size > len(view):
+                        await reader.skip(r.size)
+                        self._fail("read", StoreUnavailable(f"payload of {r.size} bytes exceeds its {len(view)}-byte buffer"))
+                        continue
+                    dest = view[: r.size]
+                    await reader.readinto([dest])
+                    if self.config.verify_checksums and xxhash.xxh3_64_intdigest(dest) != r.checksum:
+                        self.failures["checksum"] += 1
+                        self._fail("read", StoreUnavailable("payload checksum mismatch after transfer"))
+                        continue
+                    done[i] = r.size
+        except (StoreUnavailable, aiohttp.ClientError, asyncio.TimeoutError, asyncio.IncompleteReadError,
+                OSError, WireError) as err:
+            # Anything partially written in this batch is not reported as read.
+            for i in batch:
+                done[i] = -1
+            self._fail("read", err)
+
+    # ------------------------------------------------------------ write
+
+    async def offer(self, items: Sequence[ItemSpec]) -> list[ItemResult]:
+        """want / have / rejected per item; a store failure answers 'rejected' for all."""
+        out: list[ItemResult] = []
+        for s in range(0, len(items), self.config.max_items):
+            chunk = items[s : s + self.config.max_items]
+            try:
+                answer = await self._call("/v1/offer", {"ns": self.namespace.id, "items": [i.to_wire() for i in chunk]})
+                out.extend(_results(answer, len(chunk)))
+            except (StoreUnavailable, WireError) as err:
+                self._fail("offer", err)
+                out.extend(ItemResult("rejected", "store unavailable") for _ in chunk)
+        return out
+
+    async def put(self, items: Sequence[tuple[ItemSpec, Buffer]], commit: bool = True) -> list[ItemResult]:
+        """Send payloads (checksummed here) and commit them. Failures drop the save."""
+        out: list[ItemResult] = []
+        for s in range(0, len(items), self.config.max_items):
+            chunk = items[s : s + self.config.max_items]
+            views = [_view(buf) for _, buf in chunk]
+            specs = [with_payload(spec, v) for (spec, _), v in zip(chunk, views)]
+            try:
+                answer = await self._call("/v1/put", {"ns": self.namespace.id, "commit": commit,
+                                                      "items": [x.to_wire() for x in specs]}, views)
+                out.extend(_results(answer, len(chunk)))
+            except (StoreUnavailable, WireError) as err:
+                self._fail("put", err)
+                out.extend(ItemResult("dropped", "store unavailable") for _ in chunk)
+        return out
+
+    async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
+                   snapshots: Mapping[int, Buffer] | None = None, start: int = 0) -> SaveResult:
+        """Offer KV [start, kv_upto) and snapshots, then put what the store wants.
+
+        ``kv_payload(a, b)`` returns the store-layout payload of tokens [a, b)
+        (layer-major, see KVLayout); it is only called for wanted items.
+        ``snapshots`` maps boundaries t <= kv_upto to state payloads."""
+        kv = prompt.kv_items(kv_upto, start - start % prompt.block_tokens)
+        specs = [spec for spec, _, _ in kv]
+        for t in sorted(snapshots or {}):
+            specs.append(prompt.state_item(t, kv_upto))
+        decisions = await self.offer(specs)
+        wanted: list[tuple[ItemSpec, Buffer]] = []
+        for n, (spec, d) in enumerate(zip(specs, decisions)):
+            if d.status != WANT:
+                continue
+            if n < len(kv):
+                _, a, b = kv[n]
+                wanted.append((spec, kv_payload(a, b)))
+            else:
+                wanted.append((spec, (snapshots or {})[spec.boundary]))
+        results = await self.put(wanted) if wanted else []
+        stored = sum(r.status == STATUS_OK for r in results)
+        dropped = sum(r.status == "dropped" for r in results) + sum(d.reason == "store unavailable" for d in decisions)
+        have = sum(d.status == HAVE for d in decisions) + sum(r.status == STATUS_HAVE for r in results)
+        rejected = len(specs) - stored - have - dropped
+        return SaveResult(stored=stored, already=have, rejected=rejected, dropped=dropped,
+                          results=[(w.kind, r) for (w, _), r in zip(wanted, results)])
+
+
+def _results(answer: dict[str, object], n: int) -> list[ItemResult]:
+    raw = answer.get("results")
+    if not isinstance(raw, list) or len(raw) != n:
+        raise WireError("results", f"expected {n} results")
+    return [ItemResult.from_wire(r) for r in raw]
+
+
+__all__ = ["Buffer", "Kind", "PrefixClient"]

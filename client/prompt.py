@@ -1,0 +1,115 @@
+"""A prompt as the store sees it: packed tokens and the block hash chain, computed once.
+
+Builds the items an engine offers and puts (blocks, tails, snapshots) with
+the right parents, containers and keys, so engine code never assembles keys
+by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from ..protocol.hashing import TOKEN_BYTES, BlockHash, chain_from, chain_hash, pack_tokens, root_hash
+from ..protocol.keys import Kind, make_entry_key
+from ..protocol.namespace import Namespace
+from ..protocol.wire import ItemSpec
+
+
+class Prompt:
+    def __init__(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray | bytes,
+                 extra_keys: Sequence[bytes] | None = None) -> None:
+        self.namespace = namespace
+        self.packed = pack_tokens(tokens)
+        self.extra_keys = list(extra_keys or ())
+        self.root = root_hash(namespace)
+        self.hashes: list[BlockHash] = chain_from(self.root, self.packed, namespace.block_tokens, self.extra_keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.packed) // TOKEN_BYTES
+
+    @property
+    def block_tokens(self) -> int:
+        return self.namespace.block_tokens
+
+    def _extra(self, j: int) -> bytes:
+        return self.extra_keys[j] if j < len(self.extra_keys) else b""
+
+    def parent_of_block(self, j: int) -> BlockHash:
+        """Parent hash of 0-based block j (h_j in DESIGN's 1-based notation)."""
+        return self.root if j == 0 else self.hashes[j - 1]
+
+    def tokens(self, start: int, end: int) -> bytes:
+        return self.packed[start * TOKEN_BYTES : end * TOKEN_BYTES]
+
+    def prefix_hash(self, t: int) -> BlockHash:
+        """p(t)."""
+        B = self.block_tokens
+        j = t // B
+        if t % B == 0:
+            return self.parent_of_block(j)
+        return chain_hash(self.parent_of_block(j), self.tokens(j * B, t), self._extra(j))
+
+    # ------------------------------------------------------------ keys
+
+    def block_key(self, j: int) -> bytes:
+        return make_entry_key(Kind.BLOCK, self.hashes[j])
+
+    def kv_key_ending_at(self, t: int) -> bytes:
+        """Key of the block (t on a block boundary) or tail that ends at token t."""
+        B = self.block_tokens
+        if t % B == 0:
+            return self.block_key(t // B - 1)
+        return make_entry_key(Kind.TAIL, self.prefix_hash(t))
+
+    def container_key(self, t: int, kv_upto: int) -> bytes:
+        """The entry a snapshot at t registers in, given KV stored for [0, kv_upto).
+
+        The full block whose range (start, end] holds t if that block is
+        stored, else the tail ending at kv_upto (which then lies in t's block)."""
+        B = self.block_tokens
+        if not 0 < t <= kv_upto:
+            raise ValueError(f"snapshot boundary {t} needs KV of [0, {t}); only [0, {kv_upto}) is stored")
+        block_end = -(-t // B) * B
+        if block_end <= kv_upto:
+            return self.block_key(block_end // B - 1)
+        return self.kv_key_ending_at(kv_upto)
+
+    # ------------------------------------------------------------ items
+
+    def kv_items(self, kv_upto: int, start: int = 0) -> list[tuple[ItemSpec, int, int]]:
+        """Items (without payload facts) covering KV [start, kv_upto): full blocks, then a tail.
+
+        Returns (spec, token_start, token_end); ``start`` must be block-aligned."""
+        B = self.block_tokens
+        if start % B:
+            raise ValueError(f"start {start} is not a multiple of the block size {B}")
+        kv_upto = min(kv_upto, self.num_tokens)
+        token_bytes = self.namespace.kv.token_bytes
+        out: list[tuple[ItemSpec, int, int]] = []
+        for j in range(start // B, kv_upto // B):
+            s = j * B
+            out.append((ItemSpec(kind=Kind.BLOCK, hash=self.hashes[j], size=B * token_bytes,
+                                 parent=self.parent_of_block(j), tokens=self.tokens(s, s + B),
+                                 extra=self._extra(j)), s, s + B))
+        if kv_upto % B and kv_upto > start:
+            s = kv_upto // B * B
+            out.append((ItemSpec(kind=Kind.TAIL, hash=self.prefix_hash(kv_upto), size=(kv_upto - s) * token_bytes,
+                                 parent=self.parent_of_block(s // B), tokens=self.tokens(s, kv_upto),
+                                 extra=self._extra(s // B)), s, kv_upto))
+        return out
+
+    def state_item(self, t: int, kv_upto: int) -> ItemSpec:
+        return ItemSpec(kind=Kind.STATE, hash=self.prefix_hash(t), size=self.namespace.state.snapshot_bytes,
+                        container=self.container_key(t, kv_upto), boundary=t)
+
+
+def with_payload(spec: ItemSpec, payload: bytes | memoryview | bytearray) -> ItemSpec:
+    """The spec with its size and checksum taken from the payload it will carry."""
+    view = memoryview(payload).cast("B")
+    return ItemSpec(kind=spec.kind, hash=spec.hash, size=len(view), parent=spec.parent, tokens=spec.tokens,
+                    extra=spec.extra, container=spec.container, boundary=spec.boundary,
+                    checksum=xxhash.xxh3_64_intdigest(view))

@@ -1,0 +1,66 @@
+"""Typed results of client operations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..protocol.keys import Kind
+from ..protocol.wire import EntryRef, GetItem, ItemResult
+from .prompt import Prompt
+
+
+@dataclass(frozen=True, kw_only=True)
+class LookupResult:
+    """How much of a prompt the store can give back, and the keys to read it.
+
+    ``ok`` is False when the store could not be asked (error, timeout): the
+    result is then a miss, never an exception.
+    """
+
+    prompt: Prompt
+    kv_tokens: int = 0
+    state_tokens: int = 0
+    checkpoint_hint: int = 0
+    matched_blocks: int = 0
+    child: EntryRef | None = None
+    snapshot: EntryRef | None = None
+    lease_id: bytes | None = None
+    ok: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt.num_tokens
+
+    def kv_reads(self, upto: int, layer_start: int = 0, layer_end: int | None = None
+                 ) -> list[tuple[GetItem, int, int]]:
+        """Reads that cover KV [0, upto): (item, token_start, token_end) per entry.
+
+        The last one may be a stored child of which only a prefix is used: its
+        payload holds ``child.num_tokens`` tokens, the first ``token_end -
+        token_start`` of which are this prompt's."""
+        if upto > self.kv_tokens:
+            raise ValueError(f"upto={upto} exceeds the reusable kv_tokens={self.kv_tokens}")
+        B = self.prompt.block_tokens
+        full = min(upto // B, self.matched_blocks)
+        reads = [(GetItem(key=self.prompt.block_key(j), layer_start=layer_start, layer_end=layer_end), j * B, (j + 1) * B)
+                 for j in range(full)]
+        if upto > full * B:
+            assert self.child is not None, "kv_tokens beyond the matched blocks implies a child"
+            reads.append((GetItem(key=self.child.key, layer_start=layer_start, layer_end=layer_end), full * B, upto))
+        return reads
+
+    def state_read(self) -> GetItem | None:
+        if self.snapshot is None:
+            return None
+        return GetItem(key=self.snapshot.key)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveResult:
+    """What a save did, per item offered."""
+
+    stored: int = 0
+    already: int = 0
+    rejected: int = 0
+    dropped: int = 0  # store failure: nothing was saved for these
+    results: list[tuple[Kind, ItemResult]] = field(default_factory=list)

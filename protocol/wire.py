@@ -1,0 +1,422 @@
+"""Wire format: a versioned frame of one msgpack header plus raw payloads.
+
+::
+
+    0      3   4            8              8+H
+    | "PSF" | v | header_len | header (msgpack map) | payload 0 | payload 1 | ...
+              u8  u32 LE                             sizes are listed in the header
+
+Headers are msgpack maps with string keys; hashes and token ids travel as
+``bin`` (16-byte hashes concatenated; tokens as little-endian uint32), which
+msgpack copies without per-element work. Payloads follow the header raw, in
+the order the header lists them, so neither side copies them to parse. Never
+pickle. Every ``from_header`` validates types and bounds and raises
+:class:`WireError` naming the field, which the server answers with a 4xx.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import msgpack
+
+from .hashing import HASH_BYTES, TOKEN_BYTES, BlockHash
+from .keys import ENTRY_KEY_BYTES, Kind
+from .namespace import NAMESPACE_ID_BYTES
+
+MAGIC: Final = b"PSF"
+WIRE_VERSION: Final = 1
+PREFIX = struct.Struct("<3sBI")
+PREFIX_BYTES: Final = PREFIX.size
+CONTENT_TYPE: Final = "application/x-prefixstore-frame"
+
+
+class WireError(ValueError):
+    """Malformed input. ``field`` names what is wrong; ``status`` is the HTTP code to answer."""
+
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+        self.status = status
+
+
+# ---------------------------------------------------------------- framing
+
+
+def encode_header(header: dict[str, object]) -> bytes:
+    body = msgpack.packb(header, use_bin_type=True)
+    return PREFIX.pack(MAGIC, WIRE_VERSION, len(body)) + body
+
+
+def encode_frame(header: dict[str, object], payloads: Sequence[bytes | memoryview] = ()) -> bytes:
+    """Whole frame in one buffer (control messages and tests; bulk paths stream)."""
+    return b"".join([encode_header(header), *payloads])
+
+
+def parse_prefix(prefix: bytes, max_header_bytes: int) -> int:
+    """Validate the 8-byte prefix and return the header length."""
+    if len(prefix) < PREFIX_BYTES:
+        raise WireError("frame", f"truncated: {len(prefix)} bytes, the prefix alone is {PREFIX_BYTES}")
+    magic, version, header_len = PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise WireError("frame", f"bad magic {magic!r}: not a prefixstore frame (expected {MAGIC!r})")
+    if version != WIRE_VERSION:
+        raise WireError("frame.version", f"wire version {version} is not supported (this server speaks {WIRE_VERSION})")
+    if header_len > max_header_bytes:
+        raise WireError("frame.header_len", f"{header_len} bytes exceeds the limit of {max_header_bytes}", 413)
+    return int(header_len)
+
+
+def decode_header(raw: bytes | memoryview) -> dict[str, object]:
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=len(raw), max_str_len=len(raw))
+    except Exception as err:  # msgpack raises several unrelated types on garbage
+        raise WireError("frame.header", f"not valid msgpack ({type(err).__name__})") from err
+    if not isinstance(header, dict):
+        raise WireError("frame.header", f"expected a map, got {type(header).__name__}")
+    return header
+
+
+def decode_frame(body: bytes, max_header_bytes: int = 1 << 26) -> tuple[dict[str, object], memoryview]:
+    """Split a whole frame into header and the payload bytes that follow it."""
+    header_len = parse_prefix(body[:PREFIX_BYTES], max_header_bytes)
+    end = PREFIX_BYTES + header_len
+    if len(body) < end:
+        raise WireError("frame.header_len", f"says {header_len} bytes but only {len(body) - PREFIX_BYTES} follow")
+    return decode_header(memoryview(body)[PREFIX_BYTES:end]), memoryview(body)[end:]
+
+
+# ---------------------------------------------------------------- field readers
+
+
+def _get(h: dict[str, object], name: str, ctx: str) -> object:
+    if name not in h:
+        raise WireError(f"{ctx}{name}", "missing")
+    return h[name]
+
+
+def req_int(h: dict[str, object], name: str, ctx: str = "", lo: int = 0, hi: int = 1 << 62) -> int:
+    v = _get(h, name, ctx)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise WireError(f"{ctx}{name}", f"expected an integer, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise WireError(f"{ctx}{name}", f"{v} is outside [{lo}, {hi}]")
+    return v
+
+
+def req_bool(h: dict[str, object], name: str, ctx: str = "", default: bool | None = None) -> bool:
+    if name not in h and default is not None:
+        return default
+    v = _get(h, name, ctx)
+    if not isinstance(v, bool):
+        raise WireError(f"{ctx}{name}", f"expected a boolean, got {type(v).__name__}")
+    return v
+
+
+def req_bin(h: dict[str, object], name: str, ctx: str = "", size: int | None = None, multiple: int = 1) -> bytes:
+    v = _get(h, name, ctx)
+    if not isinstance(v, bytes):
+        raise WireError(f"{ctx}{name}", f"expected binary, got {type(v).__name__}")
+    if size is not None and len(v) != size:
+        raise WireError(f"{ctx}{name}", f"expected {size} bytes, got {len(v)}")
+    if len(v) % multiple:
+        raise WireError(f"{ctx}{name}", f"length {len(v)} is not a multiple of {multiple}")
+    return v
+
+
+def opt_bin(h: dict[str, object], name: str, ctx: str = "", size: int | None = None) -> bytes | None:
+    if h.get(name) is None:
+        return None
+    return req_bin(h, name, ctx, size)
+
+
+def req_list(h: dict[str, object], name: str, ctx: str, max_len: int) -> list[object]:
+    v = _get(h, name, ctx)
+    if not isinstance(v, list):
+        raise WireError(f"{ctx}{name}", f"expected a list, got {type(v).__name__}")
+    if len(v) > max_len:
+        raise WireError(f"{ctx}{name}", f"{len(v)} items exceeds the limit of {max_len}", 413)
+    return v
+
+
+def req_map(v: object, ctx: str) -> dict[str, object]:
+    if not isinstance(v, dict):
+        raise WireError(ctx, f"expected a map, got {type(v).__name__}")
+    return v
+
+
+def req_kind(h: dict[str, object], name: str, ctx: str) -> Kind:
+    v = req_int(h, name, ctx, 1, 3)
+    return Kind(v)
+
+
+def split_hashes(packed: bytes) -> list[BlockHash]:
+    return [BlockHash(packed[i : i + HASH_BYTES]) for i in range(0, len(packed), HASH_BYTES)]
+
+
+# ---------------------------------------------------------------- limits
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Bounds on every request, so a malformed or hostile one costs little."""
+
+    max_header_bytes: int = 8 << 20
+    max_items: int = 4096
+    max_lookup_blocks: int = 1 << 17
+    max_lookup_tokens: int = 1 << 21
+    max_body_bytes: int = 1 << 30
+
+
+# ---------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LookupRequest:
+    """The full-block hashes of a prompt plus its tokens (see docs/design.md:
+    the store uses the tokens only to finish a match inside one block and to
+    count the junction it sights; full blocks are matched by hash)."""
+
+    namespace_id: bytes
+    hashes: bytes  # n x 16 bytes, h_1 .. h_n
+    tokens: bytes  # packed uint32, the whole prompt
+    lease: bool = True
+    locations: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes) // HASH_BYTES
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+    def to_header(self) -> dict[str, object]:
+        return {"ns": self.namespace_id, "hashes": self.hashes, "tokens": self.tokens,
+                "lease": self.lease, "locations": self.locations}
+
+    @classmethod
+    def from_header(cls, h: dict[str, object], limits: Limits, block_tokens_of: Callable[[bytes], int]) -> LookupRequest:
+        ns = req_bin(h, "ns", size=NAMESPACE_ID_BYTES)
+        hashes = req_bin(h, "hashes", multiple=HASH_BYTES)
+        tokens = req_bin(h, "tokens", multiple=TOKEN_BYTES)
+        num_blocks, num_tokens = len(hashes) // HASH_BYTES, len(tokens) // TOKEN_BYTES
+        if num_blocks > limits.max_lookup_blocks:
+            raise WireError("hashes", f"{num_blocks} blocks exceeds the limit of {limits.max_lookup_blocks}", 413)
+        if num_tokens > limits.max_lookup_tokens:
+            raise WireError("tokens", f"{num_tokens} tokens exceeds the limit of {limits.max_lookup_tokens}", 413)
+        B = block_tokens_of(ns)
+        if num_blocks != num_tokens // B:
+            raise WireError("hashes", f"{num_blocks} hashes for {num_tokens} tokens; expected {num_tokens // B} at block size {B}")
+        return cls(namespace_id=ns, hashes=hashes, tokens=tokens,
+                   lease=req_bool(h, "lease", default=True), locations=req_bool(h, "locations", default=False))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EntryRef:
+    """Where one payload of a lookup answer lives."""
+
+    key: bytes  # 17-byte entry key
+    num_tokens: int  # tokens the entry covers (0 for a snapshot)
+    usable_tokens: int  # tokens of it that agree with the prompt (KV), or the boundary (state)
+    size: int
+    tier: str
+
+    def to_wire(self) -> list[object]:
+        return [self.key, self.num_tokens, self.usable_tokens, self.size, self.tier]
+
+    @classmethod
+    def from_wire(cls, raw: object) -> EntryRef:
+        if not isinstance(raw, list) or len(raw) != 5:
+            raise WireError("entry", "expected [key, num_tokens, usable_tokens, size, tier]")
+        key, num_tokens, usable, size, tier = raw
+        if not isinstance(key, bytes) or len(key) != ENTRY_KEY_BYTES:
+            raise WireError("entry.key", f"expected {ENTRY_KEY_BYTES} bytes")
+        return cls(key=key, num_tokens=int(num_tokens), usable_tokens=int(usable), size=int(size), tier=str(tier))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LookupAnswer:
+    """The store's answer: the longest token-exact match and where its bytes are.
+
+    ``matched_blocks`` full blocks of the prompt (h_1..h_m) are stored; ``child``
+    is the stored block or tail under h_m that extends the match furthest
+    (``usable_tokens`` of it agree with the prompt); ``snapshot`` is the state
+    at ``state_tokens``. ``checkpoint_hint`` is the junction the engine should
+    snapshot (0 when none).
+    """
+
+    num_tokens: int
+    matched_blocks: int
+    kv_tokens: int
+    state_tokens: int
+    checkpoint_hint: int
+    block_bytes: int
+    child: EntryRef | None = None
+    snapshot: EntryRef | None = None
+    lease_id: bytes | None = None
+    lease_ttl_s: float = 0.0
+    block_tiers: bytes | None = None  # one byte per matched block: 0 ram, 1 disk
+
+    def to_header(self) -> dict[str, object]:
+        return {
+            "num_tokens": self.num_tokens, "matched_blocks": self.matched_blocks,
+            "kv_tokens": self.kv_tokens, "state_tokens": self.state_tokens,
+            "checkpoint_hint": self.checkpoint_hint, "block_bytes": self.block_bytes,
+            "child": self.child.to_wire() if self.child else None,
+            "snapshot": self.snapshot.to_wire() if self.snapshot else None,
+            "lease": self.lease_id, "lease_ttl_s": self.lease_ttl_s, "block_tiers": self.block_tiers,
+        }
+
+    @classmethod
+    def from_header(cls, h: dict[str, object]) -> LookupAnswer:
+        child, snap = h.get("child"), h.get("snapshot")
+        ttl = h.get("lease_ttl_s", 0.0)
+        return cls(
+            num_tokens=req_int(h, "num_tokens"), matched_blocks=req_int(h, "matched_blocks"),
+            kv_tokens=req_int(h, "kv_tokens"), state_tokens=req_int(h, "state_tokens"),
+            checkpoint_hint=req_int(h, "checkpoint_hint"), block_bytes=req_int(h, "block_bytes"),
+            child=EntryRef.from_wire(child) if child is not None else None,
+            snapshot=EntryRef.from_wire(snap) if snap is not None else None,
+            lease_id=opt_bin(h, "lease"), lease_ttl_s=float(ttl) if isinstance(ttl, (int, float)) else 0.0,
+            block_tiers=opt_bin(h, "block_tiers"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ItemSpec:
+    """One entry offered or put.
+
+    BLOCK / TAIL: ``parent`` is h_{j} of the block before it (or h_0, the
+    root), ``tokens`` its token ids, ``extra`` its extra keys; the store
+    recomputes ``hash`` from them and rejects a mismatch.
+    STATE: ``container`` is the entry key of the block or tail whose token
+    range (start, end] holds ``boundary``; the store recomputes p(boundary).
+    """
+
+    kind: Kind
+    hash: BlockHash
+    size: int
+    parent: BlockHash | None = None
+    tokens: bytes = b""
+    extra: bytes = b""
+    container: bytes | None = None
+    boundary: int = 0
+    checksum: int | None = None  # xxh3-64 of the payload; required in a put
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+    def to_wire(self) -> dict[str, object]:
+        d: dict[str, object] = {"kind": int(self.kind), "hash": self.hash, "size": self.size}
+        if self.kind is Kind.STATE:
+            d["container"] = self.container
+            d["boundary"] = self.boundary
+        else:
+            d["parent"] = self.parent
+            d["tokens"] = self.tokens
+            if self.extra:
+                d["extra"] = self.extra
+        if self.checksum is not None:
+            d["checksum"] = self.checksum
+        return d
+
+    @classmethod
+    def from_wire(cls, raw: object, ctx: str, max_size: int) -> ItemSpec:
+        h = req_map(raw, ctx.rstrip("."))
+        kind = req_kind(h, "kind", ctx)
+        digest = BlockHash(req_bin(h, "hash", ctx, size=HASH_BYTES))
+        size = req_int(h, "size", ctx, 1, max_size)
+        checksum = req_int(h, "checksum", ctx, 0, (1 << 64) - 1) if "checksum" in h else None
+        if kind is Kind.STATE:
+            container = req_bin(h, "container", ctx, size=ENTRY_KEY_BYTES)
+            if container[0] not in (Kind.BLOCK, Kind.TAIL):
+                raise WireError(f"{ctx}container", "must name a block or a tail")
+            return cls(kind=kind, hash=digest, size=size, container=container,
+                       boundary=req_int(h, "boundary", ctx, 1), checksum=checksum)
+        parent = BlockHash(req_bin(h, "parent", ctx, size=HASH_BYTES))
+        tokens = req_bin(h, "tokens", ctx, multiple=TOKEN_BYTES)
+        if not tokens:
+            raise WireError(f"{ctx}tokens", "a block or tail holds at least one token")
+        extra = req_bin(h, "extra", ctx) if "extra" in h else b""
+        return cls(kind=kind, hash=digest, size=size, parent=parent, tokens=tokens, extra=extra, checksum=checksum)
+
+
+def parse_items(h: dict[str, object], limits: Limits, name: str = "items") -> list[ItemSpec]:
+    raw = req_list(h, name, "", limits.max_items)
+    return [ItemSpec.from_wire(item, f"{name}[{i}].", limits.max_body_bytes) for i, item in enumerate(raw)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GetItem:
+    """One payload to read: an entry, optionally only layers [layer_start, layer_end)."""
+
+    key: bytes
+    layer_start: int = 0
+    layer_end: int | None = None
+
+    def to_wire(self) -> list[object]:
+        return [self.key, self.layer_start, self.layer_end]
+
+    @classmethod
+    def from_wire(cls, raw: object, ctx: str) -> GetItem:
+        if not isinstance(raw, list) or len(raw) != 3:
+            raise WireError(ctx, "expected [key, layer_start, layer_end]")
+        key, lo, hi = raw
+        if not isinstance(key, bytes) or len(key) != ENTRY_KEY_BYTES or key[0] not in (1, 2, 3):
+            raise WireError(f"{ctx}.key", f"expected a {ENTRY_KEY_BYTES}-byte entry key")
+        if not isinstance(lo, int) or isinstance(lo, bool) or lo < 0:
+            raise WireError(f"{ctx}.layer_start", "expected a non-negative integer")
+        if hi is not None and (not isinstance(hi, int) or isinstance(hi, bool) or hi <= lo):
+            raise WireError(f"{ctx}.layer_end", "expected null or an integer above layer_start")
+        return cls(key=key, layer_start=lo, layer_end=hi)
+
+
+#: Per-item status in put, commit and get answers.
+STATUS_OK: Final = "ok"
+STATUS_HAVE: Final = "have"
+STATUS_PENDING: Final = "pending"
+STATUS_REJECTED: Final = "rejected"
+STATUS_MISSING: Final = "missing"
+STATUS_CORRUPT: Final = "corrupt"
+
+#: Offer decisions.
+WANT: Final = "want"
+HAVE: Final = "have"
+REJECTED: Final = "rejected"
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    status: str
+    reason: str = ""
+
+    def to_wire(self) -> list[str]:
+        return [self.status, self.reason]
+
+    @classmethod
+    def from_wire(cls, raw: object) -> ItemResult:
+        if not isinstance(raw, list) or len(raw) != 2:
+            raise WireError("results", "expected [status, reason]")
+        return cls(str(raw[0]), str(raw[1]))
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    status: str
+    size: int = 0
+    checksum: int = 0
+
+    def to_wire(self) -> list[object]:
+        return [self.status, self.size, self.checksum]
+
+    @classmethod
+    def from_wire(cls, raw: object) -> GetResult:
+        if not isinstance(raw, list) or len(raw) != 3:
+            raise WireError("items", "expected [status, size, checksum]")
+        return cls(str(raw[0]), int(raw[1]), int(raw[2]))

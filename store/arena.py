@@ -1,0 +1,92 @@
+"""The RAM arena: one preallocated region split into fixed-size pages.
+
+One region means one NIXL registration and no fragmentation outside a page;
+the byte budget is a hard cap because nothing else ever allocates payload
+memory. An entry is a list of page indices; its bytes are the concatenation
+of those pages, truncated to the entry's size::
+
+    region: | p0 | p1 | p2 | p3 | ... | p(N-1) |
+    entry A = [p3, p4, p1]  (size <= 3 * page_bytes)
+
+Allocation takes the lowest free indices first (a heap), so a quiet arena
+hands out contiguous runs and reads coalesce them into single slices.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import xxhash
+
+
+class ArenaFull(Exception):
+    """Not enough free pages; the caller evicts or rejects."""
+
+
+class Arena:
+    def __init__(self, total_bytes: int, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+        self.num_pages = total_bytes // page_bytes
+        # np.zeros maps fresh anonymous memory: untouched pages cost nothing.
+        self.region = np.zeros(self.num_pages * page_bytes, dtype=np.uint8)
+        self.view = memoryview(self.region).cast("B")
+        self._free: list[int] = list(range(self.num_pages))  # a heap
+        self._num_free = self.num_pages
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def pages_for(self, size: int) -> int:
+        return max(1, -(-size // self.page_bytes))
+
+    def allocate(self, size: int) -> list[int]:
+        n = self.pages_for(size)
+        if n > self._num_free:
+            raise ArenaFull(f"{n} pages wanted, {self._num_free} free")
+        pages = [heapq.heappop(self._free) for _ in range(n)]
+        self._num_free -= n
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            heapq.heappush(self._free, p)
+        self._num_free += len(pages)
+
+    def runs(self, pages: Sequence[int], offset: int, length: int) -> Iterator[memoryview]:
+        """Memoryviews covering bytes [offset, offset+length) of an entry, consecutive pages merged."""
+        pb = self.page_bytes
+        end = offset + length
+        first, last = offset // pb, (end - 1) // pb if length else offset // pb - 1
+        i = first
+        while i <= last:
+            j = i
+            while j < last and pages[j + 1] == pages[j] + 1:
+                j += 1
+            lo = max(offset, i * pb) - i * pb
+            hi = min(end, (j + 1) * pb) - i * pb
+            base = pages[i] * pb
+            yield self.view[base + lo : base + hi]
+            i = j + 1
+
+    def write(self, pages: Sequence[int], offset: int, data: bytes | memoryview) -> None:
+        pos = 0
+        for run in self.runs(pages, offset, len(data)):
+            n = len(run)
+            run[:] = data[pos : pos + n]
+            pos += n
+
+    def read(self, pages: Sequence[int], size: int) -> bytes:
+        return b"".join(bytes(r) for r in self.runs(pages, 0, size))
+
+    def checksum(self, pages: Sequence[int], offset: int, length: int) -> int:
+        h = xxhash.xxh3_64()
+        for run in self.runs(pages, offset, length):
+            h.update(run)
+        return h.intdigest()

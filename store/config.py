@@ -1,0 +1,186 @@
+"""The store's one configuration tree.
+
+Every knob is a field of :class:`StoreConfig`, documented where it is declared;
+that text is what ``prefixstore serve --help`` prints. CLI flags
+(``--ram-bytes``), environment variables (``PREFIXSTORE_RAM_BYTES``) and a
+TOML config file (``ram_bytes = "1GiB"``) all map onto these fields, with the
+precedence flag > environment > file > default. A bad value fails at start-up
+naming the knob; nothing silently falls back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "PREFIXSTORE_"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1 << 10, "KI": 1 << 10,
+          "M": 1000**2, "MB": 1000**2, "MIB": 1 << 20, "MI": 1 << 20,
+          "G": 1000**3, "GB": 1000**3, "GIB": 1 << 30, "GI": 1 << 30,
+          "T": 1000**4, "TB": 1000**4, "TIB": 1 << 40, "TI": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the knob."""
+
+
+def parse_size(text: str | int, knob: str) -> int:
+    """'4GiB', '512MiB', '1.5GB', '65536' -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ConfigError(f"{knob}: {text!r} is not a size (examples: 65536, 64KiB, 4GiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def default_data_dir() -> Path:
+    """A per-user data directory: $XDG_DATA_HOME/prefixstore or ~/.local/share/prefixstore."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "prefixstore"
+
+
+def _doc(text: str, kind: str = "") -> dict[str, str]:
+    return {"help": text, "kind": kind}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    host: str = field(default="127.0.0.1", metadata=_doc(
+        "Address to listen on. The default serves this machine only; use 0.0.0.0 in a cluster."))
+    port: int = field(default=8077, metadata=_doc("TCP port of the HTTP plane (0: pick a free port)."))
+    ram_bytes: int = field(default=256 << 20, metadata=_doc(
+        "Hard byte budget of the RAM arena (preallocated at start). Accepts units: 256MiB, 4GiB.", "size"))
+    page_bytes: int = field(default=64 << 10, metadata=_doc(
+        "Size of one arena page; an entry occupies ceil(size / page_bytes) pages.", "size"))
+    data_dir: str = field(default="", metadata=_doc(
+        "Directory of the LMDB capacity tier. Empty: a per-user data directory "
+        "($XDG_DATA_HOME/prefixstore). 'none': RAM only, nothing survives a restart."))
+    disk_bytes: int = field(default=4 << 30, metadata=_doc(
+        "Byte budget of payloads in the LMDB tier; beyond it the least valuable entries are deleted.", "size"))
+    lmdb_sync: bool = field(default=False, metadata=_doc(
+        "fsync every LMDB commit. Off, a killed process loses nothing (the OS holds the pages); "
+        "on, a power loss loses nothing either, at a large write cost."))
+    lease_ttl_s: float = field(default=30.0, metadata=_doc(
+        "Lifetime of a lookup's lease: leased entries are not evicted until it expires or is released. "
+        "Lookups never renew leases."))
+    pending_ttl_s: float = field(default=60.0, metadata=_doc(
+        "How long a put that was not committed keeps its pages before they are reclaimed."))
+    admission: str = field(default="always", metadata=_doc(
+        "Admission policy for offered entries (see admission/)."))
+    eviction: str = field(default="lru", metadata=_doc(
+        "Eviction priority policy for both tiers (see admission/)."))
+    max_body_bytes: int = field(default=1 << 30, metadata=_doc(
+        "Largest request body accepted (put); larger ones get 413.", "size"))
+    max_header_bytes: int = field(default=8 << 20, metadata=_doc(
+        "Largest msgpack header of one frame; a lookup of N tokens at block B needs about 4N + 16N/B bytes.", "size"))
+    max_items: int = field(default=4096, metadata=_doc(
+        "Most items (entries) in one offer, put, commit or get request."))
+    max_lookup_tokens: int = field(default=1 << 21, metadata=_doc(
+        "Most prompt tokens in one lookup."))
+    max_get_bytes: int = field(default=1 << 30, metadata=_doc(
+        "Most payload bytes one get may return; ask in several batches beyond it.", "size"))
+    max_child_scan: int = field(default=1024, metadata=_doc(
+        "Most stored children of one block a lookup compares token by token (most recent first)."))
+    log_level: str = field(default="INFO", metadata=_doc("Logging level of `prefixstore serve`."))
+
+    def __post_init__(self) -> None:
+        positive = ("ram_bytes", "page_bytes", "disk_bytes", "max_body_bytes", "max_header_bytes",
+                    "max_items", "max_lookup_tokens", "max_get_bytes", "max_child_scan")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)!r}")
+        if self.ram_bytes < self.page_bytes:
+            raise ConfigError(f"ram_bytes: {self.ram_bytes} is smaller than one page (page_bytes={self.page_bytes})")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: {self.port} is not a TCP port")
+        for name in ("lease_ttl_s", "pending_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive seconds, got {getattr(self, name)!r}")
+        # Policy names are checked against the registries here, at start-up.
+        from ..admission import ADMISSION_POLICIES, EVICTION_POLICIES
+
+        if self.admission not in ADMISSION_POLICIES:
+            raise ConfigError(f"admission: unknown policy {self.admission!r}; choose one of {sorted(ADMISSION_POLICIES)}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction: unknown policy {self.eviction!r}; choose one of {sorted(EVICTION_POLICIES)}")
+
+    @property
+    def lmdb_path(self) -> Path | None:
+        if self.data_dir.lower() == "none":
+            return None
+        return Path(self.data_dir) if self.data_dir else default_data_dir()
+
+    @property
+    def num_pages(self) -> int:
+        return self.ram_bytes // self.page_bytes
+
+    @classmethod
+    def knobs(cls) -> list[dataclasses.Field[Any]]:
+        return list(fields(cls))
+
+    @classmethod
+    def from_sources(
+        cls,
+        overrides: Mapping[str, object] | None = None,
+        env: Mapping[str, str] | None = None,
+        config_file: str | Path | None = None,
+    ) -> StoreConfig:
+        """Merge default < file < environment < overrides, converting and validating each value."""
+        values: dict[str, object] = {}
+        if config_file:
+            try:
+                with open(config_file, "rb") as f:
+                    raw = tomllib.load(f)
+            except (OSError, tomllib.TOMLDecodeError) as err:
+                raise ConfigError(f"config file {config_file}: {err}") from err
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(raw) - known)
+            if unknown:
+                raise ConfigError(f"config file {config_file}: unknown knob(s) {unknown}; known: {sorted(known)}")
+            values.update(raw)
+        env = os.environ if env is None else env
+        for f in fields(cls):
+            key = ENV_PREFIX + f.name.upper()
+            if key in env:
+                values[f.name] = env[key]
+        for name, value in (overrides or {}).items():
+            if value is not None:
+                values[name] = value
+        return cls(**{name: _convert(cls, name, value) for name, value in values.items()})
+
+
+def _convert(cls: type[StoreConfig], name: str, value: object) -> object:
+    f = {f.name: f for f in fields(cls)}.get(name)
+    if f is None:
+        raise ConfigError(f"{name}: unknown knob")
+    default = f.default
+    try:
+        if f.metadata.get("kind") == "size":
+            return parse_size(value if isinstance(value, (int, str)) else str(value), name)
+        if isinstance(default, bool):
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{name}: {value!r} is not a boolean (true/false)")
+        if isinstance(default, int):
+            return int(str(value))
+        if isinstance(default, float):
+            return float(str(value))
+        return str(value)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"{name}: {value!r} is not a valid {type(default).__name__}") from err

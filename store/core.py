@@ -1,0 +1,766 @@
+"""The store: index + RAM arena + LMDB tier + leases + policies, without HTTP.
+
+``server.py`` maps requests onto these methods; tests and the simulator can
+drive them directly. Everything here runs on the event loop thread; only
+LMDB I/O runs on the tier's threads, so the index needs no locks.
+
+Entry life cycle::
+
+    offer --want--> put --> pending (pages held, invisible) --commit--> committed
+                                |  expires after pending_ttl_s        |  LMDB (write-through) + index
+                                v                                     v
+                             reclaimed                 RAM eviction: demoted (stays on disk)
+                                                       capacity: deleted, leaf-first
+
+Write-through to LMDB at commit is what makes "a restarted server serves
+every entry it had committed" true even after SIGKILL; RAM is then a hot
+subset, and evicting from RAM is a demotion that costs nothing. Without an
+LMDB tier (data_dir = none) RAM eviction deletes, leaf-first.
+
+Safety rules enforced here:
+- a pinned entry (lease or in-flight read) is never evicted or overwritten;
+  an entry removed while pinned (corruption cascade) keeps its pages until
+  the last pin drops, so a stream in progress never sends reused bytes;
+- a pending entry pins its parent / container, so they cannot be evicted
+  between put and commit;
+- every read from LMDB verifies the checksum; a mismatch deletes the entry
+  and everything that depends on it and is answered as a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgpack
+import xxhash
+
+from ..admission import make_admission, make_eviction
+from ..protocol.hashing import TOKEN_BYTES, BlockHash, chain_hash, root_hash
+from ..protocol.keys import Kind, make_entry_key
+from ..protocol.namespace import Namespace
+from ..protocol.wire import (
+    HAVE,
+    REJECTED,
+    STATUS_CORRUPT,
+    STATUS_HAVE,
+    STATUS_MISSING,
+    STATUS_OK,
+    STATUS_PENDING,
+    STATUS_REJECTED,
+    WANT,
+    EntryRef,
+    GetItem,
+    ItemResult,
+    ItemSpec,
+    Limits,
+    LookupAnswer,
+    LookupRequest,
+    WireError,
+    split_hashes,
+)
+from .arena import Arena, ArenaFull
+from .config import StoreConfig
+from .evict_queue import EvictionQueue
+from .index import Entry, Index, IndexInvariantError
+from .leases import Leases
+from .lmdb_tier import LmdbTier, ReadOutcome, StoredRecord
+from .metrics import StoreMetrics
+
+log = logging.getLogger(__name__)
+
+_COMMITTING = math.inf  # expires_s of a pending entry whose commit is in flight
+
+
+@dataclass(slots=True)
+class PutPlan:
+    """Where each payload of a put body goes: arena views, or None to skip its bytes."""
+
+    namespace_id: bytes
+    sizes: list[int]
+    targets: list[list[memoryview] | None]
+    results: list[ItemResult]
+    entries: list[Entry | None]
+
+
+@dataclass(slots=True)
+class GetSlot:
+    status: str
+    entry: Entry | None = None
+    offset: int = 0
+    length: int = 0
+    buffer: bytearray | None = None  # when the payload could not be promoted into RAM
+    checksum: int = 0
+
+
+@dataclass(slots=True)
+class GetPlan:
+    slots: list[GetSlot] = field(default_factory=list)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(s.length for s in self.slots if s.status == STATUS_OK)
+
+
+class Store:
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.limits = Limits(max_header_bytes=config.max_header_bytes, max_items=config.max_items,
+                             max_lookup_blocks=config.max_lookup_tokens, max_lookup_tokens=config.max_lookup_tokens,
+                             max_body_bytes=config.max_body_bytes)
+        self.index = Index()
+        self.arena = Arena(config.ram_bytes, config.page_bytes)
+        self.tier: LmdbTier | None = None
+        self.namespaces: dict[bytes, Namespace] = {}
+        self._roots: dict[bytes, BlockHash] = {}  # namespace id -> h_0
+        self.pending: dict[bytes, Entry] = {}
+        self.ram_queue = EvictionQueue()  # committed, in RAM and on disk: RAM drop is free
+        self.delete_queue = EvictionQueue()  # committed leaves: candidates for deletion
+        self.leases = Leases(self._unpin)
+        self.admission = make_admission(config.admission)
+        self.eviction = make_eviction(config.eviction)
+        self.metrics = StoreMetrics(self.index, self._gauges)
+        self._doomed: list[bytes] = []  # deleted from the index, still to delete from LMDB
+        self._wanted: dict[bytes, float] = {}  # offered and wanted: admitted at put without asking again
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        path = self.config.lmdb_path
+        if path is not None:
+            self.tier = LmdbTier(path, self.config.disk_bytes, sync=self.config.lmdb_sync)
+            await self._load_from_disk()
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            try:
+                await self._sweeper
+            except asyncio.CancelledError:
+                pass
+        if self.tier is not None:
+            await self._flush_deletes()
+            self.tier.close()
+            self.tier = None
+
+    async def _load_from_disk(self) -> None:
+        assert self.tier is not None
+        started = time.perf_counter()
+        namespaces, records, broken = await asyncio.to_thread(self.tier.scan)
+        for ns_id, encoded in namespaces.items():
+            try:
+                ns = Namespace.from_wire(msgpack.unpackb(encoded, raw=False))
+            except Exception:
+                log.warning("dropping an unreadable namespace record %s", ns_id.hex())
+                continue
+            self.namespaces[ns.id] = ns
+            self._roots[ns.id] = root_hash(ns)
+        # Parents before children: blocks by start, then tails, then snapshots.
+        order = {Kind.BLOCK: 0, Kind.TAIL: 1, Kind.STATE: 2}
+        records.sort(key=lambda r: (order[Kind(r.key[0])], r.start))
+        dropped = list(broken)
+        for r in records:
+            kind = Kind(r.key[0])
+            e = Entry(key=r.key, kind=kind, hash=BlockHash(r.key[1:]), namespace_id=r.namespace_id,
+                      parent=BlockHash(r.parent) if r.parent else None, start=r.start, tokens=r.tokens,
+                      extra=r.extra, container=r.container, boundary=r.boundary, size=r.size,
+                      checksum=r.checksum, on_disk=True)
+            if r.namespace_id not in self.namespaces or not self._attachable(e):
+                dropped.append(r.key)
+                continue
+            self.index.insert(e)
+        for e in self.index.entries.values():
+            if e.is_leaf:
+                self.delete_queue.update(e, self.eviction.priority(e, 0.0))
+        if dropped:
+            log.warning("dropping %d LMDB entries whose parent, container or record is gone", len(dropped))
+            self._doomed.extend(dropped)
+            await self._flush_deletes()
+        self._enforce_disk_budget(0)
+        log.info("loaded %d entries (%d bytes) from %s in %.2fs", len(self.index.entries),
+                 self.index.disk_bytes(), self.tier.path, time.perf_counter() - started)
+
+    def _attachable(self, e: Entry) -> bool:
+        if e.kind is Kind.STATE:
+            c = self.index.get(e.container or b"")
+            return c is not None and c.start < e.boundary <= c.end
+        assert e.parent is not None
+        if e.parent == self._roots.get(e.namespace_id):
+            return e.start == 0
+        p = self.index.get_block(e.parent)
+        return p is not None and p.end == e.start
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.sweep()
+                await self._flush_deletes()
+            except Exception:  # the sweeper must survive anything; it is housekeeping
+                log.exception("sweeper iteration failed")
+
+    def sweep(self) -> None:
+        """Expire leases and uncommitted puts, forget stale offers."""
+        now = self.clock()
+        self.leases.expire(now)
+        for key, e in list(self.pending.items()):
+            if e.expires_s <= now:
+                self._drop_pending(e)
+                self.metrics.evictions.labels(e.metric_kind, "expired").inc()
+        if self._wanted:
+            self._wanted = {k: t for k, t in self._wanted.items() if t > now}
+
+    async def _flush_deletes(self) -> None:
+        if self.tier is not None and self._doomed:
+            doomed, self._doomed = self._doomed, []
+            await self.tier.delete(doomed)
+
+    # ------------------------------------------------------------ namespaces
+
+    async def register_namespace(self, ns: Namespace) -> bytes:
+        ns_id = ns.id
+        if ns_id not in self.namespaces:
+            if self.tier is not None:
+                await self.tier.put_namespace(ns_id, ns.encode())
+            self.namespaces[ns_id] = ns
+            self._roots[ns_id] = root_hash(ns)
+        return ns_id
+
+    def namespace(self, ns_id: bytes) -> Namespace:
+        ns = self.namespaces.get(ns_id)
+        if ns is None:
+            raise WireError("ns", f"unknown namespace {ns_id.hex()}; register it with POST /v1/namespaces", 404)
+        return ns
+
+    def block_tokens_of(self, ns_id: bytes) -> int:
+        return self.namespace(ns_id).block_tokens
+
+    # ------------------------------------------------------------ lookup
+
+    def lookup(self, req: LookupRequest) -> LookupAnswer:
+        """Longest token-exact match (DESIGN §5). Creates a lease when asked; changes nothing else."""
+        ns = self.namespace(req.namespace_id)
+        now = self.clock()
+        self.leases.expire(now)
+        hashes = split_hashes(req.hashes)
+        m = self.index.match(req.namespace_id, self._roots[req.namespace_id], ns.block_tokens, hashes,
+                             req.tokens, self.config.max_child_scan)
+        hint = m.kv_tokens if ns.has_state and m.kv_tokens > m.state_tokens else 0
+        lease_id = None
+        if req.lease and m.kv_tokens:
+            held: list[Entry] = []
+            for e in (m.last_block, m.child, m.snapshot):
+                if e is not None and e not in held:
+                    held.append(e)
+            if m.snapshot is not None:
+                c = self.index.get(m.snapshot.container or b"")
+                if c is not None and c not in held:
+                    held.append(c)
+            lease_id = self.leases.grant(held, now, self.config.lease_ttl_s)
+        tiers = None
+        if req.locations and m.matched_blocks:
+            tiers = bytes(0 if (e := self.index.get_block(h)) is not None and e.pages is not None else 1
+                          for h in hashes[: m.matched_blocks])
+        n = req.num_tokens
+        self.metrics.lookups.inc()
+        self.metrics.lookup_tokens.labels("kv", "hit").inc(m.kv_tokens)
+        self.metrics.lookup_tokens.labels("kv", "miss").inc(n - m.kv_tokens)
+        if ns.has_state:
+            self.metrics.lookup_tokens.labels("state", "hit").inc(m.state_tokens)
+            self.metrics.lookup_tokens.labels("state", "miss").inc(n - m.state_tokens)
+        return LookupAnswer(
+            num_tokens=n, matched_blocks=m.matched_blocks, kv_tokens=m.kv_tokens, state_tokens=m.state_tokens,
+            checkpoint_hint=hint, block_bytes=ns.block_bytes,
+            child=_ref(m.child, m.child_usable) if m.child is not None else None,
+            snapshot=_ref(m.snapshot, m.state_tokens) if m.snapshot is not None else None,
+            lease_id=lease_id, lease_ttl_s=self.config.lease_ttl_s if lease_id else 0.0, block_tiers=tiers,
+        )
+
+    def release(self, lease_id: bytes) -> bool:
+        return self.leases.release(lease_id)
+
+    # ------------------------------------------------------------ offer / put / commit
+
+    def _check_shape(self, ns: Namespace, item: ItemSpec, ctx: str) -> None:
+        """Everything about an item that does not depend on what is stored. Raises WireError."""
+        B = ns.block_tokens
+        if item.kind is Kind.STATE:
+            if not ns.has_state:
+                raise WireError(f"{ctx}kind", "this namespace has no state layout, so it holds no snapshots")
+            if item.size != ns.state.snapshot_bytes:
+                raise WireError(f"{ctx}size", f"a snapshot of this namespace is {ns.state.snapshot_bytes} bytes, got {item.size}")
+            return
+        n = item.num_tokens
+        if item.kind is Kind.BLOCK and n != B:
+            raise WireError(f"{ctx}tokens", f"a block holds exactly {B} tokens, got {n}")
+        if item.kind is Kind.TAIL and not 0 < n < B:
+            raise WireError(f"{ctx}tokens", f"a tail holds 1 to {B - 1} tokens, got {n}")
+        if ns.kv.token_bytes == 0:
+            raise WireError(f"{ctx}kind", "this namespace has no KV layout")
+        expected = ns.kv.payload_bytes(n)
+        if item.size != expected:
+            raise WireError(f"{ctx}size", f"{n} tokens of this namespace's KV are {expected} bytes, got {item.size}")
+        assert item.parent is not None
+        if chain_hash(item.parent, item.tokens, item.extra) != item.hash:
+            raise WireError(f"{ctx}hash", "does not equal xxh3_128(parent || tokens || extra)")
+
+    def _find(self, key: bytes, batch: dict[bytes, Entry]) -> Entry | None:
+        return batch.get(key) or self.pending.get(key) or self.index.get(key)
+
+    def _resolve(self, ns_id: bytes, item: ItemSpec, key: bytes, batch: dict[bytes, Entry],
+                 now: float, ctx: str) -> Entry | str:
+        """A new (uncommitted) entry for the item, or the reason it cannot be taken."""
+        if item.kind is Kind.STATE:
+            assert item.container is not None
+            c = self._find(item.container, batch)
+            if c is None or c.namespace_id != ns_id:
+                return "container not stored"
+            if not c.start < item.boundary <= c.end:
+                raise WireError(f"{ctx}boundary", f"{item.boundary} is outside the container's token range "
+                                f"({c.start}, {c.end}]")
+            off = item.boundary - c.start
+            assert c.parent is not None
+            expected = c.hash if item.boundary == c.end else chain_hash(c.parent, c.tokens[: off * TOKEN_BYTES], c.extra)
+            if expected != item.hash:
+                raise WireError(f"{ctx}hash", f"does not equal p({item.boundary}) of the container's tokens")
+            return Entry(key=key, kind=Kind.STATE, hash=item.hash, namespace_id=ns_id, parent=None, start=0,
+                         tokens=b"", extra=b"", container=item.container, boundary=item.boundary,
+                         size=item.size, checksum=item.checksum or 0, last_access_s=now)
+        assert item.parent is not None
+        if item.parent == self._roots[ns_id]:
+            start = 0
+        else:
+            p = self._find(make_entry_key(Kind.BLOCK, item.parent), batch)
+            if p is None or p.namespace_id != ns_id:
+                return "parent not stored"
+            start = p.end
+        return Entry(key=key, kind=item.kind, hash=item.hash, namespace_id=ns_id, parent=item.parent, start=start,
+                     tokens=item.tokens, extra=item.extra, container=None, boundary=0, size=item.size,
+                     checksum=item.checksum or 0, last_access_s=now)
+
+    def _triage(self, ns_id: bytes, items: Sequence[ItemSpec], for_put: bool
+                ) -> tuple[list[ItemResult], list[Entry | None]]:
+        """First pass of offer and put: validate everything, allocate nothing."""
+        ns = self.namespace(ns_id)
+        now = self.clock()
+        batch: dict[bytes, Entry] = {}
+        results: list[ItemResult] = []
+        new: list[Entry | None] = []
+        for i, item in enumerate(items):
+            ctx = f"items[{i}]."
+            self._check_shape(ns, item, ctx)
+            if for_put and item.checksum is None:
+                raise WireError(f"{ctx}checksum", "a put item needs the xxh3-64 of its payload")
+            key = make_entry_key(item.kind, item.hash)
+            if key in self.index.entries or key in self.pending or key in batch:
+                results.append(ItemResult(HAVE if not for_put else STATUS_HAVE))
+                new.append(None)
+                continue
+            got = self._resolve(ns_id, item, key, batch, now, ctx)
+            if isinstance(got, str):
+                results.append(ItemResult(REJECTED, got))
+                new.append(None)
+                continue
+            if self.arena.pages_for(item.size) > self.arena.num_pages:
+                results.append(ItemResult(REJECTED, "larger than the RAM arena"))
+                new.append(None)
+                continue
+            wanted = self._wanted.pop(key, None) is not None if for_put else False
+            if not wanted and not self.admission.admit(item.kind, key, item.size, now):
+                results.append(ItemResult(REJECTED, "admission"))
+                new.append(None)
+                continue
+            batch[key] = got
+            results.append(ItemResult(WANT))
+            new.append(got)
+        return results, new
+
+    def offer(self, ns_id: bytes, items: Sequence[ItemSpec]) -> list[ItemResult]:
+        """Per item: want / have / rejected. Bytes move only for wanted items."""
+        results, _ = self._triage(ns_id, items, for_put=False)
+        now = self.clock()
+        for item, r in zip(items, results):
+            self.metrics.admission.labels(item.kind.metric_kind, r.status).inc()
+            if r.status == WANT:
+                self._wanted[make_entry_key(item.kind, item.hash)] = now + self.config.pending_ttl_s
+        return results
+
+    def plan_put(self, ns_id: bytes, items: Sequence[ItemSpec]) -> PutPlan:
+        """Decide each item and reserve arena pages for the ones taken."""
+        results, new = self._triage(ns_id, items, for_put=True)
+        now = self.clock()
+        targets: list[list[memoryview] | None] = []
+        failed: set[bytes] = set()
+        for i, (item, e) in enumerate(zip(items, new)):
+            if e is None:
+                targets.append(None)
+                if results[i].status == STATUS_HAVE:
+                    self.metrics.admission.labels(item.kind.metric_kind, HAVE).inc()
+                else:
+                    self.metrics.admission.labels(item.kind.metric_kind, REJECTED).inc()
+                continue
+            dep = e.container if e.kind is Kind.STATE else make_entry_key(Kind.BLOCK, e.parent or b"")
+            pages = None if dep in failed else self._allocate(e.size)
+            if pages is None:
+                failed.add(e.key)
+                results[i] = ItemResult(STATUS_REJECTED, "parent not stored" if dep in failed else
+                                        "RAM arena full of pinned or uncommitted entries")
+                new[i] = None
+                targets.append(None)
+                self.metrics.admission.labels(item.kind.metric_kind, REJECTED).inc()
+                continue
+            e.pages = pages
+            e.expires_s = now + self.config.pending_ttl_s
+            anchor = self._find(dep, {}) if dep else None
+            if anchor is not None:
+                anchor.pins += 1  # a pending entry keeps its parent / container
+            self.pending[e.key] = e
+            targets.append(list(self.arena.runs(pages, 0, e.size)))
+            results[i] = ItemResult(STATUS_PENDING)
+            self.metrics.admission.labels(item.kind.metric_kind, WANT).inc()
+        return PutPlan(namespace_id=ns_id, sizes=[it.size for it in items], targets=targets,
+                       results=results, entries=new)
+
+    def abort_put(self, plan: PutPlan) -> None:
+        """The body did not arrive whole: forget every entry this put reserved."""
+        for e in plan.entries:
+            if e is not None and self.pending.get(e.key) is e:
+                self._drop_pending(e)
+
+    def verify_put(self, plan: PutPlan) -> None:
+        """After the body arrived: drop items whose bytes do not match their checksum."""
+        for i, e in enumerate(plan.entries):
+            if e is None or self.pending.get(e.key) is not e:
+                continue
+            assert e.pages is not None
+            if self.arena.checksum(e.pages, 0, e.size) != e.checksum:
+                self._drop_pending(e)
+                plan.entries[i] = None
+                plan.results[i] = ItemResult(STATUS_REJECTED, "payload does not match its checksum")
+                self.metrics.checksum_failures.labels("network").inc()
+
+    def _anchor_key(self, e: Entry) -> bytes | None:
+        if e.kind is Kind.STATE:
+            return e.container
+        assert e.parent is not None
+        return None if e.parent == self._roots.get(e.namespace_id) else make_entry_key(Kind.BLOCK, e.parent)
+
+    def _drop_pending(self, e: Entry) -> None:
+        del self.pending[e.key]
+        e.dead = True
+        if e.pages is not None:
+            self.arena.free(e.pages)
+            e.pages = None
+        anchor_key = self._anchor_key(e)
+        anchor = self._find(anchor_key, {}) if anchor_key else None
+        if anchor is not None:
+            self._unpin(anchor)
+
+    async def commit(self, ns_id: bytes, keys: Sequence[bytes]) -> list[ItemResult]:
+        """Make pending entries visible: persist them (write-through), then index them."""
+        self.namespace(ns_id)
+        results: list[ItemResult] = [ItemResult(STATUS_MISSING, "not put, or expired")] * len(keys)
+        batch: list[tuple[int, Entry]] = []
+        for i, key in enumerate(keys):
+            e = self.pending.get(key)
+            if e is None:
+                if (c := self.index.get(key)) is not None and c.namespace_id == ns_id:
+                    results[i] = ItemResult(STATUS_HAVE)
+                continue
+            if e.namespace_id != ns_id:
+                continue
+            if e.expires_s == _COMMITTING:
+                results[i] = ItemResult(STATUS_PENDING, "a commit of this entry is in flight")
+                continue
+            e.expires_s = _COMMITTING
+            batch.append((i, e))
+        if not batch:
+            return results
+        # Parents before children whatever order the client listed them in.
+        order = {Kind.BLOCK: 0, Kind.TAIL: 1, Kind.STATE: 2}
+        batch.sort(key=lambda ie: (order[ie[1].kind], ie[1].start))
+        if self.tier is not None:
+            room = self._enforce_disk_budget(sum(e.size for _, e in batch))
+            if not room:
+                for i, e in batch:
+                    self._drop_pending(e)
+                    results[i] = ItemResult(STATUS_REJECTED, "LMDB tier full of pinned entries")
+                return results
+            doomed, self._doomed = self._doomed, []
+            puts = [(self._record(e), list(self.arena.runs(e.pages or [], 0, e.size))) for _, e in batch]
+            try:
+                await self.tier.write(puts, doomed)
+            except Exception as err:
+                log.exception("LMDB write failed; %d entries not committed", len(batch))
+                for i, e in batch:
+                    if self.pending.get(e.key) is e:
+                        self._drop_pending(e)
+                    results[i] = ItemResult(STATUS_REJECTED, f"disk write failed: {type(err).__name__}")
+                return results
+        now = self.clock()
+        for i, e in batch:
+            if self.pending.get(e.key) is not e:  # dropped while the write was in flight
+                results[i] = ItemResult(STATUS_REJECTED, "dropped before commit")
+                self._doomed.append(e.key)
+                continue
+            if not self._attachable(e) or e.key in self.index.entries:
+                gone = e.key not in self.index.entries
+                self._drop_pending(e)
+                if gone:
+                    self._doomed.append(e.key)
+                results[i] = ItemResult(STATUS_REJECTED, "parent or container gone") if gone else ItemResult(STATUS_HAVE)
+                continue
+            del self.pending[e.key]
+            e.on_disk = self.tier is not None
+            e.last_access_s = now
+            self.index.insert(e)
+            anchor_key = self._anchor_key(e)
+            if anchor_key is not None:
+                anchor = self.index.get(anchor_key)
+                if anchor is not None:
+                    self.delete_queue.discard(anchor)  # it has a dependant now
+                    self._unpin(anchor)
+            self._requeue(e, now)
+            results[i] = ItemResult(STATUS_OK)
+        return results
+
+    def _record(self, e: Entry) -> StoredRecord:
+        return StoredRecord(key=e.key, namespace_id=e.namespace_id, parent=e.parent, start=e.start,
+                            tokens=e.tokens, extra=e.extra, container=e.container, boundary=e.boundary, size=e.size,
+                            checksum=e.checksum)
+
+    # ------------------------------------------------------------ get
+
+    def _byte_range(self, ns: Namespace, e: Entry, item: GetItem, ctx: str) -> tuple[int, int]:
+        if item.layer_start == 0 and item.layer_end is None:
+            return 0, e.size
+        if e.kind is Kind.STATE:
+            num_layers = ns.state.num_layers
+            hi = num_layers if item.layer_end is None else item.layer_end
+            if hi > num_layers:
+                raise WireError(f"{ctx}.layer_end", f"the state has {num_layers} layers, asked for up to {hi}")
+            return ns.state.layer_range_bytes(item.layer_start, hi)
+        num_layers = ns.kv.num_layers
+        hi = num_layers if item.layer_end is None else item.layer_end
+        if hi > num_layers or item.layer_start >= hi:
+            raise WireError(f"{ctx}.layer_end", f"the KV has {num_layers} layers, asked for [{item.layer_start}, {hi})")
+        return ns.kv.layer_range_bytes(e.num_tokens, item.layer_start, hi)
+
+    async def prepare_get(self, ns_id: bytes, items: Sequence[GetItem]) -> GetPlan:
+        """Pin every requested entry and bring disk-only ones into RAM (checksum verified).
+
+        The caller streams the plan and must call :meth:`finish_get`."""
+        ns = self.namespace(ns_id)
+        plan = GetPlan()
+        total = 0
+        try:
+            for i, item in enumerate(items):
+                e = self.index.get(item.key)
+                if e is None or e.namespace_id != ns_id:
+                    plan.slots.append(GetSlot(STATUS_MISSING))
+                    continue
+                offset, length = self._byte_range(ns, e, item, f"items[{i}]")
+                total += length
+                if total > self.config.max_get_bytes:
+                    raise WireError("items", f"asks for more than max_get_bytes={self.config.max_get_bytes}; "
+                                    "split the batch", 413)
+                e.pins += 1
+                plan.slots.append(GetSlot(STATUS_OK, e, offset, length))
+        except BaseException:
+            self.finish_get(plan)
+            raise
+        for slot in plan.slots:
+            e = slot.entry
+            if e is None or e.pages is not None:
+                continue
+            if e.dead:
+                slot.status = STATUS_MISSING
+                continue
+            status, buffer = await self._load(e)
+            slot.status, slot.buffer = status, buffer
+        now = self.clock()
+        for slot in plan.slots:
+            e = slot.entry
+            if slot.status != STATUS_OK or e is None:
+                continue
+            if slot.offset == 0 and slot.length == e.size:
+                slot.checksum = e.checksum
+            elif slot.buffer is not None:
+                slot.checksum = xxhash.xxh3_64_intdigest(memoryview(slot.buffer)[slot.offset : slot.offset + slot.length])
+            else:
+                assert e.pages is not None
+                slot.checksum = self.arena.checksum(e.pages, slot.offset, slot.length)
+            e.last_access_s = now
+            e.num_hits += 1
+            if not e.dead:
+                self._requeue(e, now)
+        return plan
+
+    def payload_views(self, slot: GetSlot) -> list[memoryview]:
+        assert slot.entry is not None
+        if slot.buffer is not None:
+            return [memoryview(slot.buffer)[slot.offset : slot.offset + slot.length]]
+        assert slot.entry.pages is not None
+        return list(self.arena.runs(slot.entry.pages, slot.offset, slot.length))
+
+    def finish_get(self, plan: GetPlan) -> None:
+        for slot in plan.slots:
+            if slot.entry is not None:
+                self._unpin(slot.entry)
+                slot.entry = None
+
+    async def _load(self, e: Entry) -> tuple[str, bytearray | None]:
+        """Promote a disk-only entry into RAM (or a buffer when RAM is all pinned), verifying it."""
+        assert self.tier is not None and e.on_disk
+        pages = self._allocate(e.size)
+        buffer = None
+        if pages is not None:
+            dest = list(self.arena.runs(pages, 0, e.size))
+        else:
+            buffer = bytearray(e.size)
+            dest = [memoryview(buffer)]
+        outcome = await self.tier.read_into(e.key, e.size, e.checksum, dest)
+        if outcome != ReadOutcome.OK:
+            if pages is not None:
+                self.arena.free(pages)
+            if outcome == ReadOutcome.CORRUPT:
+                self.metrics.checksum_failures.labels("disk").inc()
+                log.warning("checksum mismatch reading %s from LMDB; deleting it", e.key.hex())
+            if not e.dead:
+                self._delete(e, "corrupt")
+                await self._flush_deletes()
+            return (STATUS_CORRUPT if outcome == ReadOutcome.CORRUPT else STATUS_MISSING), None
+        if pages is None:
+            return STATUS_OK, buffer
+        if e.dead or e.pages is not None:  # deleted, or promoted by a concurrent read meanwhile
+            copy = bytearray(self.arena.read(pages, e.size)) if e.pages is None else None
+            self.arena.free(pages)
+            if copy is not None:
+                return STATUS_OK, copy
+            return STATUS_OK, None
+        self.index.set_tier(e, pages, True)
+        return STATUS_OK, None
+
+    # ------------------------------------------------------------ space
+
+    def _allocate(self, size: int) -> list[int] | None:
+        """Arena pages for ``size`` bytes, evicting unpinned entries as needed; None if impossible."""
+        need = self.arena.pages_for(size)
+        if need > self.arena.num_pages:
+            return None
+        while self.arena.num_free < need:
+            if self.tier is not None:
+                v = self.ram_queue.pop(lambda e: e.pins == 0)
+                if v is None:
+                    return None
+                assert v.pages is not None
+                self.arena.free(v.pages)
+                self.index.set_tier(v, None, True)
+                self.metrics.evictions.labels(v.metric_kind, "demoted").inc()
+            else:
+                v = self.delete_queue.pop(lambda e: e.pins == 0)
+                if v is None:
+                    return None
+                self._delete(v, "capacity")
+        try:
+            return self.arena.allocate(size)
+        except ArenaFull:  # pragma: no cover - the loop above guarantees room
+            return None
+
+    def _enforce_disk_budget(self, incoming: int) -> bool:
+        while self.index.disk_bytes() + incoming > self.config.disk_bytes:
+            v = self.delete_queue.pop(lambda e: e.pins == 0)
+            if v is None:
+                return False
+            self._delete(v, "capacity")
+        return True
+
+    def _delete(self, e: Entry, reason: str) -> None:
+        """Remove ``e`` and everything that depends on it, leaves first."""
+        for x in self.index.subtree(e):
+            up = self.index.remove(x)
+            self.ram_queue.discard(x)
+            self.delete_queue.discard(x)
+            if x.on_disk:
+                self._doomed.append(x.key)
+            if x.pins == 0 and x.pages is not None:
+                self.arena.free(x.pages)
+                x.pages = None
+            self.metrics.evictions.labels(x.metric_kind, reason).inc()
+            if up is not None and up.committed and up.is_leaf:
+                self.delete_queue.update(up, self.eviction.priority(up, self.clock()))
+
+    def _unpin(self, e: Entry) -> None:
+        e.pins -= 1
+        if e.pins < 0:
+            raise IndexInvariantError(f"entry {e.key.hex()}: unpinned more often than pinned")
+        if e.pins == 0 and e.dead and e.pages is not None and not e.committed and e.key not in self.pending:
+            self.arena.free(e.pages)
+            e.pages = None
+
+    def _requeue(self, e: Entry, now: float) -> None:
+        priority = self.eviction.priority(e, now)
+        if e.pages is not None and e.on_disk:
+            self.ram_queue.update(e, priority)
+        if e.is_leaf:
+            self.delete_queue.update(e, priority)
+
+    # ------------------------------------------------------------ introspection
+
+    def _gauges(self) -> dict[str, float]:
+        return {
+            "prefixstore_arena_capacity_bytes": self.arena.capacity_bytes,
+            "prefixstore_arena_free_bytes": self.arena.num_free * self.arena.page_bytes,
+            "prefixstore_leases": len(self.leases),
+            "prefixstore_pending_entries": len(self.pending),
+        }
+
+    def stats(self) -> dict[str, object]:
+        idx = self.index
+        return {
+            "namespaces": len(self.namespaces),
+            "entries": {f"{k}/{t}": n for (k, t), n in sorted(idx.stored_entries.items())},
+            "stored_bytes": {f"{k}/{t}": n for (k, t), n in sorted(idx.stored_bytes.items())},
+            "arena": {"capacity_bytes": self.arena.capacity_bytes, "page_bytes": self.arena.page_bytes,
+                      "free_bytes": self.arena.num_free * self.arena.page_bytes},
+            "disk": {"enabled": self.tier is not None, "budget_bytes": self.config.disk_bytes,
+                     "payload_bytes": idx.disk_bytes(),
+                     "path": str(self.tier.path) if self.tier is not None else None},
+            "leases": len(self.leases),
+            "pending": len(self.pending),
+            "policies": {"admission": self.admission.name, "eviction": self.eviction.name},
+        }
+
+    def check(self) -> None:
+        """Verify the store's invariants (index, arena accounting, queues); raise naming the broken one."""
+        self.index.check(set(self._roots.values()))
+        used: dict[int, bytes] = {}
+        holders = list(self.index.entries.values()) + list(self.pending.values())
+        for e in holders:
+            for p in e.pages or ():
+                if p in used:
+                    raise IndexInvariantError(f"page {p} is held by two entries")
+                used[p] = e.key
+        if len(used) > self.arena.num_pages - self.arena.num_free:
+            raise IndexInvariantError("arena: more pages held than allocated")
+        for e in self.index.entries.values():
+            if e.is_leaf and e not in self.delete_queue:
+                raise IndexInvariantError(f"entry {e.key.hex()}: a leaf missing from the deletion queue")
+            if self.tier is not None and e.pages is not None and e not in self.ram_queue:
+                raise IndexInvariantError(f"entry {e.key.hex()}: in RAM but missing from the RAM queue")
+            if e.pins < 0:
+                raise IndexInvariantError(f"entry {e.key.hex()}: negative pins")
+            if self.tier is not None and not e.on_disk:
+                raise IndexInvariantError(f"entry {e.key.hex()}: committed but not written through to LMDB")
+
+
+def _ref(e: Entry, usable: int) -> EntryRef:
+    return EntryRef(key=e.key, num_tokens=e.num_tokens, usable_tokens=usable, size=e.size,
+                    tier="ram" if e.pages is not None else "disk")

@@ -1,0 +1,334 @@
+"""The in-memory index of committed entries, and the longest-match search.
+
+Structure (all keyed by fixed-width bytes, never tuples)::
+
+    entries       entry key (kind || hash) -> Entry
+    children      parent hash h_j (or root h_0) -> {entry key of each block/tail under it}
+    snaps_under   parent hash h_j -> {entry key of each snapshot whose container is under h_j}
+
+Invariants (verified by :meth:`Index.check`, which the tests call):
+
+1. Prefix closure: the parent of every block or tail is the namespace root or
+   a committed block. So "h_j is stored" implies h_1..h_{j-1} are stored, and
+   the longest matched run of a prompt's blocks is found by binary search.
+2. A snapshot's container (the block or tail whose token range (start, end]
+   holds its boundary) is stored; a container is never removed while it holds
+   snapshots, and a block never while it has children. Deletion is therefore
+   leaf-first, and a snapshot never outlives the KV it accompanies.
+3. ``num_children`` / ``num_snapshots`` of every entry equal what the maps say,
+   and the byte/entry counters equal the sums over entries.
+
+Only committed entries live here; pending puts are invisible to lookups.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..protocol.hashing import TOKEN_BYTES, BlockHash
+from ..protocol.keys import Kind, make_entry_key
+
+_BLOCK = bytes((Kind.BLOCK,))
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: bytes
+    kind: Kind
+    hash: BlockHash
+    namespace_id: bytes
+    parent: BlockHash | None  # blocks and tails: h of the block before (or the root)
+    start: int  # blocks and tails: first token position; snapshots: 0
+    tokens: bytes  # blocks and tails: packed token ids
+    extra: bytes  # blocks and tails: per-block extra keys that entered the hash
+    container: bytes | None  # snapshots: entry key of the block or tail holding the boundary
+    boundary: int  # snapshots: the token count the state has consumed
+    size: int
+    checksum: int
+    pages: list[int] | None = None  # RAM arena pages when resident in RAM
+    on_disk: bool = False
+    committed: bool = False
+    dead: bool = False  # removed from the index; pages freed when the last pin drops
+    num_children: int = 0
+    num_snapshots: int = 0
+    pins: int = 0  # leases and in-flight reads; a pinned entry is never evicted
+    last_access_s: float = 0.0
+    num_hits: int = 0
+    expires_s: float = 0.0  # pending entries: reclaimed after this time
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def metric_kind(self) -> str:
+        return self.kind.metric_kind
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.num_children == 0 and self.num_snapshots == 0
+
+
+def lcp_tokens(a: bytes, b: bytes) -> int:
+    """Number of leading tokens two packed token strings share."""
+    n = min(len(a), len(b)) // TOKEN_BYTES
+    if a[: n * TOKEN_BYTES] == b[: n * TOKEN_BYTES]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi] (in tokens)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: mid * TOKEN_BYTES] == b[: mid * TOKEN_BYTES]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(slots=True)
+class Match:
+    matched_blocks: int
+    last_block: Entry | None
+    child: Entry | None
+    child_usable: int
+    kv_tokens: int
+    snapshot: Entry | None
+    state_tokens: int
+
+
+class IndexInvariantError(AssertionError):
+    pass
+
+
+@dataclass(slots=True)
+class Index:
+    entries: dict[bytes, Entry] = field(default_factory=dict)
+    children: dict[bytes, dict[bytes, None]] = field(default_factory=dict)
+    snaps_under: dict[bytes, dict[bytes, None]] = field(default_factory=dict)
+    # (metric kind, tier) -> bytes / entries; tier in {"ram", "disk"}
+    stored_bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    stored_entries: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    snapshots_per_ns: dict[bytes, int] = field(default_factory=lambda: defaultdict(int))
+
+    def get(self, key: bytes) -> Entry | None:
+        return self.entries.get(key)
+
+    def get_block(self, h: bytes) -> Entry | None:
+        return self.entries.get(_BLOCK + h)
+
+    # ------------------------------------------------------------ mutation
+
+    def insert(self, e: Entry) -> None:
+        """Make a committed entry visible. The caller has checked its parent/container."""
+        assert e.key not in self.entries, "insert of a key already indexed"
+        self.entries[e.key] = e
+        e.committed = True
+        if e.kind is Kind.STATE:
+            assert e.container is not None
+            c = self.entries[e.container]
+            c.num_snapshots += 1
+            assert c.parent is not None
+            self.snaps_under.setdefault(c.parent, {})[e.key] = None
+            self.snapshots_per_ns[e.namespace_id] += 1
+        else:
+            assert e.parent is not None
+            self.children.setdefault(e.parent, {})[e.key] = None
+            p = self.entries.get(_BLOCK + e.parent)
+            if p is not None:
+                p.num_children += 1
+        self._count(e, +1)
+
+    def remove(self, e: Entry) -> Entry | None:
+        """Drop a leaf from the index. Returns the entry that may have become a leaf."""
+        if not e.is_leaf:
+            raise IndexInvariantError(f"remove of {e.key.hex()} with children or snapshots (deletion is leaf-first)")
+        del self.entries[e.key]
+        e.committed = False
+        e.dead = True
+        self._count(e, -1)
+        if e.kind is Kind.STATE:
+            assert e.container is not None
+            c = self.entries[e.container]
+            c.num_snapshots -= 1
+            assert c.parent is not None
+            _discard(self.snaps_under, c.parent, e.key)
+            self.snapshots_per_ns[e.namespace_id] -= 1
+            return c
+        assert e.parent is not None
+        _discard(self.children, e.parent, e.key)
+        p = self.entries.get(_BLOCK + e.parent)
+        if p is not None:
+            p.num_children -= 1
+        return p
+
+    def subtree(self, e: Entry) -> list[Entry]:
+        """``e`` and everything that depends on it, leaves first (a safe removal order)."""
+        out: list[Entry] = []
+        stack: list[tuple[Entry, bool]] = [(e, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                out.append(node)
+                continue
+            stack.append((node, True))
+            if node.kind is Kind.STATE:
+                continue
+            assert node.parent is not None
+            for sk in list(self.snaps_under.get(node.parent, {})):
+                s = self.entries[sk]
+                if s.container == node.key:
+                    stack.append((s, False))
+            if node.kind is Kind.BLOCK:
+                for ck in list(self.children.get(node.hash, {})):
+                    stack.append((self.entries[ck], False))
+        return out
+
+    def set_tier(self, e: Entry, pages: list[int] | None, on_disk: bool) -> None:
+        """Move an indexed entry between tiers, keeping the counters true."""
+        self._count(e, -1)
+        e.pages = pages
+        e.on_disk = on_disk
+        self._count(e, +1)
+
+    def _count(self, e: Entry, sign: int) -> None:
+        mk = e.metric_kind
+        if e.pages is not None:
+            self.stored_bytes[(mk, "ram")] += sign * e.size
+            self.stored_entries[(mk, "ram")] += sign
+        if e.on_disk:
+            self.stored_bytes[(mk, "disk")] += sign * e.size
+            self.stored_entries[(mk, "disk")] += sign
+
+    def disk_bytes(self) -> int:
+        return self.stored_bytes[("kv", "disk")] + self.stored_bytes[("state", "disk")]
+
+    # ------------------------------------------------------------ queries (no side effects)
+
+    def match(self, namespace_id: bytes, root: BlockHash, block_tokens: int, hashes: list[BlockHash],
+              tokens: bytes, max_child_scan: int) -> Match:
+        """The longest token-exact match of a prompt (DESIGN §5). Pure: changes nothing."""
+        entries = self.entries
+        # 1. Full blocks: presence is prefix-closed (invariant 1), so binary search.
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if (_BLOCK + hashes[mid - 1]) in entries:
+                lo = mid
+            else:
+                hi = mid - 1
+        m = lo
+        last = entries[_BLOCK + hashes[m - 1]] if m else None
+        B, TB = block_tokens, TOKEN_BYTES
+
+        def level(j: int) -> tuple[bytes, bytes]:
+            """Parent hash at level j and the prompt's tokens of block j+1."""
+            return (hashes[j - 1] if j else root), tokens[j * B * TB : (j + 1) * B * TB]
+
+        # 2. Children of the last matched block: the match continues inside one of them.
+        parent, seg = level(m)
+        child, usable = None, 0
+        kids = self.children.get(parent)
+        if kids and seg:
+            for n, ck in enumerate(reversed(kids)):
+                if n >= max_child_scan:
+                    break
+                c = entries[ck]
+                a = lcp_tokens(c.tokens, seg)
+                if a > usable:
+                    child, usable = c, a
+        kv_tokens = m * B + usable
+
+        # 3. Snapshots: the largest boundary whose container agrees with the prompt
+        #    at least up to it. Level j holds boundaries in (jB, (j+1)B], so scan
+        #    from the top level down and stop at the first level that has one.
+        snapshot, state_tokens = None, 0
+        if self.snapshots_per_ns.get(namespace_id):
+            for j in range(m, -1, -1):
+                parent, seg = level(j)
+                snaps = self.snaps_under.get(parent)
+                if not snaps:
+                    continue
+                agree: dict[bytes, int] = {}
+                for n, sk in enumerate(reversed(snaps)):
+                    if n >= max_child_scan:
+                        break
+                    s = entries[sk]
+                    assert s.container is not None
+                    a = agree.get(s.container)
+                    if a is None:
+                        c = entries[s.container]
+                        a = B if j < m and c.hash == hashes[j] and c.kind is Kind.BLOCK else lcp_tokens(c.tokens, seg)
+                        agree[s.container] = a
+                    b = s.boundary
+                    if b - j * B <= a and b <= kv_tokens and b > state_tokens:
+                        snapshot, state_tokens = s, b
+                if snapshot is not None:
+                    break
+        return Match(m, last, child, usable, kv_tokens, snapshot, state_tokens)
+
+    # ------------------------------------------------------------ verification
+
+    def check(self, roots: set[bytes]) -> None:
+        """Verify every invariant in the module docstring; raise naming the broken one."""
+        num_children: dict[bytes, int] = defaultdict(int)
+        num_snaps: dict[bytes, int] = defaultdict(int)
+        sb: dict[tuple[str, str], int] = defaultdict(int)
+        se: dict[tuple[str, str], int] = defaultdict(int)
+        for key, e in self.entries.items():
+            if key != make_entry_key(e.kind, e.hash) or not e.committed or e.dead:
+                raise IndexInvariantError(f"entry {key.hex()}: key/committed/dead flags inconsistent")
+            if e.pages is None and not e.on_disk:
+                raise IndexInvariantError(f"entry {key.hex()}: in no tier")
+            if e.kind is Kind.STATE:
+                c = self.entries.get(e.container or b"")
+                if c is None:
+                    raise IndexInvariantError(f"snapshot {key.hex()}: container missing (snapshot outlived its KV)")
+                if not c.start < e.boundary <= c.end:
+                    raise IndexInvariantError(f"snapshot {key.hex()}: boundary outside its container's range")
+                num_snaps[c.key] += 1
+                assert c.parent is not None
+                if key not in self.snaps_under.get(c.parent, {}):
+                    raise IndexInvariantError(f"snapshot {key.hex()}: not registered under its container's parent")
+            else:
+                assert e.parent is not None
+                if e.parent not in roots:
+                    p = self.entries.get(_BLOCK + e.parent)
+                    if p is None:
+                        raise IndexInvariantError(f"entry {key.hex()}: parent missing (prefix closure broken)")
+                    if p.end != e.start:
+                        raise IndexInvariantError(f"entry {key.hex()}: starts at {e.start}, parent ends at {p.end}")
+                    num_children[p.key] += 1
+                elif e.start != 0:
+                    raise IndexInvariantError(f"entry {key.hex()}: child of a root must start at 0")
+                if key not in self.children.get(e.parent, {}):
+                    raise IndexInvariantError(f"entry {key.hex()}: not registered under its parent")
+            mk = e.metric_kind
+            if e.pages is not None:
+                sb[(mk, "ram")] += e.size
+                se[(mk, "ram")] += 1
+            if e.on_disk:
+                sb[(mk, "disk")] += e.size
+                se[(mk, "disk")] += 1
+        for key, e in self.entries.items():
+            if e.num_children != num_children.get(key, 0) or e.num_snapshots != num_snaps.get(key, 0):
+                raise IndexInvariantError(f"entry {key.hex()}: child/snapshot counts are stale")
+        for mapping, name in ((self.children, "children"), (self.snaps_under, "snaps_under")):
+            for parent, keys in mapping.items():
+                for k in keys:
+                    if k not in self.entries:
+                        raise IndexInvariantError(f"{name}[{parent.hex()}] names a removed entry {k.hex()}")
+        for k in set(sb) | set(self.stored_bytes):
+            if sb.get(k, 0) != self.stored_bytes.get(k, 0) or se.get(k, 0) != self.stored_entries.get(k, 0):
+                raise IndexInvariantError(f"stored bytes/entries counter {k} is off")
+
+
+def _discard(mapping: dict[bytes, dict[bytes, None]], parent: bytes, key: bytes) -> None:
+    bucket = mapping.get(parent)
+    if bucket is not None:
+        bucket.pop(key, None)
+        if not bucket:
+            del mapping[parent]

@@ -1,0 +1,79 @@
+"""Prometheus metrics. Names are public API: `_total`, `_bytes`, `_seconds`, no colons.
+
+Counters are counted where things happen; stored bytes and entries are read
+from the index's own counters at scrape time (a custom collector), so they
+can never drift from what the index holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .index import Index
+
+KINDS = ("kv", "state")
+TIERS = ("ram", "disk")
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class _IndexCollector(Collector):
+    def __init__(self, index: Index, gauges: Callable[[], dict[str, float]]) -> None:
+        self._index = index
+        self._gauges = gauges
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        b = GaugeMetricFamily("prefixstore_stored_bytes", "Payload bytes held, by kind and tier.", labels=["kind", "tier"])
+        n = GaugeMetricFamily("prefixstore_entries", "Entries held, by kind and tier.", labels=["kind", "tier"])
+        for kind in KINDS:
+            for tier in TIERS:
+                b.add_metric([kind, tier], self._index.stored_bytes.get((kind, tier), 0))
+                n.add_metric([kind, tier], self._index.stored_entries.get((kind, tier), 0))
+        yield b
+        yield n
+        for name, value in self._gauges().items():
+            yield GaugeMetricFamily(name, _GAUGE_HELP[name], value=value)
+
+
+_GAUGE_HELP = {
+    "prefixstore_arena_capacity_bytes": "Size of the RAM arena (the hard RAM budget).",
+    "prefixstore_arena_free_bytes": "Free bytes in the RAM arena.",
+    "prefixstore_leases": "Leases currently held.",
+    "prefixstore_pending_entries": "Entries put but not yet committed.",
+}
+
+
+class StoreMetrics:
+    def __init__(self, index: Index, gauges: Callable[[], dict[str, float]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.lookup_tokens = Counter(
+            "prefixstore_lookup_tokens", "Prompt tokens looked up, by memory kind and result.",
+            ["kind", "result"], registry=r)
+        self.lookups = Counter("prefixstore_lookups", "Lookups answered.", registry=r)
+        self.admission = Counter(
+            "prefixstore_admission", "Offer and put decisions, by kind (kv, state) and decision.",
+            ["kind", "decision"], registry=r)
+        self.evictions = Counter(
+            "prefixstore_evictions", "Entries leaving a tier, by kind and reason "
+            "(demoted: dropped from RAM, still on disk; capacity: deleted; corrupt; expired: uncommitted put).",
+            ["kind", "reason"], registry=r)
+        self.checksum_failures = Counter(
+            "prefixstore_checksum_failures", "Payloads whose checksum did not verify, by where they were read.",
+            ["tier"], registry=r)
+        self.transfer_bytes = Counter(
+            "prefixstore_transfer_bytes", "Payload bytes moved, by direction (in, out) and path (http, nixl).",
+            ["direction", "path"], registry=r)
+        self.requests = Counter(
+            "prefixstore_requests", "HTTP requests, by endpoint and status class.", ["endpoint", "status"], registry=r)
+        self.latency = Histogram(
+            "prefixstore_request_duration_seconds", "Server-side request latency by endpoint.",
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        for kind in KINDS:
+            for result in ("hit", "miss"):
+                self.lookup_tokens.labels(kind, result)
+        r.register(_IndexCollector(index, gauges))

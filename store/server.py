@@ -1,0 +1,274 @@
+"""The HTTP plane: aiohttp handlers mapping framed requests onto :class:`Store`.
+
+Endpoints (all POST bodies are frames, see protocol/wire.py)::
+
+    POST /v1/namespaces   {namespace}                 -> {ns}
+    POST /v1/lookup       {ns, hashes, tokens, ...}   -> LookupAnswer
+    POST /v1/offer        {ns, items}                 -> {results: [[want|have|rejected, reason]]}
+    POST /v1/put          {ns, items, commit} + payloads -> {results: [[status, reason]]}
+    POST /v1/commit       {ns, keys}                  -> {results}
+    POST /v1/get          {ns, items}                 -> {items: [[status, size, checksum]]} + payloads
+    POST /v1/release      {lease}                     -> {released}
+    GET  /healthz  /metrics  /v1/stats
+
+Malformed input is answered 4xx with a JSON body ``{"error", "field"}``; an
+unexpected exception is logged and answered 500, and the server keeps
+serving. Put bodies are streamed straight into reserved arena pages and get
+bodies are streamed out of them, so bulk bytes are never copied into
+intermediate Python objects on the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..protocol.keys import ENTRY_KEY_BYTES
+from ..protocol.namespace import Namespace, NamespaceError
+from ..protocol.stream import FrameReader
+from ..protocol.wire import (
+    CONTENT_TYPE,
+    PREFIX_BYTES,
+    STATUS_OK,
+    GetItem,
+    GetResult,
+    LookupRequest,
+    WireError,
+    decode_frame,
+    encode_frame,
+    encode_header,
+    parse_items,
+    req_bin,
+    req_bool,
+    req_list,
+)
+from .config import StoreConfig
+from .core import Store
+
+log = logging.getLogger(__name__)
+
+STORE = web.AppKey("store", Store)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, field: str, message: str) -> web.Response:
+    return web.json_response({"error": f"{field}: {message}", "field": field}, status=status)
+
+
+@web.middleware
+async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
+    store = request.app[STORE]
+    endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
+    started = time.perf_counter()
+    try:
+        response = await handler(request)
+    except WireError as err:
+        response = _error(err.status, err.field, err.message)
+    except NamespaceError as err:
+        response = _error(400, "namespace", str(err))
+    except web.HTTPRequestEntityTooLarge as err:
+        response = _error(413, "body", f"larger than max_body_bytes ({err.text})")
+    except web.HTTPException:
+        raise
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("unexpected error serving %s", endpoint)
+        response = _error(500, "server", "internal error (logged); the store keeps serving")
+    store.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+    store.metrics.requests.labels(endpoint, f"{response.status // 100}xx").inc()
+    return response
+
+
+async def _read_control(request: web.Request, limit: int) -> bytes:
+    """Read a whole (small) request body, refusing more than ``limit`` bytes."""
+    if request.content_length is not None and request.content_length > limit:
+        raise WireError("body", f"{request.content_length} bytes exceeds the limit of {limit} for this endpoint", 413)
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            break
+        total += len(chunk)
+        if total > limit:
+            raise WireError("body", f"exceeds the limit of {limit} bytes for this endpoint", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _control_header(request: web.Request) -> dict[str, object]:
+    store = request.app[STORE]
+    limit = store.config.max_header_bytes + PREFIX_BYTES
+    body = await _read_control(request, limit)
+    header, rest = decode_frame(body, store.config.max_header_bytes)
+    if len(rest):
+        raise WireError("frame", f"{len(rest)} bytes follow the header of a request that carries no payload")
+    return header
+
+
+def _frame_response(header: dict[str, object]) -> web.Response:
+    return web.Response(body=encode_frame(header), content_type=CONTENT_TYPE)
+
+
+# ---------------------------------------------------------------- handlers
+
+
+async def register_namespace(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    header = await _control_header(request)
+    if "namespace" not in header:
+        raise WireError("namespace", "missing")
+    ns = Namespace.from_wire(header["namespace"])
+    ns_id = await store.register_namespace(ns)
+    return _frame_response({"ns": ns_id})
+
+
+async def lookup(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    header = await _control_header(request)
+    req = LookupRequest.from_header(header, store.limits, store.block_tokens_of)
+    return _frame_response(store.lookup(req).to_header())
+
+
+async def offer(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    header = await _control_header(request)
+    ns_id = req_bin(header, "ns", size=8)
+    results = store.offer(ns_id, parse_items(header, store.limits))
+    return _frame_response({"results": [r.to_wire() for r in results]})
+
+
+async def put(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    if request.content_length is not None and request.content_length > store.config.max_body_bytes:
+        raise WireError("body", f"{request.content_length} bytes exceeds max_body_bytes={store.config.max_body_bytes}", 413)
+    body = FrameReader(request.content)
+    try:
+        header, header_len = await body.read_header(store.config.max_header_bytes)
+    except asyncio.IncompleteReadError:
+        raise WireError("frame", "truncated before the end of the header") from None
+    ns_id = req_bin(header, "ns", size=8)
+    items = parse_items(header, store.limits)
+    commit_now = req_bool(header, "commit", default=True)
+    payload_bytes = sum(it.size for it in items)
+    declared = request.content_length
+    if declared is not None and declared != PREFIX_BYTES + header_len + payload_bytes:
+        raise WireError("frame", f"Content-Length is {declared} bytes but the header lists "
+                        f"{payload_bytes} payload bytes ({PREFIX_BYTES + header_len + payload_bytes} in all)")
+    plan = store.plan_put(ns_id, items)
+    try:
+        for i, target in enumerate(plan.targets):
+            if target is None:
+                await body.skip(plan.sizes[i])
+            else:
+                await body.readinto(target)
+        if not await body.at_eof():
+            raise WireError("frame", "bytes follow the last payload the header lists")
+    except asyncio.IncompleteReadError:
+        store.abort_put(plan)
+        raise WireError("frame", "body ended before every payload the header lists arrived") from None
+    except BaseException:
+        store.abort_put(plan)
+        raise
+    store.metrics.transfer_bytes.labels("in", "http").inc(payload_bytes)
+    store.verify_put(plan)
+    results = plan.results
+    if commit_now:
+        keys = [e.key for e in plan.entries if e is not None]
+        committed = iter(await store.commit(ns_id, keys))
+        results = [next(committed) if e is not None else r for e, r in zip(plan.entries, results)]
+    return _frame_response({"results": [r.to_wire() for r in results]})
+
+
+async def commit(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    header = await _control_header(request)
+    ns_id = req_bin(header, "ns", size=8)
+    raw = req_list(header, "keys", "", store.limits.max_items)
+    keys = []
+    for i, k in enumerate(raw):
+        if not isinstance(k, bytes) or len(k) != ENTRY_KEY_BYTES or k[0] not in (1, 2, 3):
+            raise WireError(f"keys[{i}]", f"expected a {ENTRY_KEY_BYTES}-byte entry key")
+        keys.append(k)
+    results = await store.commit(ns_id, keys)
+    return _frame_response({"results": [r.to_wire() for r in results]})
+
+
+async def get(request: web.Request) -> web.StreamResponse:
+    store = request.app[STORE]
+    header = await _control_header(request)
+    ns_id = req_bin(header, "ns", size=8)
+    raw = req_list(header, "items", "", store.limits.max_items)
+    items = [GetItem.from_wire(x, f"items[{i}]") for i, x in enumerate(raw)]
+    plan = await store.prepare_get(ns_id, items)
+    try:
+        results = [GetResult(s.status, s.length, s.checksum) if s.status == STATUS_OK else GetResult(s.status)
+                   for s in plan.slots]
+        head = encode_header({"items": [r.to_wire() for r in results]})
+        payload = plan.payload_bytes
+        response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
+        response.content_length = len(head) + payload
+        await response.prepare(request)
+        await response.write(head)
+        for slot in plan.slots:
+            if slot.status == STATUS_OK:
+                for view in store.payload_views(slot):
+                    await response.write(view)
+        await response.write_eof()
+        store.metrics.transfer_bytes.labels("out", "http").inc(payload)
+        return response
+    finally:
+        store.finish_get(plan)
+
+
+async def release(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    header = await _control_header(request)
+    lease_id = req_bin(header, "lease", size=16)
+    return _frame_response({"released": store.release(lease_id)})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STORE].stats())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[STORE].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def create_app(config: StoreConfig, clock: Callable[[], float] = time.monotonic) -> web.Application:
+    """The store as an aiohttp application; the store opens in startup and closes in cleanup."""
+    store = Store(config, clock)
+    # Put bodies are streamed and bounded by max_body_bytes through Content-Length
+    # checks; aiohttp's own limit applies to request.read(), which no handler uses.
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors_and_metrics])
+    app[STORE] = store
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        await store.start()
+        yield
+        await store.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/namespaces", register_namespace)
+    app.router.add_post("/v1/lookup", lookup)
+    app.router.add_post("/v1/offer", offer)
+    app.router.add_post("/v1/put", put)
+    app.router.add_post("/v1/commit", commit)
+    app.router.add_post("/v1/get", get)
+    app.router.add_post("/v1/release", release)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/stats", stats)
+    return app
