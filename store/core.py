@@ -396,20 +396,31 @@ class Store:
         """Decide each item and reserve arena pages for the ones taken."""
         results, new = self._triage(ns_id, items, for_put=True)
         now = self.clock()
+        # Pin every anchor (parent / container) before allocating: making room
+        # may evict, and must not evict what this batch builds on.
+        in_batch = {e.key: e for e in new if e is not None}
+        anchors: list[Entry | None] = []
+        for e in new:
+            anchor_key = self._anchor_key(e) if e is not None else None
+            anchor = (in_batch.get(anchor_key) or self._find(anchor_key, {})) if anchor_key else None
+            if anchor is not None:
+                anchor.pins += 1  # held until the entry commits or is dropped
+            anchors.append(anchor)
         targets: list[list[memoryview] | None] = []
         failed: set[bytes] = set()
         for i, (item, e) in enumerate(zip(items, new)):
             if e is None:
                 targets.append(None)
-                if results[i].status == STATUS_HAVE:
-                    self.metrics.admission.labels(item.kind.metric_kind, HAVE).inc()
-                else:
-                    self.metrics.admission.labels(item.kind.metric_kind, REJECTED).inc()
+                decision = HAVE if results[i].status == STATUS_HAVE else REJECTED
+                self.metrics.admission.labels(item.kind.metric_kind, decision).inc()
                 continue
-            dep = e.container if e.kind is Kind.STATE else make_entry_key(Kind.BLOCK, e.parent or b"")
+            dep = self._anchor_key(e)
             pages = None if dep in failed else self._allocate(e.size)
             if pages is None:
                 failed.add(e.key)
+                anchor = anchors[i]
+                if anchor is not None:
+                    self._unpin(anchor)
                 results[i] = ItemResult(STATUS_REJECTED, "parent not stored" if dep in failed else
                                         "RAM arena full of pinned or uncommitted entries")
                 new[i] = None
@@ -418,9 +429,6 @@ class Store:
                 continue
             e.pages = pages
             e.expires_s = now + self.config.pending_ttl_s
-            anchor = self._find(dep, {}) if dep else None
-            if anchor is not None:
-                anchor.pins += 1  # a pending entry keeps its parent / container
             self.pending[e.key] = e
             targets.append(list(self.arena.runs(pages, 0, e.size)))
             results[i] = ItemResult(STATUS_PENDING)

@@ -1,0 +1,178 @@
+"""Store core behaviour: leases, pins during reads, pending visibility, offers, tier moves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prefixstore.client.prompt import Prompt, with_payload
+from prefixstore.protocol import Kind
+from prefixstore.protocol.wire import STATUS_OK, WANT, GetItem
+from prefixstore.store import StoreConfig
+
+from ..factories import kv_payload, make_namespace, state_payload
+from .harness import CoreHarness, expected_prefix_bytes
+
+
+def ram_only(ram_bytes: int = 64 * 256, **kw: object) -> StoreConfig:
+    return StoreConfig(port=0, data_dir="none", ram_bytes=ram_bytes, page_bytes=256, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def ns():  # type: ignore[no-untyped-def]
+    return make_namespace(block_tokens=4)
+
+
+@pytest.fixture
+def harness():  # type: ignore[no-untyped-def]
+    """Factory for harnesses that are closed at teardown, pass or fail."""
+    made: list[CoreHarness] = []
+
+    def make(config: StoreConfig, ns):  # type: ignore[no-untyped-def]
+        made.append(CoreHarness(config, ns))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def fill(h: CoreHarness, n: int, start: int = 1000) -> None:
+    """Save n unrelated 8-token sequences (2 blocks, 512 bytes each)."""
+    for i in range(n):
+        h.now[0] += 0.1  # a moving clock, so recency orders the entries
+        h.save([start + i] * 8, 8)
+
+
+def test_leased_entries_survive_eviction_pressure_until_released(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    h = harness(ram_only(), ns)
+    toks = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    h.save(toks, 10, {9: state_payload(ns, toks, 9)})
+    _, ans = h.lookup(toks)
+    assert (ans.kv_tokens, ans.state_tokens) == (10, 9) and ans.lease_id
+    fill(h, 40)  # 40 x 512 B through a 16 KiB arena: everything unleased is evicted
+    h.store.check()
+    _, again = h.lookup(toks, lease=False)
+    assert (again.kv_tokens, again.state_tokens) == (10, 9)
+    kv, snap = h.read_prefix(toks, again, 10)
+    assert kv == expected_prefix_bytes(ns, toks, 10, 4) and snap == state_payload(ns, toks, 9)
+    assert h.store.release(ans.lease_id)
+    fill(h, 40, start=5000)
+    _, gone = h.lookup(toks, lease=False)
+    assert gone.kv_tokens < 10
+    h.store.check()
+
+
+def test_lease_expires_by_time_and_lookups_never_renew_it(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    h = harness(ram_only(lease_ttl_s=10.0), ns)
+    toks = list(range(8))
+    h.save(toks, 8)
+    _, first = h.lookup(toks)
+    h.now[0] += 6
+    _, second = h.lookup(toks)
+    h.now[0] += 5  # first lease is 11 s old, second 5 s
+    h.store.sweep()
+    assert not h.store.leases.holds(first.lease_id)
+    assert h.store.leases.holds(second.lease_id)
+    h.now[0] += 6
+    h.store.sweep()
+    assert not h.store.leases.holds(second.lease_id)
+    assert len(h.store.leases) == 0
+    assert all(e.pins == 0 for e in h.store.index.entries.values())
+
+
+def test_eviction_during_a_read_never_changes_the_bytes_being_sent(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    h = harness(ram_only(), ns)
+    toks = [7] * 8
+    h.save(toks, 8)
+    p = Prompt(ns, toks)
+    plan = h.run(h.store.prepare_get(ns.id, [GetItem(key=p.block_key(0)), GetItem(key=p.block_key(1))]))
+    views = [h.store.payload_views(s) for s in plan.slots]
+    fill(h, 60)  # would reuse those pages if the read did not pin them
+    sent = [b"".join(bytes(v) for v in vs) for vs in views]
+    assert sent == [kv_payload(ns, toks, 0, 4), kv_payload(ns, toks, 4, 8)]
+    h.store.finish_get(plan)
+    h.store.check()
+
+
+def test_uncommitted_puts_are_invisible_and_expire(ns, harness, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    cfg = StoreConfig(port=0, data_dir=str(tmp_path), ram_bytes=1 << 20, page_bytes=256, pending_ttl_s=5.0)
+    h = harness(cfg, ns)
+    toks = [3] * 6
+    p = Prompt(ns, toks)
+    specs = [with_payload(s, kv_payload(ns, toks, a, b)) for s, a, b in p.kv_items(6)]
+    free_before = h.store.arena.num_free
+    plan = h.store.plan_put(ns.id, specs)
+    for target, (s, a, b) in zip(plan.targets, p.kv_items(6)):
+        assert target is not None
+        data, pos = kv_payload(ns, toks, a, b), 0
+        for v in target:
+            v[:] = data[pos : pos + len(v)]
+            pos += len(v)
+    h.store.verify_put(plan)
+    assert h.lookup(toks, lease=False)[1].kv_tokens == 0  # put, not committed: invisible
+    h.now[0] += 6
+    h.store.sweep()
+    assert h.store.arena.num_free == free_before and not h.store.pending
+    assert [r.status for r in h.run(h.store.commit(ns.id, [e.key for e in plan.entries if e]))] == ["missing"] * 2
+    assert h.lookup(toks, lease=False)[1].kv_tokens == 0
+    h.store.check()
+
+
+def test_offer_answers_want_have_rejected(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    h = harness(ram_only(ram_bytes=1 << 20), ns)
+    toks = list(range(12))
+    h.save(toks, 4)
+    p = Prompt(ns, toks)
+    orphan = Prompt(ns, [99] * 12).kv_items(12)[2][0]  # block 3 of a chain never stored
+    specs = [s for s, _, _ in p.kv_items(12)] + [orphan]
+    assert [r.status for r in h.store.offer(ns.id, specs)] == ["have", WANT, WANT, "rejected"]
+    assert h.store.offer(ns.id, [orphan])[0].reason == "parent not stored"
+
+
+def test_ram_eviction_with_lmdb_demotes_and_reads_promote(ns, harness, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    cfg = StoreConfig(port=0, data_dir=str(tmp_path), ram_bytes=16 * 256, page_bytes=256)
+    h = harness(cfg, ns)
+    seqs = [[i] * 8 for i in range(20)]
+    for s in seqs:
+        assert h.save(s, 8)["committed"] == 2
+    stats = h.store.stats()
+    assert stats["entries"]["kv/disk"] == 40 and stats["entries"]["kv/ram"] < 40  # type: ignore[index]
+    for s in seqs:  # every one still exact, read back from disk into RAM
+        _, ans = h.lookup(s, lease=False)
+        assert ans.kv_tokens == 8
+        kv, _ = h.read_prefix(s, ans, 8)
+        assert kv == expected_prefix_bytes(ns, s, 8, 4)
+    demoted = h.store.metrics.evictions.labels("kv", "demoted")._value.get()
+    assert demoted > 0
+    h.store.check()
+
+
+def test_snapshot_goes_before_its_block_under_pressure(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    h = harness(ram_only(), ns)
+    toks = [5, 5, 5, 5]
+    h.save(toks, 4, {2: state_payload(ns, toks, 2), 4: state_payload(ns, toks, 4)})
+    for i in range(60):
+        h.save([2000 + i] * 4, 4)
+        h.store.check()  # includes: every snapshot's container is stored
+        block = h.store.index.get(Prompt(ns, toks).block_key(0))
+        states = [e for e in h.store.index.entries.values() if e.kind is Kind.STATE]
+        if block is None:
+            assert not states
+
+
+def test_layer_range_reads(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    h = harness(ram_only(ram_bytes=1 << 20), ns)
+    toks = [1, 2, 3, 4]
+    h.save(toks, 4)
+    key = Prompt(ns, toks).block_key(0)
+    full = kv_payload(ns, toks, 0, 4)
+    per_layer = 4 * ns.kv.layer_token_bytes
+    (layer1,) = h.read([GetItem(key=key, layer_start=1, layer_end=2)])
+    assert layer1 == full[per_layer : 2 * per_layer]
+    plan = h.run(h.store.prepare_get(ns.id, [GetItem(key=key, layer_start=1, layer_end=2)]))
+    import xxhash
+
+    assert plan.slots[0].status == STATUS_OK and plan.slots[0].checksum == xxhash.xxh3_64_intdigest(layer1)
+    h.store.finish_get(plan)
