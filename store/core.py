@@ -40,7 +40,7 @@ import msgpack
 import xxhash
 
 from ..admission import make_admission, make_eviction
-from ..protocol.hashing import TOKEN_BYTES, BlockHash, chain_hash, root_hash
+from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, chain_hash, root_hash
 from ..protocol.keys import Kind, make_entry_key
 from ..protocol.namespace import Namespace
 from ..protocol.wire import (
@@ -249,8 +249,7 @@ class Store:
         ns = self.namespace(req.namespace_id)
         now = self.clock()
         self.leases.expire(now)
-        hashes = split_hashes(req.hashes)
-        m = self.index.match(req.namespace_id, self._roots[req.namespace_id], ns.block_tokens, hashes,
+        m = self.index.match(req.namespace_id, self._roots[req.namespace_id], ns.block_tokens, req.hashes,
                              req.tokens, self.config.max_child_scan)
         hint = m.kv_tokens if ns.has_state and m.kv_tokens > m.state_tokens else 0
         lease_id = None
@@ -267,7 +266,7 @@ class Store:
         tiers = None
         if req.locations and m.matched_blocks:
             tiers = bytes(0 if (e := self.index.get_block(h)) is not None and e.pages is not None else 1
-                          for h in hashes[: m.matched_blocks])
+                          for h in split_hashes(req.hashes[: m.matched_blocks * HASH_BYTES]))
         n = req.num_tokens
         self.metrics.lookups.inc()
         self.metrics.lookup_tokens.labels("kv", "hit").inc(m.kv_tokens)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..protocol.hashing import TOKEN_BYTES, BlockHash
+from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash
 from ..protocol.keys import Kind, make_entry_key
 
 _BLOCK = bytes((Kind.BLOCK,))
@@ -208,25 +208,33 @@ class Index:
 
     # ------------------------------------------------------------ queries (no side effects)
 
-    def match(self, namespace_id: bytes, root: BlockHash, block_tokens: int, hashes: list[BlockHash],
+    def match(self, namespace_id: bytes, root: BlockHash, block_tokens: int, hashes: bytes,
               tokens: bytes, max_child_scan: int) -> Match:
-        """The longest token-exact match of a prompt (DESIGN §5). Pure: changes nothing."""
+        """The longest token-exact match of a prompt (DESIGN §5). Pure: changes nothing.
+
+        ``hashes`` is h_1..h_n concatenated (16 bytes each), sliced on demand:
+        splitting 8,192 hashes up front would cost more than the search."""
         entries = self.entries
+        H = HASH_BYTES
+
+        def h(j: int) -> bytes:  # h_j, 1-based as in DESIGN §3
+            return hashes[(j - 1) * H : j * H]
+
         # 1. Full blocks: presence is prefix-closed (invariant 1), so binary search.
-        lo, hi = 0, len(hashes)
+        lo, hi = 0, len(hashes) // H
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if (_BLOCK + hashes[mid - 1]) in entries:
+            if (_BLOCK + h(mid)) in entries:
                 lo = mid
             else:
                 hi = mid - 1
         m = lo
-        last = entries[_BLOCK + hashes[m - 1]] if m else None
+        last = entries[_BLOCK + h(m)] if m else None
         B, TB = block_tokens, TOKEN_BYTES
 
         def level(j: int) -> tuple[bytes, bytes]:
             """Parent hash at level j and the prompt's tokens of block j+1."""
-            return (hashes[j - 1] if j else root), tokens[j * B * TB : (j + 1) * B * TB]
+            return (h(j) if j else root), tokens[j * B * TB : (j + 1) * B * TB]
 
         # 2. Children of the last matched block: the match continues inside one of them.
         parent, seg = level(m)
@@ -261,7 +269,7 @@ class Index:
                     a = agree.get(s.container)
                     if a is None:
                         c = entries[s.container]
-                        a = B if j < m and c.hash == hashes[j] and c.kind is Kind.BLOCK else lcp_tokens(c.tokens, seg)
+                        a = B if j < m and c.kind is Kind.BLOCK and c.hash == h(j + 1) else lcp_tokens(c.tokens, seg)
                         agree[s.container] = a
                     b = s.boundary
                     if b - j * B <= a and b <= kv_tokens and b > state_tokens:
