@@ -78,7 +78,7 @@ def _view(buf: Buffer) -> memoryview:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise ValueError("output buffers must be C-contiguous")
-        return memoryview(buf.reshape(-1).view(np.uint8))
+        return buf.reshape(-1).view(np.uint8).data.cast("B")
     return memoryview(buf).cast("B")
 
 

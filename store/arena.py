@@ -31,7 +31,7 @@ class Arena:
         self.num_pages = total_bytes // page_bytes
         # np.zeros maps fresh anonymous memory: untouched pages cost nothing.
         self.region = np.zeros(self.num_pages * page_bytes, dtype=np.uint8)
-        self.view = memoryview(self.region).cast("B")
+        self.view = self.region.data.cast("B")
         self._free: list[int] = list(range(self.num_pages))  # a heap
         self._num_free = self.num_pages
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "PREFIXSTORE_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1 << 10, "KI": 1 << 10,
@@ -112,6 +113,8 @@ class StoreConfig:
             raise ConfigError(f"admission: unknown policy {self.admission!r}; choose one of {sorted(ADMISSION_POLICIES)}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction: unknown policy {self.eviction!r}; choose one of {sorted(EVICTION_POLICIES)}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level: {self.log_level!r} is not a level; choose one of {list(LOG_LEVELS)}")
 
     @property
     def lmdb_path(self) -> Path | None:
@@ -138,24 +141,25 @@ class StoreConfig:
         values: dict[str, object] = {}
         if config_file:
             try:
-                with open(config_file, "rb") as f:
-                    raw = tomllib.load(f)
+                with open(config_file, "rb") as fh:
+                    raw = tomllib.load(fh)
             except (OSError, tomllib.TOMLDecodeError) as err:
                 raise ConfigError(f"config file {config_file}: {err}") from err
-            known = {f.name for f in fields(cls)}
+            known = {knob.name for knob in fields(cls)}
             unknown = sorted(set(raw) - known)
             if unknown:
                 raise ConfigError(f"config file {config_file}: unknown knob(s) {unknown}; known: {sorted(known)}")
             values.update(raw)
         env = os.environ if env is None else env
-        for f in fields(cls):
-            key = ENV_PREFIX + f.name.upper()
+        for knob in fields(cls):
+            key = ENV_PREFIX + knob.name.upper()
             if key in env:
-                values[f.name] = env[key]
+                values[knob.name] = env[key]
         for name, value in (overrides or {}).items():
             if value is not None:
                 values[name] = value
-        return cls(**{name: _convert(cls, name, value) for name, value in values.items()})
+        converted: dict[str, Any] = {name: _convert(cls, name, value) for name, value in values.items()}
+        return cls(**converted)
 
 
 def _convert(cls: type[StoreConfig], name: str, value: object) -> object:

@@ -266,11 +266,12 @@ class Index:
                         break
                     s = entries[sk]
                     assert s.container is not None
-                    a = agree.get(s.container)
-                    if a is None:
+                    known = agree.get(s.container)
+                    if known is None:
                         c = entries[s.container]
-                        a = B if j < m and c.kind is Kind.BLOCK and c.hash == h(j + 1) else lcp_tokens(c.tokens, seg)
-                        agree[s.container] = a
+                        known = B if j < m and c.kind is Kind.BLOCK and c.hash == h(j + 1) else lcp_tokens(c.tokens, seg)
+                        agree[s.container] = known
+                    a = known
                     b = s.boundary
                     if b - j * B <= a and b <= kv_tokens and b > state_tokens:
                         snapshot, state_tokens = s, b
@@ -329,9 +330,9 @@ class Index:
                 for k in keys:
                     if k not in self.entries:
                         raise IndexInvariantError(f"{name}[{parent.hex()}] names a removed entry {k.hex()}")
-        for k in set(sb) | set(self.stored_bytes):
-            if sb.get(k, 0) != self.stored_bytes.get(k, 0) or se.get(k, 0) != self.stored_entries.get(k, 0):
-                raise IndexInvariantError(f"stored bytes/entries counter {k} is off")
+        for label in set(sb) | set(self.stored_bytes):
+            if sb.get(label, 0) != self.stored_bytes.get(label, 0) or se.get(label, 0) != self.stored_entries.get(label, 0):
+                raise IndexInvariantError(f"stored bytes/entries counter {label} is off")
 
 
 def _discard(mapping: dict[bytes, dict[bytes, None]], parent: bytes, key: bytes) -> None:
