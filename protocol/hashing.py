@@ -20,8 +20,10 @@ concatenation and one digest per block.
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Sequence
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 import xxhash
@@ -35,6 +37,8 @@ HASH_BYTES = 16
 TOKEN_BYTES = 4
 
 _digest = xxhash.xxh3_128_digest
+_BIG_ENDIAN = sys.byteorder == "big"
+assert array.array("I").itemsize == TOKEN_BYTES, "array('I') must be 32-bit on this platform"
 
 
 def pack_tokens(tokens: Sequence[int] | np.ndarray | bytes) -> bytes:
@@ -43,6 +47,16 @@ def pack_tokens(tokens: Sequence[int] | np.ndarray | bytes) -> bytes:
         if len(tokens) % TOKEN_BYTES:
             raise ValueError("packed tokens: length is not a multiple of 4")
         return tokens
+    if isinstance(tokens, (list, tuple)):
+        # array('I') packs a list of ints 3-4x faster than numpy and range-checks
+        # each id (OverflowError/TypeError for negatives, > 2**32-1, non-ints).
+        try:
+            packed = array.array("I", tokens)
+        except (OverflowError, TypeError) as err:
+            raise ValueError(f"tokens: token ids must be integers in [0, 2**32): {err}") from None
+        if _BIG_ENDIAN:
+            packed.byteswap()
+        return packed.tobytes()
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError("tokens: expected a 1-D sequence of token ids")
@@ -85,18 +99,20 @@ def chain_from(
     stride = block_tokens * TOKEN_BYTES
     num_blocks = len(packed) // stride
     chunks = [packed[s : s + stride] for s in range(0, num_blocks * stride, stride)]
-    out: list[BlockHash] = []
+    out: list[bytes] = []
     append = out.append
-    h = parent
+    h: bytes = parent
+    # The hot loop: one concatenation and one digest per block, no wrapper
+    # calls (NewType is a function call at run time; the cast below is free).
     if extra_keys:
         for j, chunk in enumerate(chunks):
-            h = BlockHash(_digest(h + chunk + (extra_keys[j] if j < len(extra_keys) else b"")))
+            h = _digest(h + chunk + (extra_keys[j] if j < len(extra_keys) else b""))
             append(h)
     else:
         for chunk in chunks:
-            h = BlockHash(_digest(h + chunk))
+            h = _digest(h + chunk)
             append(h)
-    return out
+    return cast(list[BlockHash], out)
 
 
 def prefix_hash(
