@@ -8,5 +8,6 @@ from .client import PrefixClient
 from .config import ClientConfig
 from .prompt import Prompt
 from .results import LookupResult, SaveResult
+from .sync import SyncPrefixClient
 
-__all__ = ["ClientConfig", "LookupResult", "PrefixClient", "Prompt", "SaveResult"]
+__all__ = ["ClientConfig", "LookupResult", "PrefixClient", "Prompt", "SaveResult", "SyncPrefixClient"]

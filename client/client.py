@@ -163,7 +163,8 @@ class PrefixClient:
         """One round trip: the reusable KV and state lengths, and a lease on them."""
         p = prompt if isinstance(prompt, Prompt) else self.prompt(prompt)
         req = LookupRequest(namespace_id=self.namespace.id, hashes=b"".join(p.hashes), tokens=p.packed,
-                            lease=self.config.lease if lease is None else lease)
+                            lease=self.config.lease if lease is None else lease,
+                            extras=tuple((j, x) for j, x in enumerate(p.extra_keys) if x))
         try:
             answer = LookupAnswer.from_header(await self._call("/v1/lookup", req.to_header()))
         except (StoreUnavailable, WireError) as err:

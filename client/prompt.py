@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from ..protocol.hashing import TOKEN_BYTES, BlockHash, chain_from, chain_hash, pack_tokens, root_hash
+from ..protocol.hashing import TOKEN_BYTES, BlockHash, chain_from, pack_tokens, root_hash, tail_hash
 from ..protocol.keys import Kind, make_entry_key
 from ..protocol.namespace import Namespace
 from ..protocol.wire import ItemSpec
@@ -51,7 +51,7 @@ class Prompt:
         j = t // B
         if t % B == 0:
             return self.parent_of_block(j)
-        return chain_hash(self.parent_of_block(j), self.tokens(j * B, t), self._extra(j))
+        return tail_hash(self.parent_of_block(j), self.tokens(j * B, t), self._extra(j))
 
     # ------------------------------------------------------------ keys
 

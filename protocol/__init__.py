@@ -10,6 +10,7 @@ from .hashing import (
     pack_tokens,
     prefix_hash,
     root_hash,
+    tail_hash,
     unpack_tokens,
 )
 from .keys import ENTRY_KEY_BYTES, Kind, make_entry_key, split_entry_key
@@ -18,6 +19,6 @@ from .namespace import DTYPE_BYTES, HASH_SCHEME_VERSION, KVLayout, Namespace, Na
 __all__ = [
     "DTYPE_BYTES", "ENTRY_KEY_BYTES", "HASH_BYTES", "HASH_SCHEME_VERSION", "TOKEN_BYTES", "BlockHash",
     "KVLayout", "Kind", "Namespace", "NamespaceError", "StateLayout", "block_hashes", "chain_from",
-    "chain_hash", "make_entry_key", "pack_tokens", "prefix_hash", "root_hash", "split_entry_key",
+    "chain_hash", "make_entry_key", "tail_hash", "pack_tokens", "prefix_hash", "root_hash", "split_entry_key",
     "unpack_tokens",
 ]

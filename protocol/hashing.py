@@ -4,13 +4,15 @@
 
     h_0 = xxh3_128(namespace_id)
     h_j = xxh3_128(h_{j-1} || tokens[(j-1)B : jB] as little-endian uint32 || extra_j)
-    p(t) = h_{t/B}                                           if B divides t
-         = xxh3_128(h_{t//B} || tokens[(t//B)B : t] || extra_{t//B+1})   otherwise
+    p(t) = h_{t/B}                                   if B divides t
+         = xxh3_128(h~ || tokens[(t//B)B : t])       otherwise, where
+      h~ = h_{t//B}, or xxh3_128(h_{t//B} || extra) when block t//B+1 carries an extra
 
 Only full blocks are chained. Tails (partial blocks) and snapshots are keyed
 by p(t). ``extra_j`` carries per-block extra keys (LoRA id, hashes of
 multimodal items overlapping block j); a tail inside block j+1 takes that
-block's extra, so a LoRA or image change is never hidden by a tail.
+block's extra, so a LoRA or image change is never hidden by a tail. (See
+:func:`tail_hash` for why the extra is folded into the chaining value there.)
 
 Hashing runs on every request's critical path; the chain over a
 131,072-token prompt at B=16 (8,192 blocks) takes about 2 ms here
@@ -76,8 +78,22 @@ def root_hash(namespace: Namespace | bytes) -> BlockHash:
 
 
 def chain_hash(parent: BlockHash, packed_tokens: bytes, extra: bytes = b"") -> BlockHash:
-    """One link: the hash of a block (or tail) following ``parent``."""
+    """One link of the chain: the hash of a full block following ``parent``.
+
+    A full block's token bytes have a fixed length (4B), so ``extra``
+    appended after them is unambiguous."""
     return BlockHash(_digest(parent + packed_tokens + extra))
+
+
+def tail_hash(parent: BlockHash, packed_tokens: bytes, extra: bytes = b"") -> BlockHash:
+    """p(t) for t inside a block: the key of a tail or a mid-block snapshot.
+
+    Tail tokens have variable length, so appending ``extra`` after them would
+    be ambiguous (tail [5] with extra LE32(1) == tail [5, 1]). An extra is
+    folded into the chaining value instead: xxh3_128(xxh3_128(h || extra) ||
+    tokens). With no extra this is DESIGN §3's formula unchanged."""
+    base = _digest(parent + extra) if extra else parent
+    return BlockHash(_digest(base + packed_tokens))
 
 
 def block_hashes(
@@ -134,4 +150,4 @@ def prefix_hash(
     if t % B == 0:
         return parent
     extra = extra_keys[j] if extra_keys and j < len(extra_keys) else b""
-    return chain_hash(parent, packed[j * B * TOKEN_BYTES : t * TOKEN_BYTES], extra)
+    return tail_hash(parent, packed[j * B * TOKEN_BYTES : t * TOKEN_BYTES], extra)

@@ -193,9 +193,19 @@ class Namespace:
     tenant: str = "default"
 
     def __post_init__(self) -> None:
+        # The same rules as from_wire: a record the constructor accepts must
+        # also encode, register and decode, or its engine silently never hits.
+        for name in ("model", "revision", "tenant"):
+            _str(getattr(self, name), name)
+        for name in ("block_tokens", "tp_rank", "tp_size", "hash_scheme"):
+            _int(getattr(self, name), name)
+        if not isinstance(self.kv, KVLayout):
+            raise NamespaceError(f"kv: expected a KVLayout, got {type(self.kv).__name__}")
+        if not isinstance(self.state, StateLayout):
+            raise NamespaceError(f"state: expected a StateLayout, got {type(self.state).__name__}")
         if not self.model:
             raise NamespaceError("model: must be a non-empty string")
-        if not isinstance(self.block_tokens, int) or not 1 <= self.block_tokens <= 65536:
+        if not 1 <= self.block_tokens <= 65536:
             raise NamespaceError(f"block_tokens: must be an integer in [1, 65536], got {self.block_tokens!r}")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise NamespaceError(f"tp_size: must be a positive integer, got {self.tp_size!r}")

@@ -186,6 +186,7 @@ class LookupRequest:
     tokens: bytes  # packed uint32, the whole prompt
     lease: bool = True
     locations: bool = False
+    extras: tuple[tuple[int, bytes], ...] = ()  # (0-based block index, extra keys) where non-empty
 
     @property
     def num_blocks(self) -> int:
@@ -196,8 +197,11 @@ class LookupRequest:
         return len(self.tokens) // TOKEN_BYTES
 
     def to_header(self) -> dict[str, object]:
-        return {"ns": self.namespace_id, "hashes": self.hashes, "tokens": self.tokens,
-                "lease": self.lease, "locations": self.locations}
+        d: dict[str, object] = {"ns": self.namespace_id, "hashes": self.hashes, "tokens": self.tokens,
+                                "lease": self.lease, "locations": self.locations}
+        if self.extras:
+            d["extras"] = [[i, x] for i, x in self.extras]
+        return d
 
     @classmethod
     def from_header(cls, h: dict[str, object], limits: Limits, block_tokens_of: Callable[[bytes], int]) -> LookupRequest:
@@ -212,7 +216,16 @@ class LookupRequest:
         B = block_tokens_of(ns)
         if num_blocks != num_tokens // B:
             raise WireError("hashes", f"{num_blocks} hashes for {num_tokens} tokens; expected {num_tokens // B} at block size {B}")
-        return cls(namespace_id=ns, hashes=hashes, tokens=tokens,
+        extras: list[tuple[int, bytes]] = []
+        if h.get("extras") is not None:
+            raw = req_list(h, "extras", "", limits.max_lookup_blocks)
+            limit = -(-num_tokens // B)
+            for i, pair in enumerate(raw):
+                if (not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], int)
+                        or isinstance(pair[0], bool) or not 0 <= pair[0] < limit or not isinstance(pair[1], bytes)):
+                    raise WireError(f"extras[{i}]", f"expected [block index in [0, {limit}), binary extra keys]")
+                extras.append((pair[0], pair[1]))
+        return cls(namespace_id=ns, hashes=hashes, tokens=tokens, extras=tuple(extras),
                    lease=req_bool(h, "lease", default=True), locations=req_bool(h, "locations", default=False))
 
 
@@ -230,13 +243,16 @@ class EntryRef:
         return [self.key, self.num_tokens, self.usable_tokens, self.size, self.tier]
 
     @classmethod
-    def from_wire(cls, raw: object) -> EntryRef:
+    def from_wire(cls, raw: object, ctx: str = "entry") -> EntryRef:
         if not isinstance(raw, list) or len(raw) != 5:
-            raise WireError("entry", "expected [key, num_tokens, usable_tokens, size, tier]")
-        key, num_tokens, usable, size, tier = raw
-        if not isinstance(key, bytes) or len(key) != ENTRY_KEY_BYTES:
-            raise WireError("entry.key", f"expected {ENTRY_KEY_BYTES} bytes")
-        return cls(key=key, num_tokens=int(num_tokens), usable_tokens=int(usable), size=int(size), tier=str(tier))
+            raise WireError(ctx, "expected [key, num_tokens, usable_tokens, size, tier]")
+        h = dict(zip(("key", "num_tokens", "usable_tokens", "size", "tier"), raw))
+        key = req_bin(h, "key", f"{ctx}.", size=ENTRY_KEY_BYTES)
+        tier = h["tier"]
+        if not isinstance(tier, str):
+            raise WireError(f"{ctx}.tier", f"expected a string, got {type(tier).__name__}")
+        return cls(key=key, num_tokens=req_int(h, "num_tokens", f"{ctx}."),
+                   usable_tokens=req_int(h, "usable_tokens", f"{ctx}."), size=req_int(h, "size", f"{ctx}."), tier=tier)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -280,8 +296,8 @@ class LookupAnswer:
             num_tokens=req_int(h, "num_tokens"), matched_blocks=req_int(h, "matched_blocks"),
             kv_tokens=req_int(h, "kv_tokens"), state_tokens=req_int(h, "state_tokens"),
             checkpoint_hint=req_int(h, "checkpoint_hint"), block_bytes=req_int(h, "block_bytes"),
-            child=EntryRef.from_wire(child) if child is not None else None,
-            snapshot=EntryRef.from_wire(snap) if snap is not None else None,
+            child=EntryRef.from_wire(child, "child") if child is not None else None,
+            snapshot=EntryRef.from_wire(snap, "snapshot") if snap is not None else None,
             lease_id=opt_bin(h, "lease"), lease_ttl_s=float(ttl) if isinstance(ttl, (int, float)) else 0.0,
             block_tiers=opt_bin(h, "block_tiers"),
         )
@@ -401,9 +417,9 @@ class ItemResult:
 
     @classmethod
     def from_wire(cls, raw: object) -> ItemResult:
-        if not isinstance(raw, list) or len(raw) != 2:
-            raise WireError("results", "expected [status, reason]")
-        return cls(str(raw[0]), str(raw[1]))
+        if not isinstance(raw, list) or len(raw) != 2 or not all(isinstance(x, str) for x in raw):
+            raise WireError("results", "expected [status, reason] strings")
+        return cls(raw[0], raw[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +433,7 @@ class GetResult:
 
     @classmethod
     def from_wire(cls, raw: object) -> GetResult:
-        if not isinstance(raw, list) or len(raw) != 3:
+        if not isinstance(raw, list) or len(raw) != 3 or not isinstance(raw[0], str):
             raise WireError("items", "expected [status, size, checksum]")
-        return cls(str(raw[0]), int(raw[1]), int(raw[2]))
+        h = {"size": raw[1], "checksum": raw[2]}
+        return cls(raw[0], req_int(h, "size", "items."), req_int(h, "checksum", "items.", 0, (1 << 64) - 1))

@@ -40,7 +40,7 @@ import msgpack
 import xxhash
 
 from ..admission import make_admission, make_eviction
-from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, chain_hash, root_hash
+from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, chain_hash, root_hash, tail_hash
 from ..protocol.keys import Kind, make_entry_key
 from ..protocol.namespace import Namespace
 from ..protocol.wire import (
@@ -135,7 +135,12 @@ class Store:
         path = self.config.lmdb_path
         if path is not None:
             self.tier = LmdbTier(path, self.config.disk_bytes, sync=self.config.lmdb_sync)
-            await self._load_from_disk()
+            try:
+                await self._load_from_disk()
+            except BaseException:
+                self.tier.close()
+                self.tier = None
+                raise
         self._sweeper = asyncio.create_task(self._sweep_forever())
 
     async def close(self) -> None:
@@ -250,7 +255,7 @@ class Store:
         now = self.clock()
         self.leases.expire(now)
         m = self.index.match(req.namespace_id, self._roots[req.namespace_id], ns.block_tokens, req.hashes,
-                             req.tokens, self.config.max_child_scan)
+                             req.tokens, self.config.max_child_scan, dict(req.extras) if req.extras else None)
         hint = m.kv_tokens if ns.has_state and m.kv_tokens > m.state_tokens else 0
         lease_id = None
         if req.lease and m.kv_tokens:
@@ -307,8 +312,9 @@ class Store:
         if item.size != expected:
             raise WireError(f"{ctx}size", f"{n} tokens of this namespace's KV are {expected} bytes, got {item.size}")
         assert item.parent is not None
-        if chain_hash(item.parent, item.tokens, item.extra) != item.hash:
-            raise WireError(f"{ctx}hash", "does not equal xxh3_128(parent || tokens || extra)")
+        link = chain_hash if item.kind is Kind.BLOCK else tail_hash
+        if link(item.parent, item.tokens, item.extra) != item.hash:
+            raise WireError(f"{ctx}hash", "does not equal the hash of parent, tokens and extra (protocol/hashing.py)")
 
     def _find(self, key: bytes, batch: dict[bytes, Entry]) -> Entry | None:
         return batch.get(key) or self.pending.get(key) or self.index.get(key)
@@ -326,7 +332,7 @@ class Store:
                                 f"({c.start}, {c.end}]")
             off = item.boundary - c.start
             assert c.parent is not None
-            expected = c.hash if item.boundary == c.end else chain_hash(c.parent, c.tokens[: off * TOKEN_BYTES], c.extra)
+            expected = c.hash if item.boundary == c.end else tail_hash(c.parent, c.tokens[: off * TOKEN_BYTES], c.extra)
             if expected != item.hash:
                 raise WireError(f"{ctx}hash", f"does not equal p({item.boundary}) of the container's tokens")
             return Entry(key=key, kind=Kind.STATE, hash=item.hash, namespace_id=ns_id, parent=None, start=0,
@@ -551,8 +557,8 @@ class Store:
         if e.kind is Kind.STATE:
             num_layers = ns.state.num_layers
             hi = num_layers if item.layer_end is None else item.layer_end
-            if hi > num_layers:
-                raise WireError(f"{ctx}.layer_end", f"the state has {num_layers} layers, asked for up to {hi}")
+            if hi > num_layers or item.layer_start >= hi:
+                raise WireError(f"{ctx}.layer_end", f"the state has {num_layers} layers, asked for [{item.layer_start}, {hi})")
             return ns.state.layer_range_bytes(item.layer_start, hi)
         num_layers = ns.kv.num_layers
         hi = num_layers if item.layer_end is None else item.layer_end

@@ -204,17 +204,21 @@ class Index:
             self.stored_entries[(mk, "disk")] += sign
 
     def disk_bytes(self) -> int:
-        return self.stored_bytes[("kv", "disk")] + self.stored_bytes[("state", "disk")]
+        return self.stored_bytes.get(("kv", "disk"), 0) + self.stored_bytes.get(("state", "disk"), 0)
 
     # ------------------------------------------------------------ queries (no side effects)
 
     def match(self, namespace_id: bytes, root: BlockHash, block_tokens: int, hashes: bytes,
-              tokens: bytes, max_child_scan: int) -> Match:
+              tokens: bytes, max_child_scan: int, extras: dict[int, bytes] | None = None) -> Match:
         """The longest token-exact match of a prompt (DESIGN §5). Pure: changes nothing.
 
         ``hashes`` is h_1..h_n concatenated (16 bytes each), sliced on demand:
-        splitting 8,192 hashes up front would cost more than the search."""
+        splitting 8,192 hashes up front would cost more than the search.
+        ``extras`` maps a 0-based block index to the prompt's extra keys there:
+        an entry inside block j+1 (a tail, or a block that diverges) is only
+        reusable if it was stored with the same extra (same LoRA, same image)."""
         entries = self.entries
+        extra_at = (extras or {}).get
         H = HASH_BYTES
 
         def h(j: int) -> bytes:  # h_j, 1-based as in DESIGN §3
@@ -241,10 +245,13 @@ class Index:
         child, usable = None, 0
         kids = self.children.get(parent)
         if kids and seg:
+            extra = extra_at(m, b"")
             for n, ck in enumerate(reversed(kids)):
                 if n >= max_child_scan:
                     break
                 c = entries[ck]
+                if c.extra != extra:
+                    continue
                 a = lcp_tokens(c.tokens, seg)
                 if a > usable:
                     child, usable = c, a
@@ -269,7 +276,12 @@ class Index:
                     known = agree.get(s.container)
                     if known is None:
                         c = entries[s.container]
-                        known = B if j < m and c.kind is Kind.BLOCK and c.hash == h(j + 1) else lcp_tokens(c.tokens, seg)
+                        if j < m and c.kind is Kind.BLOCK and c.hash == h(j + 1):
+                            known = B  # the prompt's own matched block
+                        elif c.extra != extra_at(j, b""):
+                            known = 0  # stored under another LoRA / image: not this prompt's
+                        else:
+                            known = lcp_tokens(c.tokens, seg)
                         agree[s.container] = known
                     a = known
                     b = s.boundary

@@ -157,6 +157,9 @@ async def put(request: web.Request) -> web.Response:
     items = parse_items(header, store.limits)
     commit_now = req_bool(header, "commit", default=True)
     payload_bytes = sum(it.size for it in items)
+    if PREFIX_BYTES + header_len + payload_bytes > store.config.max_body_bytes:
+        raise WireError("body", f"the header lists {payload_bytes} payload bytes, more than "
+                        f"max_body_bytes={store.config.max_body_bytes} allows", 413)
     declared = request.content_length
     if declared is not None and declared != PREFIX_BYTES + header_len + payload_bytes:
         raise WireError("frame", f"Content-Length is {declared} bytes but the header lists "

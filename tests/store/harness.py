@@ -48,9 +48,10 @@ class CoreHarness:
 
     # ------------------------------------------------------------ operations
 
-    def save(self, tokens: list[int], kv_upto: int, snapshots: Mapping[int, bytes] | None = None) -> dict[str, int]:
+    def save(self, tokens: list[int], kv_upto: int, snapshots: Mapping[int, bytes] | None = None,
+             extra_keys: list[bytes] | None = None) -> dict[str, int]:
         """Offer, put and commit KV [0, kv_upto) and the given snapshots; count outcomes."""
-        p = Prompt(self.ns, tokens)
+        p = Prompt(self.ns, tokens, extra_keys)
         kv = p.kv_items(kv_upto)
         specs: list[ItemSpec] = [s for s, _, _ in kv]
         payloads: list[bytes] = [kv_payload(self.ns, tokens, a, b) for _, a, b in kv]
@@ -71,9 +72,10 @@ class CoreHarness:
         results = self.run(self.store.commit(self.ns.id, keys))
         return {"offered": len(specs), "wanted": len(wanted), "committed": sum(r.status == STATUS_OK for r in results)}
 
-    def lookup(self, tokens: list[int], lease: bool = True):  # type: ignore[no-untyped-def]
-        p = Prompt(self.ns, tokens)
-        req = LookupRequest(namespace_id=self.ns.id, hashes=b"".join(p.hashes), tokens=p.packed, lease=lease)
+    def lookup(self, tokens: list[int], lease: bool = True, extra_keys: list[bytes] | None = None):  # type: ignore[no-untyped-def]
+        p = Prompt(self.ns, tokens, extra_keys)
+        req = LookupRequest(namespace_id=self.ns.id, hashes=b"".join(p.hashes), tokens=p.packed, lease=lease,
+                            extras=tuple((j, x) for j, x in enumerate(p.extra_keys) if x))
         return p, self.store.lookup(req)
 
     def read(self, items: list[GetItem]) -> list[bytes | None]:

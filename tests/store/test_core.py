@@ -176,3 +176,16 @@ def test_layer_range_reads(ns, harness) -> None:  # type: ignore[no-untyped-def]
 
     assert plan.slots[0].status == STATUS_OK and plan.slots[0].checksum == xxhash.xxh3_64_intdigest(layer1)
     h.store.finish_get(plan)
+
+
+def test_extra_keys_separate_tails_and_snapshots(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """A tail stored under one LoRA / image must not serve a prompt with another one."""
+    h = harness(ram_only(ram_bytes=1 << 20), ns)
+    toks = [1, 2, 3, 4, 5, 6]  # block 0 full, block 1 is a 2-token tail
+    lora_a, lora_b = [b"", b"lora:a"], [b"", b"lora:b"]
+    h.save(toks, 6, {5: state_payload(ns, toks, 5)}, extra_keys=lora_a)
+    assert (lambda a: (a.kv_tokens, a.state_tokens))(h.lookup(toks, extra_keys=lora_a)[1]) == (6, 5)
+    other = h.lookup(toks, extra_keys=lora_b)[1]
+    assert (other.kv_tokens, other.state_tokens) == (4, 0)
+    plain = h.lookup(toks)[1]
+    assert (plain.kv_tokens, plain.state_tokens) == (4, 0)

@@ -1,0 +1,347 @@
+"""The ``prefixstore`` command: ``serve`` runs a store node, ``stats`` asks one how it is doing.
+
+``serve`` has one flag per :class:`~prefixstore.store.StoreConfig` field,
+generated from the dataclass, so a new knob needs no CLI change and its
+``--help`` text is the documentation written where the field is declared.
+Values are passed to :meth:`StoreConfig.from_sources` as the strings the
+operator typed: the config tree does every conversion and validation, for
+flags, ``PREFIXSTORE_*`` variables and the TOML file alike, with the
+precedence flag > environment > file > default.
+
+This is the only place that configures logging (``basicConfig``); library
+code only logs through ``logging.getLogger(__name__)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import textwrap
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import lmdb
+from aiohttp import web
+
+from . import __version__
+from .admission import ADMISSION_POLICIES, EVICTION_POLICIES
+from .store.config import ENV_PREFIX, LOG_LEVELS, ConfigError, StoreConfig
+from .store.server import create_app
+
+log = logging.getLogger("prefixstore.serve")
+
+EXIT_OK = 0
+EXIT_FAILURE = 1  # could not start or reach the store
+EXIT_USAGE = 2  # a bad flag or config value: same code argparse uses
+
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+"""Environment variable naming the TOML config file when --config is not given."""
+
+DEFAULT_URL = "http://127.0.0.1:8077"
+
+# In-flight requests get this long to finish after SIGTERM. Lookups and reads
+# take milliseconds; the bound stays well inside Kubernetes' default 30 s
+# termination grace period, so LMDB is closed by us rather than by SIGKILL.
+SHUTDOWN_TIMEOUT_S = 10.0
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# Knobs whose value is a name from a fixed set: listed in --help. The config
+# tree validates them; the CLI only shows the choices.
+_CHOICES: dict[str, Callable[[], Sequence[str]]] = {
+    "admission": lambda: sorted(ADMISSION_POLICIES),
+    "eviction": lambda: sorted(EVICTION_POLICIES),
+    "log_level": lambda: LOG_LEVELS,
+}
+
+_METAVARS = {"size": "SIZE", "host": "HOST", "data_dir": "DIR", "port": "PORT"}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def format_size(num_bytes: int) -> str:
+    """65536 -> '64KiB', 1500 -> '1500B': exact binary units, the form parse_size reads back."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if num_bytes >= 1 << shift and num_bytes % (1 << shift) == 0:
+            return f"{num_bytes >> shift}{unit}"
+    return f"{num_bytes}B"
+
+
+def _human_bytes(num_bytes: int) -> str:
+    """For display: 65536 -> '64 KiB', 1536000 -> '1.46 MiB'."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if value.is_integer() else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.0f} TiB" if value.is_integer() else f"{value:.3g} TiB"
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _default_text(f: dataclasses.Field[object]) -> str:
+    default = f.default
+    if f.metadata.get("kind") == "size" and isinstance(default, int):
+        return format_size(default)
+    if isinstance(default, bool):
+        return str(default).lower()
+    if default == "":
+        return "empty"
+    return str(default)
+
+
+def _metavar(f: dataclasses.Field[object]) -> str:
+    kind = f.metadata.get("kind", "")
+    if kind in _METAVARS:
+        return _METAVARS[kind]
+    if f.name in _METAVARS:
+        return _METAVARS[f.name]
+    if f.name in _CHOICES:
+        return "NAME"
+    if f.name.endswith("_s"):
+        return "SECONDS"
+    return {int: "N", float: "NUMBER"}.get(type(f.default), "TEXT")
+
+
+def _field_help(f: dataclasses.Field[object]) -> str:
+    text = str(f.metadata.get("help", "")).strip()
+    if f.name in _CHOICES:
+        text += f" Choices: {', '.join(_CHOICES[f.name]())}."
+    text += f" [env: {env_name(f.name)}; default: {_default_text(f)}]"
+    return text.replace("%", "%%")  # argparse %-formats help strings
+
+
+# ---------------------------------------------------------------- parser
+
+
+def _paragraphs(*texts: str) -> str:
+    """Pre-wrapped paragraphs: RawDescriptionHelpFormatter keeps them apart, and the examples aligned."""
+    return "\n\n".join(textwrap.fill(t, 79) for t in texts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefixstore",
+        description="prefixstore: a networked prefix store (KV blocks and recurrent-state "
+                    "snapshots) for LLM serving engines.",
+        epilog="examples:\n"
+               "  prefixstore serve                          # 127.0.0.1:8077, 256MiB RAM, LMDB in ~/.local/share\n"
+               "  prefixstore serve --port 0 --data-dir none  # a free port, RAM only\n"
+               "  prefixstore serve --config store.toml --ram-bytes 8GiB\n"
+               "  prefixstore stats http://127.0.0.1:8077\n\n"
+               "Run 'prefixstore COMMAND --help' for the options of a command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"prefixstore {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser(
+        "serve", help="run a store node (HTTP plane, RAM arena, LMDB tier)",
+        description=_paragraphs(
+            "Run a store node until SIGTERM or SIGINT, then shut down gracefully "
+            "(in-flight requests finish, LMDB is closed).",
+            "Every option below is a field of StoreConfig. Each can also be set by an "
+            f"environment variable ({ENV_PREFIX}<FIELD>, e.g. {ENV_PREFIX}RAM_BYTES=4GiB) "
+            "or a key of the TOML config file (ram_bytes = \"4GiB\"). Precedence: "
+            "flag > environment > config file > default. Sizes accept units "
+            "(65536, 64KiB, 4GiB, 1.5GB). A bad value exits with status 2, naming the knob."),
+        epilog=_paragraphs(
+            "Once listening, one line is logged to stderr: 'prefixstore serving on "
+            "http://HOST:PORT (ram=SIZE, lmdb=PATH|none)', with the address and port actually "
+            "bound (useful with --port 0)."),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--config", metavar="FILE", default=None,
+                       help=f"TOML file of StoreConfig fields (knob = value). [env: {CONFIG_ENV}]")
+    knobs = serve.add_argument_group("store configuration (StoreConfig)")
+    for f in StoreConfig.knobs():
+        if isinstance(f.default, bool):
+            # --lmdb-sync / --no-lmdb-sync; unset (None) leaves env, file and default in charge.
+            knobs.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=_field_help(f))
+        else:
+            # Strings on purpose: StoreConfig converts and validates, naming the knob.
+            knobs.add_argument(flag_name(f.name), dest=f.name, metavar=_metavar(f), default=None,
+                               help=_field_help(f))
+    serve.set_defaults(run=cmd_serve)
+
+    stats = commands.add_parser(
+        "stats", help="print a running store's statistics (GET /v1/stats)",
+        description="Ask a running store for its statistics (GET URL/v1/stats) and print them. "
+                    "Exits 1 with a one-line message when the store cannot be reached.")
+    stats.add_argument("url", metavar="URL", nargs="?", default=DEFAULT_URL,
+                       help=f"base URL of the store (default: {DEFAULT_URL})")
+    stats.add_argument("--json", action="store_true", help="print the raw JSON answer")
+    stats.add_argument("--timeout", metavar="SECONDS", type=float, default=5.0,
+                       help="give up after this many seconds (default: 5)")
+    stats.set_defaults(run=cmd_stats)
+    return parser
+
+
+# ---------------------------------------------------------------- serve
+
+
+def _source_of(knob: str, overrides: Mapping[str, object], env: Mapping[str, str], config_file: str | None) -> str:
+    """Where a knob's value came from, to point the operator at the right place."""
+    if overrides.get(knob) is not None:
+        return f"flag {flag_name(knob)}"
+    if env_name(knob) in env:
+        return f"environment {env_name(knob)}"
+    if config_file:
+        return f"config file {config_file}"
+    return "default"
+
+
+def load_config(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
+    """StoreConfig from the parsed flags, the environment and the config file. Raises ConfigError."""
+    overrides = {f.name: getattr(args, f.name) for f in StoreConfig.knobs()}
+    config_file = args.config or env.get(CONFIG_ENV) or None
+    try:
+        return StoreConfig.from_sources(overrides, env=env, config_file=config_file)
+    except ConfigError as err:
+        knob = str(err).split(":", 1)[0]
+        if knob in overrides:
+            raise ConfigError(f"{err} (set by {_source_of(knob, overrides, env, config_file)})") from err
+        raise
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT. Returns the process exit status."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # No access log: a store answers thousands of requests a second;
+    # /metrics counts them by endpoint and status instead.
+    runner = web.AppRunner(create_app(config), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    lmdb_text = str(config.lmdb_path) if config.lmdb_path is not None else "none"
+    try:
+        try:
+            await runner.setup()  # opens the LMDB tier and loads its index
+        except (OSError, RuntimeError, lmdb.Error) as err:
+            log.error("cannot open the store (lmdb=%s): %s", lmdb_text, err)
+            return EXIT_FAILURE
+        site = web.TCPSite(runner, config.host, config.port)
+        try:
+            await site.start()
+        except OSError as err:
+            log.error("cannot listen on %s:%d: %s", config.host, config.port, err)
+            return EXIT_FAILURE
+        host, port = runner.addresses[0][:2]
+        url = _url(host, port)
+        log.info("prefixstore serving on %s (ram=%s, lmdb=%s)", url, format_size(config.ram_bytes), lmdb_text)
+        if ready is not None:
+            ready(url)
+        await stop.wait()
+        log.info("shutting down (in-flight requests get up to %.0fs)", SHUTDOWN_TIMEOUT_S)
+    finally:
+        try:
+            await runner.cleanup()  # closes the listener, then the store and its LMDB env
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+    log.info("prefixstore stopped")
+    return EXIT_OK
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args, os.environ)
+    except ConfigError as err:
+        print(f"prefixstore serve: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    return asyncio.run(serve(config))
+
+
+# ---------------------------------------------------------------- stats
+
+
+def _flatten(value: object, prefix: str = "") -> Iterator[tuple[str, object]]:
+    if isinstance(value, dict):
+        if not value and prefix:
+            yield prefix, "-"
+        for k, v in value.items():
+            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, value
+
+
+def format_stats(url: str, stats: Mapping[str, object]) -> str:
+    """One 'name  value' line per leaf, sizes also in binary units."""
+    rows = [("store", url)]
+    for name, value in _flatten(dict(stats)):
+        text = "-" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        if "bytes" in name and isinstance(value, int) and not isinstance(value, bool):
+            text = f"{value} ({_human_bytes(value)})"
+        rows.append((name, text))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name.ljust(width)}  {text}" for name, text in rows)
+
+
+def fetch_stats(url: str, timeout_s: float) -> dict[str, object]:
+    """GET url/v1/stats. Raises OSError (unreachable, HTTP error) or ValueError (not a JSON object)."""
+    with urllib.request.urlopen(url + "/v1/stats", timeout=timeout_s) as resp:
+        body = json.loads(resp.read())
+    if not isinstance(body, dict):
+        raise ValueError(f"expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    try:
+        stats = fetch_stats(url, args.timeout)
+    except urllib.error.HTTPError as err:
+        print(f"prefixstore stats: {url}/v1/stats answered {err.code} {err.reason}", file=sys.stderr)
+        return EXIT_FAILURE
+    except urllib.error.URLError as err:
+        print(f"prefixstore stats: cannot reach the store at {url}: {err.reason}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as err:  # timeouts included
+        print(f"prefixstore stats: cannot reach the store at {url}: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except ValueError as err:
+        print(f"prefixstore stats: {url}/v1/stats did not answer store statistics: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+    else:
+        print(format_stats(url, stats))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # Ctrl-C before the serve loop installed its handler
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

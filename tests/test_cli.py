@@ -1,0 +1,203 @@
+"""The ``prefixstore`` command, run as real processes: help, config errors, precedence, stats, shutdown."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefixstore.cli import build_parser, flag_name, format_size, load_config
+from prefixstore.store.config import ConfigError, StoreConfig
+
+from .serve_process import StartServe, clean_env, http_get, run_cli, serving
+
+
+@pytest.fixture
+def serve() -> Iterator[StartServe]:
+    with serving() as start:
+        yield start
+
+
+def _squash(text: str) -> str:
+    return " ".join(text.split())
+
+
+# ---------------------------------------------------------------- help
+
+
+def test_serve_help_documents_every_field() -> None:
+    out = run_cli(["serve", "--help"])
+    assert out.returncode == 0, out.stderr
+    text = _squash(out.stdout)
+    for f in StoreConfig.knobs():
+        assert flag_name(f.name) in text, f.name
+        assert f"PREFIXSTORE_{f.name.upper()}" in text, f.name
+        assert _squash(f.metadata["help"]) in text, f.name
+    assert "--config FILE" in text
+    assert "flag > environment > config file > default" in text
+
+
+def test_top_level_and_stats_help() -> None:
+    top = run_cli(["--help"])
+    assert top.returncode == 0
+    assert "serve" in top.stdout and "stats" in top.stdout
+    stats = run_cli(["stats", "--help"])
+    assert stats.returncode == 0
+    assert "--json" in stats.stdout and "URL" in stats.stdout and "--timeout" in stats.stdout
+    assert run_cli([]).returncode == 2  # a command is required
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "prefixstore"
+    found = str(script) if script.exists() else shutil.which("prefixstore")
+    if found is None:
+        pytest.skip("the prefixstore console script is not on PATH (package not pip-installed here)")
+    out = subprocess.run([found, "--version"], capture_output=True, text=True, env=clean_env(), timeout=30)
+    assert out.returncode == 0 and out.stdout.startswith("prefixstore ")
+
+
+# ---------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize("args, env, knob", [
+    (["--ram-bytes", "lots"], {}, "ram_bytes"),
+    (["--port", "http"], {}, "port"),
+    (["--port", "70000"], {}, "port"),
+    (["--eviction", "fifo"], {}, "eviction"),
+    (["--log-level", "loud"], {}, "log_level"),
+    ([], {"PREFIXSTORE_PAGE_BYTES": "0"}, "page_bytes"),
+    ([], {"PREFIXSTORE_LMDB_SYNC": "maybe"}, "lmdb_sync"),
+])
+def test_bad_value_exits_2_naming_the_knob(args: list[str], env: dict[str, str], knob: str) -> None:
+    out = run_cli(["serve", "--data-dir", "none", *args], env=clean_env(**env))
+    assert out.returncode == 2, out
+    assert knob in out.stderr
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "serving on" not in out.stderr
+
+
+def test_bad_config_file_exits_2(tmp_path: Path) -> None:
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text('ram_byte = "1MiB"\n')
+    out = run_cli(["serve", "--config", str(unknown)])
+    assert out.returncode == 2 and "ram_byte" in out.stderr and "Traceback" not in out.stderr
+    broken = tmp_path / "broken.toml"
+    broken.write_text("ram_bytes = \n")
+    out = run_cli(["serve", "--config", str(broken)])
+    assert out.returncode == 2 and str(broken) in out.stderr and "Traceback" not in out.stderr
+    out = run_cli(["serve", "--config", str(tmp_path / "missing.toml")])
+    assert out.returncode == 2 and "missing.toml" in out.stderr
+
+
+def test_error_says_where_the_value_came_from(tmp_path: Path) -> None:
+    cfg = tmp_path / "store.toml"
+    cfg.write_text("max_items = -1\n")
+    args = build_parser().parse_args(["serve", "--config", str(cfg)])
+    with pytest.raises(ConfigError, match=r"max_items.*config file"):
+        load_config(args, {})
+    args = build_parser().parse_args(["serve"])
+    with pytest.raises(ConfigError, match=r"max_items.*environment PREFIXSTORE_MAX_ITEMS"):
+        load_config(args, {"PREFIXSTORE_MAX_ITEMS": "many"})
+
+
+# ---------------------------------------------------------------- precedence
+
+
+def test_precedence_flag_env_file_default(tmp_path: Path) -> None:
+    cfg = tmp_path / "store.toml"
+    cfg.write_text('ram_bytes = "8MiB"\npage_bytes = "8KiB"\nmax_items = 100\nlmdb_sync = true\n')
+    env = {"PREFIXSTORE_RAM_BYTES": "6MiB", "PREFIXSTORE_PAGE_BYTES": "16KiB", "PREFIXSTORE_LMDB_SYNC": "false"}
+    args = build_parser().parse_args(["serve", "--config", str(cfg), "--page-bytes", "32KiB", "--lmdb-sync"])
+    c = load_config(args, env)
+    assert c.page_bytes == 32 << 10  # flag > env > file
+    assert c.ram_bytes == 6 << 20  # env > file
+    assert c.max_items == 100  # file > default
+    assert c.lmdb_sync is True  # boolean flag > env
+    assert c.disk_bytes == StoreConfig().disk_bytes  # default
+    # The config file may also come from PREFIXSTORE_CONFIG.
+    c = load_config(build_parser().parse_args(["serve"]), {"PREFIXSTORE_CONFIG": str(cfg)})
+    assert (c.ram_bytes, c.page_bytes, c.max_items) == (8 << 20, 8 << 10, 100)
+    # --no-flag form of a boolean beats the file.
+    c = load_config(build_parser().parse_args(["serve", "--config", str(cfg), "--no-lmdb-sync"]), {})
+    assert c.lmdb_sync is False
+    # Nothing given: every field at its default.
+    assert load_config(build_parser().parse_args(["serve"]), {}) == StoreConfig()
+
+
+def test_precedence_in_a_real_server(tmp_path: Path, serve: StartServe) -> None:
+    data_dir = tmp_path / "from-file"
+    cfg = tmp_path / "store.toml"
+    cfg.write_text(f'ram_bytes = "8MiB"\npage_bytes = "8KiB"\ndata_dir = "{data_dir}"\nport = 1\n')
+    env = clean_env(PREFIXSTORE_RAM_BYTES="6MiB", PREFIXSTORE_PAGE_BYTES="16KiB")
+    p = serve("--config", str(cfg), "--page-bytes", "32KiB", "--port", "0", env=env)
+    assert p.ram == format_size(6 << 20) and p.lmdb == str(data_dir)
+    assert p.url is not None and not p.url.endswith(":1")
+    status, body = http_get(p.url + "/v1/stats")
+    assert status == 200
+    stats = json.loads(body)
+    assert stats["arena"]["capacity_bytes"] == 6 << 20
+    assert stats["arena"]["page_bytes"] == 32 << 10
+    assert stats["disk"]["path"] == str(data_dir)
+    assert stats["disk"]["budget_bytes"] == StoreConfig().disk_bytes
+    assert (data_dir / "data.mdb").exists()
+
+
+# ---------------------------------------------------------------- serve and stats
+
+
+def test_stats_of_a_running_store(tmp_path: Path, serve: StartServe) -> None:
+    p = serve("--port", "0", "--data-dir", str(tmp_path / "lmdb"), "--ram-bytes", "4MiB")
+    assert p.url is not None
+    out = run_cli(["stats", p.url])
+    assert out.returncode == 0, out.stderr
+    assert p.url in out.stdout
+    assert "namespaces" in out.stdout
+    assert "arena.capacity_bytes" in out.stdout and "4194304 (4 MiB)" in out.stdout
+    assert str(tmp_path / "lmdb") in out.stdout
+    raw = run_cli(["stats", "--json", p.url + "/"])
+    assert raw.returncode == 0, raw.stderr
+    assert json.loads(raw.stdout)["arena"]["capacity_bytes"] == 4 << 20
+
+
+def test_stats_of_an_unreachable_store_fails_in_one_line() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = run_cli(["stats", f"http://127.0.0.1:{port}", "--timeout", "2"])
+    assert out.returncode == 1
+    assert "cannot reach" in out.stderr and f"127.0.0.1:{port}" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert out.stdout == ""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_shuts_down_gracefully(tmp_path: Path, serve: StartServe, sig: int) -> None:
+    p = serve("--port", "0", "--data-dir", str(tmp_path / "lmdb"))
+    assert p.stop(sig) == 0
+    assert "prefixstore stopped" in p.output
+    assert "Traceback" not in p.output
+
+
+def test_two_servers_on_port_0_get_different_ports(serve: StartServe) -> None:
+    a = serve("--port", "0", "--data-dir", "none")
+    b = serve("--port", "0", "--data-dir", "none")
+    assert a.url != b.url
+    assert a.lmdb == "none"
+
+
+def test_port_in_use_fails_cleanly(serve: StartServe) -> None:
+    a = serve("--port", "0", "--data-dir", "none")
+    assert a.url is not None
+    port = a.url.rsplit(":", 1)[1]
+    out = run_cli(["serve", "--port", port, "--data-dir", "none"])
+    assert out.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "Traceback" not in out.stderr
