@@ -56,7 +56,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Knobs whose value is a name from a fixed set: listed in --help. The config
 # tree validates them; the CLI only shows the choices.
 _CHOICES: dict[str, Callable[[], Sequence[str]]] = {
-    "admission": lambda: sorted(ADMISSION_POLICIES),
+    "kv_admission": lambda: sorted(ADMISSION_POLICIES),
+    "state_admission": lambda: sorted(ADMISSION_POLICIES),
     "eviction": lambda: sorted(EVICTION_POLICIES),
     "log_level": lambda: LOG_LEVELS,
 }

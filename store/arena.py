@@ -26,11 +26,16 @@ class ArenaFull(Exception):
 
 
 class Arena:
-    def __init__(self, total_bytes: int, page_bytes: int) -> None:
+    """``virtual=True`` keeps the page accounting without the memory: the trace
+    simulator replays through the same store code at real model sizes (GiBs)
+    without allocating or copying them."""
+
+    def __init__(self, total_bytes: int, page_bytes: int, virtual: bool = False) -> None:
         self.page_bytes = page_bytes
         self.num_pages = total_bytes // page_bytes
+        self.virtual = virtual
         # np.zeros maps fresh anonymous memory: untouched pages cost nothing.
-        self.region = np.zeros(self.num_pages * page_bytes, dtype=np.uint8)
+        self.region = np.zeros(0 if virtual else self.num_pages * page_bytes, dtype=np.uint8)
         self.view = self.region.data.cast("B")
         self._free: list[int] = list(range(self.num_pages))  # a heap
         self._num_free = self.num_pages
@@ -50,17 +55,25 @@ class Arena:
         n = self.pages_for(size)
         if n > self._num_free:
             raise ArenaFull(f"{n} pages wanted, {self._num_free} free")
+        if self.virtual:  # page identities do not matter without memory behind them
+            self._num_free -= n
+            return [-1] * n
         pages = [heapq.heappop(self._free) for _ in range(n)]
         self._num_free -= n
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
+        if self.virtual:
+            self._num_free += len(pages)
+            return
         for p in pages:
             heapq.heappush(self._free, p)
         self._num_free += len(pages)
 
     def runs(self, pages: Sequence[int], offset: int, length: int) -> Iterator[memoryview]:
         """Memoryviews covering bytes [offset, offset+length) of an entry, consecutive pages merged."""
+        if self.virtual:
+            return
         pb = self.page_bytes
         end = offset + length
         first, last = offset // pb, (end - 1) // pb if length else offset // pb - 1

@@ -75,10 +75,17 @@ class StoreConfig:
         "Lookups never renew leases."))
     pending_ttl_s: float = field(default=60.0, metadata=_doc(
         "How long a put that was not committed keeps its pages before they are reclaimed."))
-    admission: str = field(default="always", metadata=_doc(
-        "Admission policy for offered entries (see admission/)."))
-    eviction: str = field(default="lru", metadata=_doc(
-        "Eviction priority policy for both tiers (see admission/)."))
+    kv_admission: str = field(default="always", metadata=_doc(
+        "Admission policy for KV blocks and tails. KV is small per token and any prefix of it "
+        "is reusable, so 'always' suits it."))
+    state_admission: str = field(default="adaptive", metadata=_doc(
+        "Admission policy for state snapshots: 'always'; 'second-hit' (admit on the second sighting); "
+        "'adaptive' (second-hit while reuse is heavy-tailed and space is short, always otherwise)."))
+    eviction: str = field(default="flop-aware", metadata=_doc(
+        "Eviction priority for both tiers: 'flop-aware' (recency plus recompute FLOPs saved per byte, "
+        "weight tuned online) or 'lru'."))
+    sighting_filter_bytes: int = field(default=1 << 20, metadata=_doc(
+        "Memory of the aging sighting filter behind second-hit / adaptive admission.", "size"))
     max_body_bytes: int = field(default=1 << 30, metadata=_doc(
         "Largest request body accepted (put); larger ones get 413.", "size"))
     max_header_bytes: int = field(default=8 << 20, metadata=_doc(
@@ -94,7 +101,7 @@ class StoreConfig:
     log_level: str = field(default="INFO", metadata=_doc("Logging level of `prefixstore serve`."))
 
     def __post_init__(self) -> None:
-        positive = ("ram_bytes", "page_bytes", "disk_bytes", "max_body_bytes", "max_header_bytes",
+        positive = ("ram_bytes", "page_bytes", "sighting_filter_bytes", "disk_bytes", "max_body_bytes", "max_header_bytes",
                     "max_items", "max_lookup_tokens", "max_get_bytes", "max_child_scan")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -109,8 +116,10 @@ class StoreConfig:
         # Policy names are checked against the registries here, at start-up.
         from ..admission import ADMISSION_POLICIES, EVICTION_POLICIES
 
-        if self.admission not in ADMISSION_POLICIES:
-            raise ConfigError(f"admission: unknown policy {self.admission!r}; choose one of {sorted(ADMISSION_POLICIES)}")
+        for knob in ("kv_admission", "state_admission"):
+            if getattr(self, knob) not in ADMISSION_POLICIES:
+                raise ConfigError(f"{knob}: unknown policy {getattr(self, knob)!r}; "
+                                  f"choose one of {sorted(ADMISSION_POLICIES)}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction: unknown policy {self.eviction!r}; choose one of {sorted(EVICTION_POLICIES)}")
         if self.log_level.upper() not in LOG_LEVELS:

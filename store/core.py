@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import msgpack
 import xxhash
 
-from ..admission import make_admission, make_eviction
+from ..admission import MODEL_PRESETS, ModelShape, PolicyContext, make_admission, make_eviction
 from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, chain_hash, root_hash, tail_hash
 from ..protocol.keys import Kind, make_entry_key
 from ..protocol.namespace import Namespace
@@ -107,14 +107,16 @@ class GetPlan:
 
 
 class Store:
-    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.monotonic,
+                 virtual_payloads: bool = False) -> None:
+        """``virtual_payloads``: account for pages but hold no bytes (the trace simulator)."""
         self.config = config
         self.clock = clock
         self.limits = Limits(max_header_bytes=config.max_header_bytes, max_items=config.max_items,
                              max_lookup_blocks=config.max_lookup_tokens, max_lookup_tokens=config.max_lookup_tokens,
                              max_body_bytes=config.max_body_bytes)
         self.index = Index()
-        self.arena = Arena(config.ram_bytes, config.page_bytes)
+        self.arena = Arena(config.ram_bytes, config.page_bytes, virtual=virtual_payloads)
         self.tier: LmdbTier | None = None
         self.namespaces: dict[bytes, Namespace] = {}
         self._roots: dict[bytes, BlockHash] = {}  # namespace id -> h_0
@@ -122,8 +124,12 @@ class Store:
         self.ram_queue = EvictionQueue()  # committed, in RAM and on disk: RAM drop is free
         self.delete_queue = EvictionQueue()  # committed leaves: candidates for deletion
         self.leases = Leases(self._unpin)
-        self.admission = make_admission(config.admission)
-        self.eviction = make_eviction(config.eviction)
+        ctx = PolicyContext(shape_of=self.shape_of, filter_bytes=config.sighting_filter_bytes)
+        kv_policy = make_admission(config.kv_admission, ctx)
+        self.admission = {Kind.BLOCK: kv_policy, Kind.TAIL: kv_policy,
+                          Kind.STATE: make_admission(config.state_admission, ctx)}
+        self.eviction = make_eviction(config.eviction, ctx)
+        self._shapes: dict[bytes, ModelShape | None] = {}
         self.metrics = StoreMetrics(self.index, self._gauges)
         self._doomed: list[bytes] = []  # deleted from the index, still to delete from LMDB
         self._wanted: dict[bytes, float] = {}  # offered and wanted: admitted at put without asking again
@@ -247,6 +253,22 @@ class Store:
     def block_tokens_of(self, ns_id: bytes) -> int:
         return self.namespace(ns_id).block_tokens
 
+    def shape_of(self, ns_id: bytes) -> ModelShape | None:
+        """The model shape FLOP-aware eviction ranks by: a preset named by the
+        namespace's model, else one derived from its layouts."""
+        if ns_id not in self._shapes:
+            ns = self.namespaces.get(ns_id)
+            shape = None
+            if ns is not None:
+                shape = MODEL_PRESETS.get(ns.model) or ModelShape(
+                    name=ns.model, hidden_size=max(1, ns.kv.num_heads * ns.kv.head_dim),
+                    num_attention_layers=ns.kv.num_layers, num_linear_layers=ns.state.num_layers,
+                    num_kv_heads=ns.kv.num_heads, head_dim=ns.kv.head_dim, kv_components=ns.kv.num_components,
+                    kv_dtype=ns.kv.dtype, state_bytes_per_layer=ns.state.layer_bytes,
+                    linear_flops_per_token=8 * max(1, ns.kv.num_heads * ns.kv.head_dim) ** 2)
+            self._shapes[ns_id] = shape
+        return self._shapes[ns_id]
+
     # ------------------------------------------------------------ lookup
 
     def lookup(self, req: LookupRequest) -> LookupAnswer:
@@ -257,6 +279,7 @@ class Store:
         m = self.index.match(req.namespace_id, self._roots[req.namespace_id], ns.block_tokens, req.hashes,
                              req.tokens, self.config.max_child_scan, dict(req.extras) if req.extras else None)
         hint = m.kv_tokens if ns.has_state and m.kv_tokens > m.state_tokens else 0
+        self._count_lookup(req, ns, m.matched_blocks, m.kv_tokens, hint, (m.child or m.last_block, m.snapshot), now)
         lease_id = None
         if req.lease and m.kv_tokens:
             held: list[Entry] = []
@@ -289,6 +312,31 @@ class Store:
 
     def release(self, lease_id: bytes) -> bool:
         return self.leases.release(lease_id)
+
+    def _count_lookup(self, req: LookupRequest, ns: Namespace, matched_blocks: int, kv_tokens: int, hint: int,
+                      served: tuple[Entry | None, Entry | None], now: float) -> None:
+        """What policies learn from a lookup: hits, the junction sighting, misses.
+
+        This only feeds future admission and eviction decisions; it never changes
+        what a lookup returns."""
+        for e in served:
+            if e is not None:
+                self.admission[e.kind].on_hit(e.kind, e.key, e.num_hits == 0, now)
+                e.num_hits += 1
+        if hint:
+            B = ns.block_tokens
+            j = kv_tokens // B
+            if kv_tokens % B == 0:
+                junction = BlockHash(req.hashes[(j - 1) * HASH_BYTES : j * HASH_BYTES])
+            else:
+                parent = BlockHash(req.hashes[(j - 1) * HASH_BYTES : j * HASH_BYTES]) if j else self._roots[ns.id]
+                junction = tail_hash(parent, req.tokens[j * B * TOKEN_BYTES : kv_tokens * TOKEN_BYTES],
+                                     dict(req.extras).get(j, b""))
+            self.admission[Kind.STATE].on_sighting(Kind.STATE, make_entry_key(Kind.STATE, junction), now)
+            self.eviction.on_miss(Kind.STATE, junction, now)
+        if matched_blocks < req.num_blocks:
+            start = matched_blocks * HASH_BYTES
+            self.eviction.on_miss(Kind.BLOCK, BlockHash(req.hashes[start : start + HASH_BYTES]), now)
 
     # ------------------------------------------------------------ offer / put / commit
 
@@ -378,7 +426,7 @@ class Store:
                 new.append(None)
                 continue
             wanted = self._wanted.pop(key, None) is not None if for_put else False
-            if not wanted and not self.admission.admit(item.kind, key, item.size, now):
+            if not wanted and not self.admission[item.kind].admit(item.kind, key, item.size, now):
                 results.append(ItemResult(REJECTED, "admission"))
                 new.append(None)
                 continue
@@ -453,7 +501,7 @@ class Store:
             if e is None or self.pending.get(e.key) is not e:
                 continue
             assert e.pages is not None
-            if self.arena.checksum(e.pages, 0, e.size) != e.checksum:
+            if not self.arena.virtual and self.arena.checksum(e.pages, 0, e.size) != e.checksum:
                 self._drop_pending(e)
                 plan.entries[i] = None
                 plan.results[i] = ItemResult(STATUS_REJECTED, "payload does not match its checksum")
@@ -611,7 +659,6 @@ class Store:
                 assert e.pages is not None
                 slot.checksum = self.arena.checksum(e.pages, slot.offset, slot.length)
             e.last_access_s = now
-            e.num_hits += 1
             if not e.dead:
                 self._requeue(e, now)
         return plan
@@ -670,18 +717,20 @@ class Store:
             return None
         while self.arena.num_free < need:
             if self.tier is not None:
-                v = self.ram_queue.pop(lambda e: e.pins == 0)
-                if v is None:
+                popped = self.ram_queue.pop(lambda e: e.pins == 0)
+                if popped is None:
                     return None
+                v, priority = popped
                 assert v.pages is not None
                 self.arena.free(v.pages)
                 self.index.set_tier(v, None, True)
+                self.eviction.on_evict(v, priority, self.clock())
                 self.metrics.evictions.labels(v.metric_kind, "demoted").inc()
             else:
-                v = self.delete_queue.pop(lambda e: e.pins == 0)
-                if v is None:
+                popped = self.delete_queue.pop(lambda e: e.pins == 0)
+                if popped is None:
                     return None
-                self._delete(v, "capacity")
+                self._evict(*popped)
         try:
             return self.arena.allocate(size)
         except ArenaFull:  # pragma: no cover - the loop above guarantees room
@@ -689,11 +738,18 @@ class Store:
 
     def _enforce_disk_budget(self, incoming: int) -> bool:
         while self.index.disk_bytes() + incoming > self.config.disk_bytes:
-            v = self.delete_queue.pop(lambda e: e.pins == 0)
-            if v is None:
+            popped = self.delete_queue.pop(lambda e: e.pins == 0)
+            if popped is None:
                 return False
-            self._delete(v, "capacity")
+            self._evict(*popped)
         return True
+
+    def _evict(self, victim: Entry, priority: float) -> None:
+        """Delete a capacity victim (a leaf) and tell the policies."""
+        now = self.clock()
+        self.eviction.on_evict(victim, priority, now)
+        self.admission[victim.kind].on_evict(victim.kind, victim.num_hits, now)
+        self._delete(victim, "capacity")
 
     def _delete(self, e: Entry, reason: str) -> None:
         """Remove ``e`` and everything that depends on it, leaves first."""
@@ -748,7 +804,9 @@ class Store:
                      "path": str(self.tier.path) if self.tier is not None else None},
             "leases": len(self.leases),
             "pending": len(self.pending),
-            "policies": {"admission": self.admission.name, "eviction": self.eviction.name},
+            "policies": {"kv_admission": self.admission[Kind.BLOCK].name,
+                         "state_admission": self.admission[Kind.STATE].name,
+                         "eviction": self.eviction.name},
         }
 
     def check(self) -> None:

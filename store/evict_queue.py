@@ -45,18 +45,18 @@ class EvictionQueue:
     def discard(self, e: Entry) -> None:
         self._live.pop(e.key, None)
 
-    def pop(self, usable: Callable[[Entry], bool]) -> Entry | None:
-        """Remove and return the lowest-priority live entry for which ``usable`` holds."""
+    def pop(self, usable: Callable[[Entry], bool]) -> tuple[Entry, float] | None:
+        """Remove and return the lowest-priority live entry for which ``usable`` holds, with its priority."""
         skipped: list[tuple[float, int, Entry]] = []
-        found: Entry | None = None
+        found: tuple[Entry, float] | None = None
         while self._heap:
             item = heapq.heappop(self._heap)
-            _, seq, e = item
+            priority, seq, e = item
             if self._live.get(e.key) != seq:
                 continue
             if usable(e):
                 del self._live[e.key]
-                found = e
+                found = (e, priority)
                 break
             skipped.append(item)
         for item in skipped:

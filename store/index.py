@@ -54,7 +54,7 @@ class Entry:
     num_snapshots: int = 0
     pins: int = 0  # leases and in-flight reads; a pinned entry is never evicted
     last_access_s: float = 0.0
-    num_hits: int = 0
+    num_hits: int = 0  # lookups that served this entry
     expires_s: float = 0.0  # pending entries: reclaimed after this time
 
     @property
@@ -64,6 +64,11 @@ class Entry:
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def position(self) -> int:
+        """Tokens consumed at the entry's end: a KV entry's end, a snapshot's boundary."""
+        return self.boundary if self.kind is Kind.STATE else self.start + self.num_tokens
 
     @property
     def metric_kind(self) -> str:

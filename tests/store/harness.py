@@ -70,7 +70,8 @@ class CoreHarness:
         self.store.verify_put(plan)
         keys = [e.key for e in plan.entries if e is not None]
         results = self.run(self.store.commit(self.ns.id, keys))
-        return {"offered": len(specs), "wanted": len(wanted), "committed": sum(r.status == STATUS_OK for r in results)}
+        return {"offered": len(specs), "wanted": len(wanted), "have": sum(d.status == "have" for d in decisions),
+                "committed": sum(r.status == STATUS_OK for r in results)}
 
     def lookup(self, tokens: list[int], lease: bool = True, extra_keys: list[bytes] | None = None):  # type: ignore[no-untyped-def]
         p = Prompt(self.ns, tokens, extra_keys)

@@ -16,6 +16,8 @@ from .harness import CoreHarness, expected_prefix_bytes
 
 
 def ram_only(ram_bytes: int = 64 * 256, **kw: object) -> StoreConfig:
+    """A RAM-only store with the baseline policies (recency order is what these tests reason about)."""
+    kw = {"eviction": "lru", "state_admission": "always", **kw}
     return StoreConfig(port=0, data_dir="none", ram_bytes=ram_bytes, page_bytes=256, **kw)  # type: ignore[arg-type]
 
 

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from prefixstore.admission import ADMISSION_POLICIES, EVICTION_POLICIES
 from prefixstore.store import StoreConfig
 
 from ..factories import make_namespace, state_payload
@@ -57,6 +58,10 @@ class StoreMachine(RuleBasedStateMachine):
     block_tokens = 4
     tmp: Path
     memory_only = False
+    # Exact runs admit everything (the model stores everything); evicting runs
+    # may use any registered policy pair: the invariants must hold under each.
+    state_admission = "always"
+    eviction = "lru"
 
     def __init__(self) -> None:
         super().__init__()
@@ -73,8 +78,10 @@ class StoreMachine(RuleBasedStateMachine):
         data_dir = "none" if self.memory_only else tempfile.mkdtemp(dir=self.tmp)
         # Small RAM: with LMDB, entries get demoted (still exact); RAM-only, they get deleted.
         ram = 64 * 256 if small_ram else 4 << 20
-        self.evicting = self.memory_only and small_ram
-        cfg = StoreConfig(port=0, data_dir=data_dir, ram_bytes=ram, page_bytes=256, disk_bytes=1 << 30)
+        # Lossy runs (deleting eviction, or admission that may refuse) may only lower answers.
+        self.evicting = (self.memory_only and small_ram) or self.state_admission != "always"
+        cfg = StoreConfig(port=0, data_dir=data_dir, ram_bytes=ram, page_bytes=256, disk_bytes=1 << 30,
+                          state_admission=self.state_admission, eviction=self.eviction)
         self.harness = CoreHarness(cfg, self.ns)
 
     def teardown(self) -> None:
@@ -93,7 +100,7 @@ class StoreMachine(RuleBasedStateMachine):
         boundaries = sorted({max(1, round(kv_upto * f)) for f in snaps})
         result = self.harness.save(tokens, kv_upto, {t: state_payload(self.ns, tokens, t) for t in boundaries})
         if not self.evicting:
-            assert result["committed"] == result["wanted"], result
+            assert result["committed"] == result["wanted"] == result["offered"] - result["have"], result
         self.model.save(tokens, kv_upto, boundaries)
 
     @rule(base=st.integers(0, 50), keep=st.floats(0, 1), suffix=st.lists(ALPHABET, max_size=10))
@@ -150,9 +157,15 @@ def test_lookup_matches_model_with_lmdb(machine_tmp: None) -> None:
     StoreMachine.TestCase().runTest()
 
 
-def test_lookup_under_eviction_only_lowers(machine_tmp: None) -> None:
+@pytest.mark.parametrize("state_admission", sorted(ADMISSION_POLICIES))
+@pytest.mark.parametrize("eviction", sorted(EVICTION_POLICIES))
+def test_lookup_under_eviction_only_lowers(machine_tmp: None, eviction: str, state_admission: str) -> None:
+    """The policy conformance suite: every admission x eviction pair keeps every invariant."""
+
     class RamOnly(StoreMachine):
         memory_only = True
 
-    RamOnly.TestCase.settings = SETTINGS
+    RamOnly.state_admission = state_admission
+    RamOnly.eviction = eviction
+    RamOnly.TestCase.settings = settings(SETTINGS, max_examples=15)
     RamOnly.TestCase().runTest()

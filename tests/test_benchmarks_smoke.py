@@ -1,0 +1,40 @@
+"""Each benchmark runs end to end with --quick and writes its JSON and PNG.
+
+The figures of a --quick run mean nothing; this only keeps the scripts
+working as the library changes under them (they start real stores).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["lookup", "transfer"])
+def test_benchmark_quick_run(name: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent)
+    assert proc.returncode == 0, f"{name}.py --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    results = json.loads((out / f"{name}.json").read_text())
+    assert results["benchmark"] == name
+    assert results["results"], "no results recorded"
+    png = (out / f"{name}.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 1000
+
+
+@pytest.mark.parametrize("name", ["lookup", "transfer"])
+def test_benchmark_help_documents_every_flag(name: str) -> None:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--help"],
+                          capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--out", "--quick", "--reps", "--warmup", "--seed"):
+        assert flag in proc.stdout
