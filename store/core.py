@@ -134,6 +134,7 @@ class Store:
         self._doomed: list[bytes] = []  # deleted from the index, still to delete from LMDB
         self._wanted: dict[bytes, float] = {}  # offered and wanted: admitted at put without asking again
         self._sweeper: asyncio.Task[None] | None = None
+        self._prefault: asyncio.Task[bool] | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -148,8 +149,11 @@ class Store:
                 self.tier = None
                 raise
         self._sweeper = asyncio.create_task(self._sweep_forever())
+        self._prefault = asyncio.create_task(asyncio.to_thread(self.arena.prefault))
 
     async def close(self) -> None:
+        if self._prefault is not None:
+            await self._prefault
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:

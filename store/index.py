@@ -267,11 +267,12 @@ class Index:
         #    from the top level down and stop at the first level that has one.
         snapshot, state_tokens = None, 0
         if self.snapshots_per_ns.get(namespace_id):
+            snaps_under = self.snaps_under
             for j in range(m, -1, -1):
-                parent, seg = level(j)
-                snaps = self.snaps_under.get(parent)
+                snaps = snaps_under.get(h(j) if j else root)  # probe before slicing: most levels have none
                 if not snaps:
                     continue
+                seg = tokens[j * B * TB : (j + 1) * B * TB]
                 agree: dict[bytes, int] = {}
                 for n, sk in enumerate(reversed(snaps)):
                     if n >= max_child_scan:
