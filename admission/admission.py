@@ -2,7 +2,7 @@
 
 Hooks the store calls (all pure bookkeeping, time passed in):
 
-- ``admit(kind, key, size, now)``: an offer (or a put not preceded by one);
+- ``admit(kind, key, size, now, origin)``: an offer (or a put not preceded by one);
 - ``on_sighting(kind, key, now)``: a lookup reached a junction with KV but no
   snapshot — the prefix was stored once and is asked for again;
 - ``on_hit(kind, key, first, now)``: a lookup served this entry (``first``:
@@ -13,6 +13,7 @@ Hooks the store calls (all pure bookkeeping, time passed in):
 from __future__ import annotations
 
 from ..protocol.keys import Kind
+from .eviction import OriginValue
 from .sighting import SightingFilter
 
 DEFAULT_FILTER_BYTES = 1 << 20
@@ -23,16 +24,16 @@ class AlwaysAdmit:
 
     name = "always"
 
-    def admit(self, kind: Kind, key: bytes, size: int, now: float) -> bool:
+    def admit(self, kind: Kind, key: bytes, size: int, now: float, origin: int = 0) -> bool:
         return True
 
     def on_sighting(self, kind: Kind, key: bytes, now: float) -> None:
         pass
 
-    def on_hit(self, kind: Kind, key: bytes, first: bool, now: float) -> None:
+    def on_hit(self, kind: Kind, key: bytes, first: bool, now: float, origin: int = 0) -> None:
         pass
 
-    def on_evict(self, kind: Kind, num_hits: int, now: float) -> None:
+    def on_evict(self, kind: Kind, num_hits: int, now: float, origin: int = 0) -> None:
         pass
 
 
@@ -46,7 +47,7 @@ class SecondHit(AlwaysAdmit):
     def __init__(self, filter_bytes: int = DEFAULT_FILTER_BYTES) -> None:
         self.seen = SightingFilter(filter_bytes)
 
-    def admit(self, kind: Kind, key: bytes, size: int, now: float) -> bool:
+    def admit(self, kind: Kind, key: bytes, size: int, now: float, origin: int = 0) -> bool:
         if key in self.seen:
             return True
         self.seen.add(key)
@@ -57,70 +58,107 @@ class SecondHit(AlwaysAdmit):
 
 
 class Adaptive(SecondHit):
-    """Second-hit when reuse is heavy-tailed and capacity is scarce, always otherwise.
+    """Always, unless the traffic shows second-hit would keep nearly all the hits
+    while always fills the cache with snapshots nobody reuses.
 
-    It measures, online and under whichever mode it is in, the hits that
-    second-hit forfeits (F: under always, each entry's first hit; under
-    second-hit, each second sighting of a key it turned away) against the hits
-    both modes earn (R: every later hit). With every prefix reused exactly twice
-    R stays 0 and F/(F+R) = 1, so it admits always instead of collecting
-    nothing; on heavy-tailed reuse F/(F+R) is small and one-off prefixes are
-    kept out. With no evictions (capacity to spare) one-offs cost nothing, so
-    it admits always as well. Counters decay by half every ``window`` events.
+    Measured online, in whichever mode it is in:
+
+    - F, hits second-hit forfeits: under always, each snapshot's *first* hit
+      (second-hit would only have stored it then); under second-hit, each
+      re-offer of a key it turned away;
+    - R, hits both modes earn: under always, every later hit; under
+      second-hit, every hit;
+    - waste: the share of evicted snapshots that were never reused.
+
+    Per origin (prompt end, generation end, junction, periodic), it also
+    learns the share of admitted snapshots that get reused at all; an origin
+    whose snapshots are almost never reused (< ``dead_origin_rate`` after
+    ``dead_origin_samples`` of them: prompt ends in multi-turn chat, where the
+    next turn replays the answer too) is admitted on second sighting whatever
+    the mode, so it stops taking space without costing the origins that pay.
+
+    Under always it moves to second-hit when reuse is heavy-tailed (F/(F+R) <
+    ``enter_below``: most hits are repeat hits of a few hot prefixes) *and*
+    most evictions are of never-reused snapshots (capacity is being spent on
+    one-offs). Under second-hit it returns to always as soon as F/(F+R) rises
+    above ``leave_above`` — with every prefix reused exactly twice R stays 0
+    and it returns at once instead of collecting nothing — or when nothing is
+    being evicted any more. Counters restart at each switch, so each mode is
+    judged on its own evidence.
     """
 
     name = "adaptive"
 
-    def __init__(self, filter_bytes: int = DEFAULT_FILTER_BYTES, window: int = 256,
-                 forfeit_threshold: float = 0.5) -> None:
+    def __init__(self, filter_bytes: int = DEFAULT_FILTER_BYTES, min_events: int = 64,
+                 enter_below: float = 0.2, leave_above: float = 0.35, min_waste: float = 0.5,
+                 dead_origin_rate: float = 0.05, dead_origin_samples: float = 24.0) -> None:
         super().__init__(filter_bytes)
-        self.window = window
-        self.forfeit_threshold = forfeit_threshold
+        self.origins = OriginValue()
+        self.dead_origin_rate = dead_origin_rate
+        self.dead_origin_samples = dead_origin_samples
+        self.min_events = min_events
+        self.enter_below = enter_below
+        self.leave_above = leave_above
+        self.min_waste = min_waste
+        self.always_mode = True
+        self._reset()
+
+    def _reset(self) -> None:
         self.forfeited = 0.0
         self.repeat_hits = 0.0
         self.evictions = 0.0
-        self.events = 0
-        self.always_mode = True  # start generous: no evidence yet that space is scarce
-
-    def _tick(self) -> None:
-        self.events += 1
-        if self.events >= self.window:
-            self.forfeited /= 2
-            self.repeat_hits /= 2
-            self.evictions /= 2
-            self.events = 0
-        self._decide()
-
-    def _decide(self) -> None:
-        total = self.forfeited + self.repeat_hits
-        if self.evictions < 1.0:
-            self.always_mode = True  # nothing is being pushed out: one-offs are free
-        elif total >= 4.0:
-            self.always_mode = self.forfeited / total >= self.forfeit_threshold
+        self.wasted = 0.0
 
     @property
     def forfeit_fraction(self) -> float:
         total = self.forfeited + self.repeat_hits
         return self.forfeited / total if total else 0.0
 
-    def admit(self, kind: Kind, key: bytes, size: int, now: float) -> bool:
-        seen = key in self.seen
-        if seen:
-            # A key turned away before is offered again: 'always' would have had a hit.
-            self.forfeited += 1
-            self._tick()
+    def _decide(self) -> None:
+        hits = self.forfeited + self.repeat_hits
+        if hits < self.min_events:
+            return
+        f = self.forfeit_fraction
+        if self.always_mode:
+            waste = self.wasted / self.evictions if self.evictions else 0.0
+            if f < self.enter_below and self.evictions >= self.min_events and waste >= self.min_waste:
+                self.always_mode = False
+                self._reset()
+        elif f > self.leave_above or self.evictions < 1.0:
+            self.always_mode = True
+            self._reset()
+        else:  # keep judging on recent evidence
+            self.forfeited /= 2
+            self.repeat_hits /= 2
+            self.evictions /= 2
+            self.wasted /= 2
+
+    def origin_is_dead(self, origin: int) -> bool:
+        return (origin != 0 and self.origins.stored.get(origin, 0.0) >= self.dead_origin_samples
+                and self.origins.rate(origin) < self.dead_origin_rate)
+
+    def admit(self, kind: Kind, key: bytes, size: int, now: float, origin: int = 0) -> bool:
+        if key in self.seen:
+            if not self.always_mode:
+                self.forfeited += 1  # turned away before: always would have had a hit
+                self._decide()
+            self.origins.on_store(origin)
             return True
         self.seen.add(key)
-        self._tick()
-        return self.always_mode
+        take = self.always_mode and not self.origin_is_dead(origin)
+        if take:
+            self.origins.on_store(origin)
+        return take
 
-    def on_hit(self, kind: Kind, key: bytes, first: bool, now: float) -> None:
+    def on_hit(self, kind: Kind, key: bytes, first: bool, now: float, origin: int = 0) -> None:
+        if first:
+            self.origins.on_first_hit(origin)
         if first and self.always_mode:
-            self.forfeited += 1  # second-hit would have had nothing stored yet
+            self.forfeited += 1  # second-hit would not have stored it yet
         else:
             self.repeat_hits += 1
-        self._tick()
+        self._decide()
 
-    def on_evict(self, kind: Kind, num_hits: int, now: float) -> None:
+    def on_evict(self, kind: Kind, num_hits: int, now: float, origin: int = 0) -> None:
         self.evictions += 1
-        self._tick()
+        self.wasted += num_hits == 0

@@ -4,11 +4,21 @@ The store keeps candidates in a heap keyed by ``priority``, computed when an
 entry is stored or read, and enforces leases and leaf-first deletion whatever
 the policy says.
 
-``flop-aware`` is GreedyDual-style: priority = L + (1 - w) + w * E, where L is
-the priority of the last entry evicted (so anything touched later ranks above
-everything untouched since: recency), and E is the entry's recompute FLOPs
+``flop-aware`` is GreedyDual-style: priority = L + V * ((1 - w) + w * E), where
+L is the priority of the last entry evicted (so anything touched later ranks
+above everything untouched since: recency), E is the entry's recompute FLOPs
 saved per byte held, normalised by its running mean (so E ~ 1 and the two
-terms are comparable). w = 0 is LRU; w = 1 ranks purely by FLOPs per byte.
+terms are comparable), and V is the learned value of the entry's class: for a
+snapshot, the share of snapshots of its origin (prompt end, generation end,
+junction, periodic) that got reused at all, relative to the best origin; for
+KV, 1. w = 0 and V = 1 is LRU; w = 1 ranks purely by FLOPs per byte.
+
+Why V: which boundaries pay off depends on the traffic, and the engine cannot
+know. In multi-turn chat the next turn replays prompt + answer, so the
+generation-end snapshot is reused and the prompt-end one (same conversation,
+shorter) almost never is; when the same prompt is sent twice (retries,
+several samples) it is the other way round. V learns that on the live
+traffic and lets the never-reused class go first.
 
 w is tuned online, ARC-style: evicted entries leave a ghost (their E); when a
 lookup misses a ghost, the eviction was a mistake, and w moves towards what
@@ -47,6 +57,8 @@ class EntryView(Protocol):
     def last_access_s(self) -> float: ...
     @property
     def num_hits(self) -> int: ...
+    @property
+    def origin(self) -> int: ...
 
 
 ShapeOf = Callable[[bytes], "ModelShape | None"]
@@ -71,11 +83,47 @@ class LRU:
     def priority(self, entry: EntryView, now: float) -> float:
         return entry.last_access_s
 
+    def on_store(self, entry: EntryView, now: float) -> None:
+        pass
+
+    def on_hit(self, entry: EntryView, now: float) -> None:
+        pass
+
     def on_evict(self, entry: EntryView, priority: float, now: float) -> None:
         pass
 
     def on_miss(self, kind: Kind, key: bytes, now: float) -> None:
         pass
+
+
+class OriginValue:
+    """Per snapshot origin: the decayed share of stored snapshots that got reused."""
+
+    def __init__(self, half_life: int = 1024) -> None:
+        self.half_life = half_life
+        self.stored: dict[int, float] = {}
+        self.reused: dict[int, float] = {}
+        self._events = 0
+
+    def on_store(self, origin: int) -> None:
+        self.stored[origin] = self.stored.get(origin, 0.0) + 1.0
+        self._events += 1
+        if self._events >= self.half_life:
+            self._events = 0
+            for d in (self.stored, self.reused):
+                for k in d:
+                    d[k] /= 2
+
+    def on_first_hit(self, origin: int) -> None:
+        self.reused[origin] = self.reused.get(origin, 0.0) + 1.0
+
+    def rate(self, origin: int) -> float:
+        return (self.reused.get(origin, 0.0) + 0.5) / (self.stored.get(origin, 0.0) + 1.0)
+
+    def value(self, origin: int) -> float:
+        """This origin's reuse rate over the best origin's, in (0, 1]."""
+        best = max((self.rate(o) for o in self.stored), default=1.0)
+        return min(1.0, self.rate(origin) / best) if best > 0 else 1.0
 
 
 def flops_saved(shape: ModelShape, entry: EntryView) -> float:
@@ -102,9 +150,12 @@ class FlopAware:
         self.inflation = 0.0  # L
         self._mean_eff = 0.0
         self._num_eff = 0
-        self._ghosts: OrderedDict[bytes, float] = OrderedDict()
+        # evicted key -> (its FLOPs per byte, the FLOPs a hit on it saves)
+        self._ghosts: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
+        self._ghost_flops = 0.0
         self._num_ghosts = num_ghosts
-        self._fallback: dict[bytes, ModelShape] = {}
+        self._victim_eff = 0.0
+        self.origins = OriginValue()
 
     def _shape(self, ns_id: bytes) -> ModelShape | None:
         return self.context.shape_of(ns_id)
@@ -119,23 +170,46 @@ class FlopAware:
         self._mean_eff += (eff - self._mean_eff) / self._num_eff
         return eff / self._mean_eff if self._mean_eff > 0 else 1.0
 
+    def value(self, entry: EntryView) -> float:
+        """V: 1 for KV, the learned reuse value of its origin for a snapshot."""
+        return self.origins.value(entry.origin) if entry.kind is Kind.STATE else 1.0
+
     def priority(self, entry: EntryView, now: float) -> float:
-        return self.inflation + (1.0 - self.weight) + self.weight * self.efficiency(entry)
+        return self.inflation + self.value(entry) * ((1.0 - self.weight) + self.weight * self.efficiency(entry))
+
+    def on_store(self, entry: EntryView, now: float) -> None:
+        if entry.kind is Kind.STATE:
+            self.origins.on_store(entry.origin)
+
+    def on_hit(self, entry: EntryView, now: float) -> None:
+        if entry.kind is Kind.STATE and entry.num_hits == 0:
+            self.origins.on_first_hit(entry.origin)
 
     def on_evict(self, entry: EntryView, priority: float, now: float) -> None:
         self.inflation = max(self.inflation, priority)
         if self.tune:
             shape = self._shape(entry.namespace_id)
             eff = flops_saved(shape, entry) / entry.size if shape is not None and entry.size else 0.0
-            self._ghosts[entry.key] = eff / self._mean_eff if self._mean_eff > 0 else 1.0
+            # The efficiency typical of what gets evicted (the frontier), not of
+            # everything stored: a ghost is judged against its fellow victims.
+            self._victim_eff += (eff - self._victim_eff) / 64 if self._victim_eff else eff
+            self._ghosts[entry.key] = (eff, eff * entry.size)
             if len(self._ghosts) > self._num_ghosts:
                 self._ghosts.popitem(last=False)
 
     def on_miss(self, kind: Kind, key: bytes, now: float) -> None:
+        """A lookup wanted an entry we evicted. Had it been more FLOP-efficient than
+        the typical victim, more weight on efficiency would have kept it: raise w.
+        Otherwise only recency could have kept it: lower w."""
         if not self.tune:
             return
         ghost = self._ghosts.pop(bytes((kind,)) + key, None)
         if ghost is None:
             return
-        delta = self.step if ghost > 1.0 else -self.step
-        self.weight = min(0.95, max(0.05, self.weight + delta))
+        eff, flops = ghost
+        # Weigh each mistake by what it cost: missing a long-prefix snapshot loses
+        # far more recompute than missing one KV block.
+        self._ghost_flops += (flops - self._ghost_flops) / 64 if self._ghost_flops else flops
+        size = min(4.0, flops / self._ghost_flops) if self._ghost_flops else 1.0
+        delta = self.step * size if eff > self._victim_eff else -self.step * size
+        self.weight = min(1.0, max(0.0, self.weight + delta))

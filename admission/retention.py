@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..protocol.keys import Origin
+
 
 def crossover_tokens(state_bytes: float, kv_bytes_per_token: float) -> float:
     """Prefix length at which one snapshot costs as many bytes as the prefix's KV."""
@@ -49,30 +51,32 @@ class RetentionPlanner:
         if self.interval < 0:
             raise ValueError(f"interval: must be >= 0 tokens, got {self.interval}")
 
-    def prefill_boundaries(self, prompt_tokens: int, reused_tokens: int, hint: int = 0) -> list[int]:
-        """Boundaries inside the prefill of (reused_tokens, prompt_tokens], sorted."""
-        out: set[int] = set()
-        if self.prompt_end and prompt_tokens > reused_tokens:
-            out.add(prompt_tokens)
-        if self.junction_hints and reused_tokens < hint <= prompt_tokens:
-            out.add(hint)
+    def prefill_boundaries(self, prompt_tokens: int, reused_tokens: int, hint: int = 0) -> dict[int, Origin]:
+        """Boundaries inside the prefill, (reused_tokens, prompt_tokens], with why each was chosen."""
+        out: dict[int, Origin] = {}
         if self.interval:
             first = (reused_tokens // self.interval + 1) * self.interval
-            out.update(range(first, prompt_tokens + 1, self.interval))
-        return sorted(b for b in out if b > reused_tokens)
+            out.update(dict.fromkeys(range(first, prompt_tokens + 1, self.interval), Origin.PERIODIC))
+        if self.junction_hints and reused_tokens < hint <= prompt_tokens:
+            out[hint] = Origin.JUNCTION
+        if self.prompt_end and prompt_tokens > reused_tokens:
+            out[prompt_tokens] = Origin.PROMPT_END
+        return {b: o for b, o in sorted(out.items()) if b > reused_tokens}
 
-    def decode_boundaries(self, prompt_tokens: int, generated_tokens: int) -> list[int]:
+    def decode_boundaries(self, prompt_tokens: int, generated_tokens: int) -> dict[int, Origin]:
         """Boundaries reached while decoding: periodic ones and the generation end (P + N - 1)."""
         consumed = prompt_tokens + generated_tokens - 1
-        out: set[int] = set()
-        if self.generation_end and consumed > prompt_tokens:
-            out.add(consumed)
+        out: dict[int, Origin] = {}
         if self.interval:
             first = (prompt_tokens // self.interval + 1) * self.interval
-            out.update(range(first, consumed + 1, self.interval))
-        return sorted(out)
+            out.update(dict.fromkeys(range(first, consumed + 1, self.interval), Origin.PERIODIC))
+        if self.generation_end and consumed > prompt_tokens:
+            out[consumed] = Origin.GENERATION_END
+        return dict(sorted(out.items()))
 
-    def plan(self, prompt_tokens: int, generated_tokens: int, reused_tokens: int = 0, hint: int = 0) -> list[int]:
-        """All boundaries of one request, prefill then decode, sorted."""
-        return sorted(set(self.prefill_boundaries(prompt_tokens, reused_tokens, hint))
-                      | set(self.decode_boundaries(prompt_tokens, generated_tokens)))
+    def plan(self, prompt_tokens: int, generated_tokens: int, reused_tokens: int = 0, hint: int = 0) -> dict[int, Origin]:
+        """All boundaries of one request, sorted, each with its origin (a prompt end or
+        generation end wins over a junction or periodic boundary at the same token)."""
+        out = self.decode_boundaries(prompt_tokens, generated_tokens)
+        out.update(self.prefill_boundaries(prompt_tokens, reused_tokens, hint))
+        return dict(sorted(out.items()))

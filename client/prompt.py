@@ -7,6 +7,7 @@ by hand.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -102,14 +103,13 @@ class Prompt:
                                  extra=self._extra(s // B)), s, kv_upto))
         return out
 
-    def state_item(self, t: int, kv_upto: int) -> ItemSpec:
+    def state_item(self, t: int, kv_upto: int, origin: int = 0) -> ItemSpec:
+        """A snapshot at boundary t; ``origin`` (protocol.keys.Origin) says why it was taken."""
         return ItemSpec(kind=Kind.STATE, hash=self.prefix_hash(t), size=self.namespace.state.snapshot_bytes,
-                        container=self.container_key(t, kv_upto), boundary=t)
+                        container=self.container_key(t, kv_upto), boundary=t, origin=origin)
 
 
 def with_payload(spec: ItemSpec, payload: bytes | memoryview | bytearray) -> ItemSpec:
     """The spec with its size and checksum taken from the payload it will carry."""
     view = memoryview(payload).cast("B")
-    return ItemSpec(kind=spec.kind, hash=spec.hash, size=len(view), parent=spec.parent, tokens=spec.tokens,
-                    extra=spec.extra, container=spec.container, boundary=spec.boundary,
-                    checksum=xxhash.xxh3_64_intdigest(view))
+    return dataclasses.replace(spec, size=len(view), checksum=xxhash.xxh3_64_intdigest(view))

@@ -45,8 +45,12 @@ class LookupResult:
         reads = [(GetItem(key=self.prompt.block_key(j), layer_start=layer_start, layer_end=layer_end), j * B, (j + 1) * B)
                  for j in range(full)]
         if upto > full * B:
-            assert self.child is not None, "kv_tokens beyond the matched blocks implies a child"
-            reads.append((GetItem(key=self.child.key, layer_start=layer_start, layer_end=layer_end), full * B, upto))
+            if full < self.matched_blocks:  # upto ends inside a matched block: use its first tokens
+                key = self.prompt.block_key(full)
+            else:
+                assert self.child is not None, "kv_tokens beyond the matched blocks implies a child"
+                key = self.child.key
+            reads.append((GetItem(key=key, layer_start=layer_start, layer_end=layer_end), full * B, upto))
         return reads
 
     def state_read(self) -> GetItem | None:

@@ -1,4 +1,5 @@
-"""The ``prefixstore`` command: ``serve`` runs a store node, ``stats`` asks one how it is doing.
+"""The ``prefixstore`` command: ``serve`` runs a store node, ``stats`` asks one how it is doing,
+``demo`` runs the reference hybrid model (gpu_staging/) against an embedded store.
 
 ``serve`` has one flag per :class:`~prefixstore.store.StoreConfig` field,
 generated from the dataclass, so a new knob needs no CLI change and its
@@ -22,10 +23,12 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import textwrap
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import lmdb
 from aiohttp import web
@@ -33,7 +36,10 @@ from aiohttp import web
 from . import __version__
 from .admission import ADMISSION_POLICIES, EVICTION_POLICIES
 from .store.config import ENV_PREFIX, LOG_LEVELS, ConfigError, StoreConfig
-from .store.server import create_app
+from .store.server import STORE, create_app
+
+if TYPE_CHECKING:
+    from .gpu_staging.demo import DemoOptions
 
 log = logging.getLogger("prefixstore.serve")
 
@@ -143,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  prefixstore serve                          # 127.0.0.1:8077, 256MiB RAM, LMDB in ~/.local/share\n"
                "  prefixstore serve --port 0 --data-dir none  # a free port, RAM only\n"
                "  prefixstore serve --config store.toml --ram-bytes 8GiB\n"
-               "  prefixstore stats http://127.0.0.1:8077\n\n"
+               "  prefixstore stats http://127.0.0.1:8077\n"
+               "  prefixstore demo --turns 3                  # a conversation against an embedded store\n\n"
                "Run 'prefixstore COMMAND --help' for the options of a command.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -190,6 +197,43 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--timeout", metavar="SECONDS", type=float, default=5.0,
                        help="give up after this many seconds (default: 5)")
     stats.set_defaults(run=cmd_stats)
+
+    demo = commands.add_parser(
+        "demo", help="run a multi-turn conversation of a small hybrid model against an embedded store",
+        description=_paragraphs(
+            "Start a store on a free loopback port, run a multi-turn conversation of the reference "
+            "hybrid model (gpu_staging/reference_model.py: 4 delta-rule + 2 attention layers, random "
+            "seeded weights, float32 on CPU) against it, and print per turn how many tokens were "
+            "reused and the KV and state hit rates. Stops the store when done. Needs torch "
+            "(pip install torch==2.13.0).",
+            "Each turn's prompt is the whole conversation so far plus a new user message; the previous "
+            "turn saved its prompt and answer, so every turn after the first should reuse all of it."),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--turns", type=int, default=4, metavar="N", help="turns of the conversation (default: 4)")
+    demo.add_argument("--user-tokens", type=int, default=96, metavar="N",
+                      help="tokens of each new user message (default: 96)")
+    demo.add_argument("--answer-tokens", type=int, default=24, metavar="N",
+                      help="tokens the model answers per turn, greedily (default: 24)")
+    demo.add_argument("--block-tokens", type=int, default=16, metavar="N",
+                      help="store block size B in tokens (default: 16)")
+    demo.add_argument("--page-tokens", type=int, default=16, metavar="N",
+                      help="engine page size in tokens, independent of B (default: 16)")
+    demo.add_argument("--mode", choices=("exact", "replay", "auto"), default="exact",
+                      help="exact: reuse KV + snapshot up to state_tokens; replay: reuse KV up to kv_tokens and "
+                           "rebuild the state by replaying the last tokens (Tail-Replay); auto: exact when it "
+                           "recomputes no more than a replay would (default: exact)")
+    demo.add_argument("--replay-fraction", type=float, default=0.1, metavar="F",
+                      help="Tail-Replay budget as a fraction of the reused prefix (default: 0.1)")
+    demo.add_argument("--interval", type=int, default=0, metavar="TOKENS",
+                      help="also snapshot every TOKENS tokens (default: 0, prompt and generation ends only)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the model weights and messages (default: 0)")
+    demo.add_argument("--data-dir", default="temp", metavar="DIR",
+                      help="LMDB tier of the embedded store: 'temp' (a temporary directory, deleted at exit), "
+                           "'none' (RAM only) or a directory to keep (default: temp)")
+    demo.add_argument("--ram-bytes", default="64MiB", metavar="SIZE",
+                      help="RAM arena of the embedded store (default: 64MiB)")
+    demo.set_defaults(run=cmd_demo)
     return parser
 
 
@@ -330,6 +374,63 @@ def cmd_stats(args: argparse.Namespace) -> int:
     else:
         print(format_stats(url, stats))
     return EXIT_OK
+
+
+# ---------------------------------------------------------------- demo
+
+
+async def demo(config: StoreConfig, options: DemoOptions) -> int:
+    """Serve ``config`` on loopback, run the conversation against it, stop the store."""
+    from .gpu_staging.demo import run_conversation  # torch: imported only by this command
+
+    runner = web.AppRunner(create_app(config), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url = _url(host, port)
+        lmdb_text = str(config.lmdb_path) if config.lmdb_path is not None else "none"
+        print(f"embedded store on {url} (ram={format_size(config.ram_bytes)}, lmdb={lmdb_text})", flush=True)
+        await run_conversation(url, options, lambda line: print(line, flush=True))
+        stats = runner.app[STORE].stats()
+        for name in ("entries", "stored_bytes"):
+            value = stats.get(name)
+            if isinstance(value, dict) and value:
+                print(f"store {name}: " + ", ".join(f"{k} {v}" for k, v in value.items()), flush=True)
+    except (OSError, lmdb.Error) as err:
+        print(f"prefixstore demo: cannot run the embedded store: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    finally:
+        await runner.cleanup()
+    print("store stopped", flush=True)
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("prefixstore demo: needs torch (the CPU build is enough): pip install torch==2.13.0", file=sys.stderr)
+        return EXIT_FAILURE
+    from .gpu_staging.demo import DemoOptions
+
+    try:
+        options = DemoOptions(turns=args.turns, user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,
+                              block_tokens=args.block_tokens, page_tokens=args.page_tokens, mode=args.mode,
+                              replay_fraction=args.replay_fraction, interval=args.interval, seed=args.seed)
+    except ValueError as err:
+        print(f"prefixstore demo: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    with tempfile.TemporaryDirectory(prefix="prefixstore-demo-") as tmp:
+        data_dir = os.path.join(tmp, "lmdb") if args.data_dir == "temp" else args.data_dir
+        try:
+            config = StoreConfig.from_sources({"host": "127.0.0.1", "port": "0", "data_dir": data_dir,
+                                               "ram_bytes": args.ram_bytes}, env={})
+        except ConfigError as err:
+            print(f"prefixstore demo: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        return asyncio.run(demo(config, options))
 
 
 # ---------------------------------------------------------------- entry point

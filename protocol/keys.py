@@ -20,6 +20,19 @@ class Kind(enum.IntEnum):
         return "state" if self is Kind.STATE else "kv"
 
 
+class Origin(enum.IntEnum):
+    """Why an engine took a snapshot at its boundary (retention). Eviction learns
+    which origins get reused on the live traffic: in multi-turn chat the
+    generation end is replayed by the next turn and the prompt end rarely is;
+    when the same prompt is sent twice, the reverse."""
+
+    UNKNOWN = 0
+    PROMPT_END = 1
+    GENERATION_END = 2
+    JUNCTION = 3
+    PERIODIC = 4
+
+
 ENTRY_KEY_BYTES = 1 + HASH_BYTES
 
 

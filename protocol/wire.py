@@ -24,7 +24,7 @@ from typing import Final
 import msgpack
 
 from .hashing import HASH_BYTES, TOKEN_BYTES, BlockHash
-from .keys import ENTRY_KEY_BYTES, Kind
+from .keys import ENTRY_KEY_BYTES, Kind, Origin
 from .namespace import NAMESPACE_ID_BYTES
 
 MAGIC: Final = b"PSF"
@@ -323,6 +323,7 @@ class ItemSpec:
     container: bytes | None = None
     boundary: int = 0
     checksum: int | None = None  # xxh3-64 of the payload; required in a put
+    origin: int = 0  # snapshots: why the engine took it (protocol.keys.Origin); a hint for eviction
 
     @property
     def num_tokens(self) -> int:
@@ -340,6 +341,8 @@ class ItemSpec:
                 d["extra"] = self.extra
         if self.checksum is not None:
             d["checksum"] = self.checksum
+        if self.origin:
+            d["origin"] = self.origin
         return d
 
     @classmethod
@@ -353,8 +356,9 @@ class ItemSpec:
             container = req_bin(h, "container", ctx, size=ENTRY_KEY_BYTES)
             if container[0] not in (Kind.BLOCK, Kind.TAIL):
                 raise WireError(f"{ctx}container", "must name a block or a tail")
+            origin = req_int(h, "origin", ctx, 0, max(Origin)) if "origin" in h else 0
             return cls(kind=kind, hash=digest, size=size, container=container,
-                       boundary=req_int(h, "boundary", ctx, 1), checksum=checksum)
+                       boundary=req_int(h, "boundary", ctx, 1), checksum=checksum, origin=origin)
         parent = BlockHash(req_bin(h, "parent", ctx, size=HASH_BYTES))
         tokens = req_bin(h, "tokens", ctx, multiple=TOKEN_BYTES)
         if not tokens:

@@ -45,7 +45,7 @@ class Arena:
         self._map = mmap.mmap(-1, max(1, 0 if virtual else self.num_pages * page_bytes))
         self.region = np.frombuffer(self._map, dtype=np.uint8)[: 0 if virtual else self.num_pages * page_bytes]
         self.view = self.region.data.cast("B")
-        self._free: list[int] = list(range(self.num_pages))  # a heap
+        self._free: list[int] = [] if virtual else list(range(self.num_pages))  # a heap
         self._num_free = self.num_pages
 
     def prefault(self) -> bool:
@@ -78,16 +78,16 @@ class Arena:
         n = self.pages_for(size)
         if n > self._num_free:
             raise ArenaFull(f"{n} pages wanted, {self._num_free} free")
-        if self.virtual:  # page identities do not matter without memory behind them
+        if self.virtual:  # no memory behind the pages: one element stands for n pages
             self._num_free -= n
-            return [-1] * n
+            return [-n]
         pages = [heapq.heappop(self._free) for _ in range(n)]
         self._num_free -= n
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
         if self.virtual:
-            self._num_free += len(pages)
+            self._num_free += -sum(pages)
             return
         for p in pages:
             heapq.heappush(self._free, p)

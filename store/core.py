@@ -186,14 +186,15 @@ class Store:
             e = Entry(key=r.key, kind=kind, hash=BlockHash(r.key[1:]), namespace_id=r.namespace_id,
                       parent=BlockHash(r.parent) if r.parent else None, start=r.start, tokens=r.tokens,
                       extra=r.extra, container=r.container, boundary=r.boundary, size=r.size,
-                      checksum=r.checksum, on_disk=True)
+                      checksum=r.checksum, on_disk=True, origin=r.origin)
             if r.namespace_id not in self.namespaces or not self._attachable(e):
                 dropped.append(r.key)
                 continue
             self.index.insert(e)
         for e in self.index.entries.values():
+            e.priority = self.eviction.priority(e, 0.0)
             if e.is_leaf:
-                self.delete_queue.update(e, self.eviction.priority(e, 0.0))
+                self.delete_queue.update(e, e.priority)
         if dropped:
             log.warning("dropping %d LMDB entries whose parent, container or record is gone", len(dropped))
             self._doomed.extend(dropped)
@@ -325,7 +326,8 @@ class Store:
         what a lookup returns."""
         for e in served:
             if e is not None:
-                self.admission[e.kind].on_hit(e.kind, e.key, e.num_hits == 0, now)
+                self.admission[e.kind].on_hit(e.kind, e.key, e.num_hits == 0, now, e.origin)
+                self.eviction.on_hit(e, now)
                 e.num_hits += 1
         if hint:
             B = ns.block_tokens
@@ -389,7 +391,7 @@ class Store:
                 raise WireError(f"{ctx}hash", f"does not equal p({item.boundary}) of the container's tokens")
             return Entry(key=key, kind=Kind.STATE, hash=item.hash, namespace_id=ns_id, parent=None, start=0,
                          tokens=b"", extra=b"", container=item.container, boundary=item.boundary,
-                         size=item.size, checksum=item.checksum or 0, last_access_s=now)
+                         size=item.size, checksum=item.checksum or 0, last_access_s=now, origin=item.origin)
         assert item.parent is not None
         if item.parent == self._roots[ns_id]:
             start = 0
@@ -430,7 +432,7 @@ class Store:
                 new.append(None)
                 continue
             wanted = self._wanted.pop(key, None) is not None if for_put else False
-            if not wanted and not self.admission[item.kind].admit(item.kind, key, item.size, now):
+            if not wanted and not self.admission[item.kind].admit(item.kind, key, item.size, now, item.origin):
                 results.append(ItemResult(REJECTED, "admission"))
                 new.append(None)
                 continue
@@ -586,6 +588,7 @@ class Store:
             e.on_disk = self.tier is not None
             e.last_access_s = now
             self.index.insert(e)
+            self.eviction.on_store(e, now)
             anchor_key = self._anchor_key(e)
             if anchor_key is not None:
                 anchor = self.index.get(anchor_key)
@@ -599,7 +602,7 @@ class Store:
     def _record(self, e: Entry) -> StoredRecord:
         return StoredRecord(key=e.key, namespace_id=e.namespace_id, parent=e.parent, start=e.start,
                             tokens=e.tokens, extra=e.extra, container=e.container, boundary=e.boundary, size=e.size,
-                            checksum=e.checksum)
+                            checksum=e.checksum, origin=e.origin)
 
     # ------------------------------------------------------------ get
 
@@ -752,7 +755,7 @@ class Store:
         """Delete a capacity victim (a leaf) and tell the policies."""
         now = self.clock()
         self.eviction.on_evict(victim, priority, now)
-        self.admission[victim.kind].on_evict(victim.kind, victim.num_hits, now)
+        self.admission[victim.kind].on_evict(victim.kind, victim.num_hits, now, victim.origin)
         self._delete(victim, "capacity")
 
     def _delete(self, e: Entry, reason: str) -> None:
@@ -768,7 +771,8 @@ class Store:
                 x.pages = None
             self.metrics.evictions.labels(x.metric_kind, reason).inc()
             if up is not None and up.committed and up.is_leaf:
-                self.delete_queue.update(up, self.eviction.priority(up, self.clock()))
+                # Its priority from its own last access: becoming a leaf is not a use.
+                self.delete_queue.update(up, up.priority)
 
     def _unpin(self, e: Entry) -> None:
         e.pins -= 1
@@ -779,7 +783,7 @@ class Store:
             e.pages = None
 
     def _requeue(self, e: Entry, now: float) -> None:
-        priority = self.eviction.priority(e, now)
+        priority = e.priority = self.eviction.priority(e, now)
         if e.pages is not None and e.on_disk:
             self.ram_queue.update(e, priority)
         if e.is_leaf:
@@ -816,15 +820,20 @@ class Store:
     def check(self) -> None:
         """Verify the store's invariants (index, arena accounting, queues); raise naming the broken one."""
         self.index.check(set(self._roots.values()))
-        used: dict[int, bytes] = {}
         holders = list(self.index.entries.values()) + list(self.pending.values())
-        for e in holders:
-            for p in e.pages or ():
-                if p in used:
-                    raise IndexInvariantError(f"page {p} is held by two entries")
-                used[p] = e.key
-        if len(used) > self.arena.num_pages - self.arena.num_free:
-            raise IndexInvariantError("arena: more pages held than allocated")
+        if self.arena.virtual:
+            held = sum(-sum(e.pages) for e in holders if e.pages)
+            if held > self.arena.num_pages - self.arena.num_free:
+                raise IndexInvariantError("arena: more pages held than allocated")
+        else:
+            used: dict[int, bytes] = {}
+            for e in holders:
+                for p in e.pages or ():
+                    if p in used:
+                        raise IndexInvariantError(f"page {p} is held by two entries")
+                    used[p] = e.key
+            if len(used) > self.arena.num_pages - self.arena.num_free:
+                raise IndexInvariantError("arena: more pages held than allocated")
         for e in self.index.entries.values():
             if e.is_leaf and e not in self.delete_queue:
                 raise IndexInvariantError(f"entry {e.key.hex()}: a leaf missing from the deletion queue")

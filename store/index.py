@@ -55,6 +55,8 @@ class Entry:
     pins: int = 0  # leases and in-flight reads; a pinned entry is never evicted
     last_access_s: float = 0.0
     num_hits: int = 0  # lookups that served this entry
+    priority: float = 0.0  # eviction priority as of its last store or read
+    origin: int = 0  # snapshots: protocol.keys.Origin
     expires_s: float = 0.0  # pending entries: reclaimed after this time
 
     @property

@@ -58,16 +58,19 @@ class StoredRecord:
     boundary: int
     size: int
     checksum: int
+    origin: int = 0
 
     def encode(self) -> bytes:
         return msgpack.packb([self.key, self.namespace_id, self.parent, self.start, self.tokens,
-                              self.extra, self.container, self.boundary, self.size, self.checksum], use_bin_type=True)
+                              self.extra, self.container, self.boundary, self.size, self.checksum, self.origin],
+                             use_bin_type=True)
 
     @classmethod
     def decode(cls, raw: bytes) -> StoredRecord:
-        key, ns, parent, start, tokens, extra, container, boundary, size, checksum = msgpack.unpackb(raw, raw=False)
+        key, ns, parent, start, tokens, extra, container, boundary, size, checksum, origin = msgpack.unpackb(raw, raw=False)
         return cls(key=key, namespace_id=ns, parent=parent, start=start, tokens=tokens, extra=extra,
-                   container=container, boundary=boundary, size=size, checksum=checksum)
+                   container=container, boundary=boundary, size=size, checksum=checksum,
+                   origin=origin)
 
 
 class ReadOutcome:

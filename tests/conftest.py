@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -42,11 +42,11 @@ class RunningStore:
         return self.server.app[STORE]
 
     def client(self, ns: Namespace, **overrides: object) -> PrefixClient:
-        return PrefixClient(ns, ClientConfig(url=self.url, **overrides))  # type: ignore[arg-type]
+        return PrefixClient(ns, ClientConfig(url=self.url, **overrides))
 
 
 @pytest.fixture
-async def start_store() -> AsyncIterator[Callable[[StoreConfig], "asyncio.Future[RunningStore]"]]:
+async def start_store() -> AsyncIterator[Callable[[StoreConfig], Awaitable[RunningStore]]]:
     """Factory: ``running = await start_store(config)``; every store is closed at teardown."""
     servers: list[TestServer] = []
 
@@ -56,7 +56,7 @@ async def start_store() -> AsyncIterator[Callable[[StoreConfig], "asyncio.Future
         servers.append(server)
         return RunningStore(server)
 
-    yield start  # type: ignore[misc]
+    yield start
     for s in servers:
         await s.close()
 
