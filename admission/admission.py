@@ -13,7 +13,6 @@ Hooks the store calls (all pure bookkeeping, time passed in):
 from __future__ import annotations
 
 from ..protocol.keys import Kind
-from .eviction import OriginValue
 from .sighting import SightingFilter
 
 DEFAULT_FILTER_BYTES = 1 << 20
@@ -71,11 +70,13 @@ class Adaptive(SecondHit):
     - waste: the share of evicted snapshots that were never reused.
 
     Per origin (prompt end, generation end, junction, periodic), it also
-    learns the share of admitted snapshots that get reused at all; an origin
-    whose snapshots are almost never reused (< ``dead_origin_rate`` after
-    ``dead_origin_samples`` of them: prompt ends in multi-turn chat, where the
-    next turn replays the answer too) is admitted on second sighting whatever
-    the mode, so it stops taking space without costing the origins that pay.
+    learns the share of *evicted* snapshots that had been reused at all; an
+    origin whose snapshots leave almost always unused (< ``dead_origin_rate``
+    over ``dead_origin_samples`` evictions: prompt ends in multi-turn chat,
+    where the next turn replays the answer too) is admitted on second sighting
+    whatever the mode, so it stops taking space without costing the origins
+    that pay. Judging at eviction, not at admission, gives every snapshot its
+    full stay to be reused first: reuse that comes late is still counted.
 
     Under always it moves to second-hit when reuse is heavy-tailed (F/(F+R) <
     ``enter_below``: most hits are repeat hits of a few hot prefixes) *and*
@@ -91,9 +92,10 @@ class Adaptive(SecondHit):
 
     def __init__(self, filter_bytes: int = DEFAULT_FILTER_BYTES, min_events: int = 64,
                  enter_below: float = 0.2, leave_above: float = 0.35, min_waste: float = 0.5,
-                 dead_origin_rate: float = 0.05, dead_origin_samples: float = 24.0) -> None:
+                 dead_origin_rate: float = 0.05, dead_origin_samples: float = 16.0) -> None:
         super().__init__(filter_bytes)
-        self.origins = OriginValue()
+        self._evicted: dict[int, float] = {}
+        self._evicted_reused: dict[int, float] = {}
         self.dead_origin_rate = dead_origin_rate
         self.dead_origin_samples = dead_origin_samples
         self.min_events = min_events
@@ -134,25 +136,20 @@ class Adaptive(SecondHit):
             self.wasted /= 2
 
     def origin_is_dead(self, origin: int) -> bool:
-        return (origin != 0 and self.origins.stored.get(origin, 0.0) >= self.dead_origin_samples
-                and self.origins.rate(origin) < self.dead_origin_rate)
+        n = self._evicted.get(origin, 0.0)
+        return (origin != 0 and n >= self.dead_origin_samples
+                and self._evicted_reused.get(origin, 0.0) < self.dead_origin_rate * n)
 
     def admit(self, kind: Kind, key: bytes, size: int, now: float, origin: int = 0) -> bool:
         if key in self.seen:
             if not self.always_mode:
                 self.forfeited += 1  # turned away before: always would have had a hit
                 self._decide()
-            self.origins.on_store(origin)
             return True
         self.seen.add(key)
-        take = self.always_mode and not self.origin_is_dead(origin)
-        if take:
-            self.origins.on_store(origin)
-        return take
+        return self.always_mode and not self.origin_is_dead(origin)
 
     def on_hit(self, kind: Kind, key: bytes, first: bool, now: float, origin: int = 0) -> None:
-        if first:
-            self.origins.on_first_hit(origin)
         if first and self.always_mode:
             self.forfeited += 1  # second-hit would not have stored it yet
         else:
@@ -162,3 +159,8 @@ class Adaptive(SecondHit):
     def on_evict(self, kind: Kind, num_hits: int, now: float, origin: int = 0) -> None:
         self.evictions += 1
         self.wasted += num_hits == 0
+        n = self._evicted.get(origin, 0.0) + 1.0
+        reused = self._evicted_reused.get(origin, 0.0) + (num_hits > 0)
+        if n > 256:  # decay: the traffic may change
+            n, reused = n / 2, reused / 2
+        self._evicted[origin], self._evicted_reused[origin] = n, reused

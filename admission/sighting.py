@@ -5,13 +5,14 @@ added to the current generation; a key counts as seen if either generation
 has it. When the current generation has taken as many keys as keep its false
 positive rate low, it becomes the previous one and a fresh array takes its
 place, so sightings older than about two generations are forgotten without
-any per-key state. Keys are already uniform hashes (xxh3-128), so the bit
-positions are cut straight out of them.
+any per-key state. Bit positions come from one xxh3-128 of the key (keys
+are usually hashes already, but a filter must not depend on that).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import xxhash
 
 _NUM_PROBES = 3
 
@@ -32,8 +33,8 @@ class SightingFilter:
         return self._current.nbytes + self._previous.nbytes
 
     def _bits(self, key: bytes) -> list[int]:
-        tail = key[-12:] if len(key) >= 12 else key.rjust(12, b"\0")
-        return [int.from_bytes(tail[4 * i : 4 * i + 4], "little") % self.num_bits for i in range(_NUM_PROBES)]
+        h = xxhash.xxh3_128_intdigest(key)
+        return [(h >> (40 * i)) % self.num_bits for i in range(_NUM_PROBES)]
 
     @staticmethod
     def _has(arr: np.ndarray, bits: list[int]) -> bool:

@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  prefixstore serve --port 0 --data-dir none  # a free port, RAM only\n"
                "  prefixstore serve --config store.toml --ram-bytes 8GiB\n"
                "  prefixstore stats http://127.0.0.1:8077\n"
-               "  prefixstore demo --turns 3                  # a conversation against an embedded store\n\n"
+               "  prefixstore demo --turns 3                  # a conversation against an embedded store\n"
+               "  prefixstore plan --model all                # bytes per token, crossover, snapshot interval\n"
+               "  prefixstore simulate --workload multi-turn --capacity 4GiB,16GiB --policy all\n\n"
                "Run 'prefixstore COMMAND --help' for the options of a command.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -234,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ram-bytes", default="64MiB", metavar="SIZE",
                       help="RAM arena of the embedded store (default: 64MiB)")
     demo.set_defaults(run=cmd_demo)
+
+    from .sim.cli import add_commands
+
+    add_commands(commands)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The trace simulator behind `prefixstore simulate`: traces, generators, policy bundles."""

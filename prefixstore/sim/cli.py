@@ -1,0 +1,179 @@
+"""`prefixstore simulate`, `prefixstore trace` and `prefixstore plan`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..admission import MODEL_PRESETS, crossover_tokens, get_model, optimal_interval
+from ..store.config import ConfigError, parse_size
+from .engine import DEFAULT_POLICY, POLICIES, get_policy, simulate
+from .traces import WORKLOADS, TraceError, generate, read_trace, write_trace
+
+
+def _models_help() -> str:
+    return ", ".join(sorted(MODEL_PRESETS))
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    sim = commands.add_parser(
+        "simulate", help="replay a trace through the store's own policies; report hit rates",
+        description="Replay a JSONL trace (session_id, input_tokens, output_tokens, optional ts) through the "
+                    "store's index, admission and eviction code in-process, with page accounting but no payload "
+                    "bytes, and report token hit rate (exact reuse), KV-only hit rate, state hit rate (requests "
+                    "that found a snapshot), FLOPs saved and bytes held by kind. Several policies and capacities "
+                    "can be compared in one run; --out writes a JSON and a PNG beside the table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    src = sim.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", type=Path, help="JSONL trace file to replay")
+    src.add_argument("--workload", choices=sorted(WORKLOADS), help="replay a synthetic workload instead of a file")
+    sim.add_argument("--requests", type=int, default=1000, help="requests of the synthetic workload")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    sim.add_argument("--capacity", default="4GiB",
+                     help="store byte budget; a comma-separated list compares several (e.g. 2GiB,8GiB,32GiB)")
+    sim.add_argument("--model", default="mamba2-hybrid-7b", help=f"model preset: {_models_help()}")
+    sim.add_argument("--policy", default=DEFAULT_POLICY,
+                     help="policy or baseline, or a comma-separated list, or 'all': "
+                          + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()))
+    sim.add_argument("--block-tokens", type=int, default=16, help="store block size in tokens")
+    sim.add_argument("--out", type=Path, default=None, help="directory for simulate.json and simulate.png")
+    sim.set_defaults(run=cmd_simulate)
+
+    trace = commands.add_parser(
+        "trace", help="write a synthetic workload as a JSONL trace",
+        description="Generate a seeded synthetic trace: " + "; ".join(
+            f"{name}: {(fn.__doc__ or '').strip().splitlines()[0]}" for name, fn in WORKLOADS.items()),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    trace.add_argument("workload", choices=sorted(WORKLOADS), help="workload shape")
+    trace.add_argument("-o", "--output", type=Path, required=True, help="trace file to write")
+    trace.add_argument("--requests", type=int, default=1000, help="number of requests")
+    trace.add_argument("--seed", type=int, default=0, help="generator seed")
+    trace.set_defaults(run=cmd_trace)
+
+    plan = commands.add_parser(
+        "plan", help="size memory and pick a snapshot interval for a model",
+        description="Per-token KV bytes, snapshot bytes, the crossover length (a snapshot costs as much as the KV "
+                    "of this many tokens) and the optimal snapshot interval I* = sqrt(2*T*S*alpha/beta) for a "
+                    "context of T tokens, snapshot size S, storage price alpha (per byte held) and recompute "
+                    "price beta (per token).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    plan.add_argument("--model", default="mamba2-hybrid-7b", help=f"model preset: {_models_help()}, or 'all'")
+    plan.add_argument("--context-tokens", type=int, default=32768, help="T: typical context length")
+    plan.add_argument("--storage-price", type=float, default=0.01,
+                      help="alpha: cost of holding one GiB for the life of a cached context (any currency unit)")
+    plan.add_argument("--recompute-price", type=float, default=0.05,
+                      help="beta: cost of prefilling one million tokens, same unit")
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.set_defaults(run=cmd_plan)
+
+
+def _progress(label: str) -> "callable":  # type: ignore[valid-type]
+    started = time.perf_counter()
+
+    def report(done: int, total: int) -> None:
+        rate = done / max(1e-9, time.perf_counter() - started)
+        print(f"  {label}: {done}/{total} requests ({rate:.0f}/s)", file=sys.stderr, flush=True)
+
+    return report
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    try:
+        model = get_model(args.model)
+        names = list(POLICIES) if args.policy == "all" else args.policy.split(",")
+        policies = [get_policy(n) for n in names]
+        capacities = [parse_size(c.strip(), "capacity") for c in args.capacity.split(",")]
+        requests = list(read_trace(args.trace)) if args.trace else generate(args.workload, args.requests, args.seed)
+    except (ValueError, ConfigError, TraceError, OSError) as err:
+        print(f"prefixstore simulate: error: {err}", file=sys.stderr)
+        return 2
+    print(f"{len(requests)} requests, {sum(len(r.input_tokens) for r in requests)} input tokens, model {model.name}",
+          file=sys.stderr)
+    results = []
+    for cap in capacities:
+        for pol in policies:
+            r = simulate(requests, model, cap, pol, args.block_tokens, _progress(f"{pol.name} @ {cap / 2**30:.1f}GiB"))
+            results.append(r)
+    header = f"{'policy':12s} {'capacity':>9s} {'token hit':>9s} {'kv-only':>8s} {'state hit':>9s} " \
+             f"{'FLOPs saved':>11s} {'kv GiB':>7s} {'state GiB':>9s} {'secs':>5s}"
+    print(header)
+    for r in results:
+        print(f"{r.policy:12s} {r.capacity_bytes / 2**30:8.1f}G {r.token_hit_rate:9.3f} {r.kv_hit_rate:8.3f} "
+              f"{r.state_hit_rate:9.3f} {r.flops_saved_fraction:10.1%} {r.bytes_held.get('kv', 0) / 2**30:7.2f} "
+              f"{r.bytes_held.get('state', 0) / 2**30:9.2f} {r.seconds:5.1f}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "simulate.json").write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+        _plot(results, args.out / "simulate.png")
+        print(f"wrote {args.out / 'simulate.json'} and {args.out / 'simulate.png'}", file=sys.stderr)
+    return 0
+
+
+def _plot(results: list, path: Path) -> None:  # type: ignore[type-arg]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name in dict.fromkeys(r.policy for r in results):
+        pts = sorted((r.capacity_bytes / 2**30, r.token_hit_rate) for r in results if r.policy == name)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
+    ax.set_xlabel("capacity (GiB)")
+    ax.set_ylabel("token hit rate (exact reuse)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    try:
+        requests = generate(args.workload, args.requests, args.seed)
+        write_trace(args.output, requests)
+    except (ValueError, OSError) as err:
+        print(f"prefixstore trace: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(requests)} requests to {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        models = list(MODEL_PRESETS.values()) if args.model == "all" else [get_model(args.model)]
+        if min(args.context_tokens, args.storage_price, args.recompute_price) <= 0:
+            raise ValueError("--context-tokens, --storage-price and --recompute-price must be positive")
+    except ValueError as err:
+        print(f"prefixstore plan: error: {err}", file=sys.stderr)
+        return 2
+    alpha = args.storage_price / 2**30  # per byte
+    beta = args.recompute_price / 1e6  # per token
+    rows = []
+    for m in models:
+        row: dict[str, object] = {"model": m.name, "kv_bytes_per_token": m.kv_bytes_per_token,
+                                  "snapshot_bytes": m.state_bytes,
+                                  "prefill_tflops_per_1k_tokens": round(m.prefill_flops(1000) / 1e12, 2)}
+        if m.state_bytes:
+            row["crossover_tokens"] = round(crossover_tokens(m.state_bytes, m.kv_bytes_per_token))
+            row["optimal_interval_tokens"] = round(optimal_interval(args.context_tokens, m.state_bytes, alpha, beta))
+            row["kv_bytes_of_context"] = m.kv_bytes_per_token * args.context_tokens
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        print(f"model {row['model']}")
+        print(f"  KV per token:          {row['kv_bytes_per_token']:>14,} bytes")
+        print(f"  snapshot:              {row['snapshot_bytes']:>14,} bytes")
+        print(f"  prefill:               {row['prefill_tflops_per_1k_tokens']:>14} TFLOP per 1k tokens")
+        if "crossover_tokens" in row:
+            print(f"  crossover:             {row['crossover_tokens']:>14,} tokens (a snapshot = the KV of this many)")
+            print(f"  KV of a {args.context_tokens}-token context: {row['kv_bytes_of_context']:>10,} bytes")
+            print(f"  optimal interval I*:   {row['optimal_interval_tokens']:>14,} tokens "
+                  f"(storage {args.storage_price}/GiB, recompute {args.recompute_price}/Mtok)")
+        else:
+            print("  no recurrent state: KV only, no snapshots to plan")
+    return 0

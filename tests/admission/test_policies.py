@@ -1,0 +1,171 @@
+"""Admission and eviction policies, retention and the cost model, with an injected logical clock."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from prefixstore.admission import (
+    Adaptive,
+    FlopAware,
+    PolicyContext,
+    RetentionPlanner,
+    SecondHit,
+    SightingFilter,
+    crossover_tokens,
+    get_model,
+    make_admission,
+    make_eviction,
+    optimal_interval,
+)
+from prefixstore.protocol import Kind, Origin
+
+
+def key(i: int, kind: Kind = Kind.STATE) -> bytes:
+    return bytes((kind,)) + os.urandom(8) + i.to_bytes(8, "little")
+
+
+def test_sighting_filter_remembers_recent_keys_forgets_old_ones_in_fixed_memory() -> None:
+    f = SightingFilter(4096)
+    assert f.memory_bytes == 4096
+    old = [key(i) for i in range(50)]
+    for k in old:
+        f.add(k)
+    assert all(k in f for k in old)
+    for i in range(10 * f.generation_capacity):  # many generations later
+        f.add(key(10_000 + i))
+    assert sum(k in f for k in old) <= 2  # forgotten (a few false positives at most)
+    assert f.memory_bytes == 4096
+    fresh = [key(90_000 + i) for i in range(2000)]
+    assert sum(k in f for k in fresh) < 0.05 * len(fresh)  # false positives stay rare
+
+
+def test_second_hit_admits_on_the_second_sighting_only() -> None:
+    p = SecondHit(1 << 16)
+    k = key(1)
+    assert not p.admit(Kind.STATE, k, 10, 0.0)
+    assert p.admit(Kind.STATE, k, 10, 1.0)
+    j = key(2)
+    p.on_sighting(Kind.STATE, j, 2.0)  # a lookup reached this junction: that was the first sighting
+    assert p.admit(Kind.STATE, j, 10, 3.0)
+
+
+def test_adaptive_does_not_collapse_when_every_prefix_is_reused_exactly_twice() -> None:
+    p = Adaptive(1 << 16, min_events=16)
+    p.always_mode = False  # even starting in second-hit mode
+    for i in range(200):
+        k = key(i)
+        p.admit(Kind.STATE, k, 10, i)  # first sighting
+        p.on_evict(Kind.STATE, 0, i)
+        p.admit(Kind.STATE, k, 10, i + 0.5)  # second (and last) sighting: second-hit forfeits its only hit
+    assert p.always_mode
+    assert p.admit(Kind.STATE, key(10_000), 10, 300.0)  # first sightings are admitted again
+
+
+def test_adaptive_keeps_one_offs_out_under_heavy_tailed_reuse_and_pressure() -> None:
+    p = Adaptive(1 << 16, min_events=16)
+    hot = [key(i) for i in range(5)]
+    t = 0.0
+    for k in hot:
+        assert p.admit(Kind.STATE, k, 10, t)
+    for round_ in range(60):
+        for n, k in enumerate(hot):
+            p.on_hit(Kind.STATE, k, round_ == 0, t)  # a few prefixes reused again and again
+        for _ in range(5):
+            p.admit(Kind.STATE, key(1000 + int(t * 10)), 10, t)  # one-offs, never reused
+            p.on_evict(Kind.STATE, 0, t)
+            t += 0.1
+    assert not p.always_mode
+    assert not p.admit(Kind.STATE, key(99_999), 10, t)
+
+
+def test_adaptive_learns_a_dead_origin_and_admits_it_on_second_sighting() -> None:
+    p = Adaptive(1 << 16)
+    for i in range(40):
+        assert p.admit(Kind.STATE, key(i), 10, i, origin=Origin.PROMPT_END) or p.origin_is_dead(Origin.PROMPT_END)
+        p.on_evict(Kind.STATE, 0, i, origin=Origin.PROMPT_END)  # left without ever being reused
+        k = key(100 + i)
+        p.admit(Kind.STATE, k, 10, i, origin=Origin.GENERATION_END)
+        p.on_hit(Kind.STATE, k, True, i, origin=Origin.GENERATION_END)
+        p.on_evict(Kind.STATE, 1, i, origin=Origin.GENERATION_END)
+    assert p.origin_is_dead(Origin.PROMPT_END) and not p.origin_is_dead(Origin.GENERATION_END)
+    assert not p.admit(Kind.STATE, key(500), 10, 50.0, origin=Origin.PROMPT_END)
+    assert p.admit(Kind.STATE, key(501), 10, 50.0, origin=Origin.GENERATION_END)
+
+
+@dataclass
+class FakeEntry:
+    """An EntryView: the attributes a policy may read."""
+
+    key: bytes
+    kind: Kind
+    size: int
+    position: int
+    num_tokens: int = 0
+    namespace_id: bytes = b"ns"
+    last_access_s: float = 0.0
+    num_hits: int = 0
+    origin: int = 0
+
+
+def test_flop_aware_ranks_long_prefix_snapshots_above_short_ones() -> None:
+    shape = get_model("mamba2-hybrid-7b")
+    policy = FlopAware(PolicyContext(shape_of=lambda ns: shape), weight=1.0, tune=False)
+    short = FakeEntry(key(1), Kind.STATE, shape.state_bytes, 500)
+    long_ = FakeEntry(key(2), Kind.STATE, shape.state_bytes, 20_000)
+    assert policy.priority(long_, 0.0) > policy.priority(short, 0.0)
+    lru_like = FlopAware(PolicyContext(shape_of=lambda ns: shape), weight=0.0, tune=False)
+    assert lru_like.priority(long_, 0.0) == lru_like.priority(short, 0.0)  # w = 0: recency alone
+
+
+def test_flop_aware_weight_moves_towards_what_would_have_kept_a_missed_entry() -> None:
+    shape = get_model("mamba2-hybrid-7b")
+    p = FlopAware(PolicyContext(shape_of=lambda ns: shape), weight=0.5)
+    blocks = [FakeEntry(key(i, Kind.BLOCK), Kind.BLOCK, 16 * shape.kv_bytes_per_token, 16 * (i + 1), 16) for i in range(50)]
+    for b in blocks:
+        p.on_evict(b, p.priority(b, 0.0), 0.0)
+    snap = FakeEntry(key(999), Kind.STATE, shape.state_bytes, 30_000)
+    p.on_evict(snap, p.priority(snap, 0.0), 0.0)
+    before = p.weight
+    p.on_miss(Kind.STATE, snap.key[1:], 1.0)  # an efficient entry was missed: efficiency should weigh more
+    assert p.weight > before
+    w = p.weight
+    p.on_miss(Kind.BLOCK, blocks[0].key[1:], 2.0)  # a cheap, shallow block was missed: recency should weigh more
+    assert p.weight < w
+
+
+def test_policy_registries_name_the_choices() -> None:
+    with pytest.raises(ValueError, match="choose one of"):
+        make_admission("sometimes")
+    with pytest.raises(ValueError, match="choose one of"):
+        make_eviction("random")
+
+
+def test_retention_boundaries_and_origins() -> None:
+    planner = RetentionPlanner(interval=1000)
+    plan = planner.plan(prompt_tokens=2500, generated_tokens=600, reused_tokens=1200, hint=1800)
+    assert plan == {1800: Origin.JUNCTION, 2000: Origin.PERIODIC, 2500: Origin.PROMPT_END,
+                    3000: Origin.PERIODIC, 3099: Origin.GENERATION_END}
+    # After decoding N tokens the model has consumed P + N - 1 of them.
+    assert RetentionPlanner().plan(100, 1) == {100: Origin.PROMPT_END}
+    assert RetentionPlanner().plan(100, 5) == {100: Origin.PROMPT_END, 104: Origin.GENERATION_END}
+    assert RetentionPlanner(prompt_end=False).plan(100, 5, reused_tokens=100) == {104: Origin.GENERATION_END}
+    with pytest.raises(ValueError, match="interval"):
+        RetentionPlanner(interval=-1)
+
+
+def test_optimal_interval_minimises_the_cost_model() -> None:
+    T, S, alpha, beta = 131_072, 48 << 20, 1e-9, 1e-4
+
+    def cost(interval: float) -> float:
+        return alpha * S * T / interval + beta * interval / 2
+
+    best = optimal_interval(T, S, alpha, beta)
+    grid = min(range(100, 200_000, 50), key=cost)
+    assert abs(best - grid) <= 50
+    assert math.isclose(optimal_interval(T, S, alpha, beta / 100), 10 * best)  # 100x cheaper recompute: 10x apart
+    m = get_model("mamba2-hybrid-7b")
+    assert crossover_tokens(m.state_bytes, m.kv_bytes_per_token) == m.state_bytes / m.kv_bytes_per_token

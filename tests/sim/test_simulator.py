@@ -1,0 +1,98 @@
+"""The trace simulator: traces, determinism, the baselines' known behaviours, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefixstore.admission import get_model
+from prefixstore.sim.engine import Simulator, get_policy, simulate
+from prefixstore.sim.traces import Request, TraceError, generate, read_trace, write_trace
+
+MODEL = get_model("mamba2-hybrid-7b")
+BIG = 1 << 40  # nothing is ever evicted
+
+
+def test_trace_roundtrip_and_errors_name_the_line(tmp_path: Path) -> None:
+    reqs = generate("multi-turn", 20, seed=3)
+    path = tmp_path / "t.jsonl"
+    write_trace(path, reqs)
+    assert list(read_trace(path)) == reqs
+    path.write_text('{"session_id": "a", "input_tokens": [1, 2], "output_tokens": []}\n{"input_tokens": [-1]}\n')
+    with pytest.raises(TraceError, match=r"t.jsonl:2: input_tokens"):
+        list(read_trace(path))
+
+
+def test_replays_are_deterministic() -> None:
+    reqs = generate("multi-turn", 60, seed=1)
+    a = simulate(reqs, MODEL, 2 << 30, get_policy("adaptive"))
+    b = simulate(reqs, MODEL, 2 << 30, get_policy("adaptive"))
+    assert a.to_dict() | {"seconds": 0} == b.to_dict() | {"seconds": 0}
+
+
+def test_second_hit_collects_nothing_when_every_prompt_is_sent_twice() -> None:
+    reqs = generate("reuse-twice", 80, seed=2)
+    always = simulate(reqs, MODEL, BIG, get_policy("always"))
+    second = simulate(reqs, MODEL, BIG, get_policy("second-hit"))
+    adaptive = simulate(reqs, MODEL, BIG, get_policy("adaptive"))
+    assert second.token_hit_rate == 0.0
+    assert always.token_hit_rate > 0.4  # each second request reuses its whole prompt
+    assert adaptive.token_hit_rate >= 0.9 * always.token_hit_rate
+
+
+def test_engine_page_baseline_reuses_only_whole_pages() -> None:
+    reqs = generate("multi-turn", 60, seed=4)
+    page = simulate(reqs, MODEL, BIG, get_policy("engine-page"))
+    ours = simulate(reqs, MODEL, BIG, get_policy("adaptive"))
+    assert ours.token_hit_rate > 2 * page.token_hit_rate
+    sim = Simulator(MODEL, BIG, get_policy("engine-page"))
+    try:
+        for r in reqs[:30]:
+            reused = sim.step(r)
+            assert reused % sim.page == 0  # snapshots exist only at page boundaries
+    finally:
+        sim.close()
+
+
+def test_a_store_under_pressure_keeps_its_invariants() -> None:
+    reqs = generate("rag", 60, seed=5)
+    sim = Simulator(MODEL, 2 << 30, get_policy("adaptive"))
+    try:
+        for r in reqs:
+            sim.step(r)
+            sim.store.check()
+        assert sum(sim.store.index.stored_bytes.values()) <= 2 << 30
+    finally:
+        sim.close()
+
+
+def test_exact_reuse_never_exceeds_kv_reuse() -> None:
+    reqs = [Request("s", list(range(1, 200)), [7, 8, 9])] * 3
+    r = simulate(reqs, MODEL, BIG, get_policy("always"))
+    assert r.reused_tokens <= r.kv_tokens
+    assert r.reused_tokens == 2 * 199  # the prompt-end snapshot serves the two repeats exactly
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "prefixstore", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_simulate_plan_and_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert _cli("trace", "multi-turn", "-o", str(trace), "--requests", "40").returncode == 0
+    out = tmp_path / "out"
+    run = _cli("simulate", "--trace", str(trace), "--capacity", "1GiB,4GiB", "--policy", "adaptive,lru",
+               "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    assert "token hit" in run.stdout and run.stdout.count("adaptive") == 2
+    results = json.loads((out / "simulate.json").read_text())
+    assert {r["policy"] for r in results} == {"adaptive", "lru"} and (out / "simulate.png").stat().st_size > 0
+    plan = json.loads(_cli("plan", "--model", "all", "--json").stdout)
+    hybrid = next(p for p in plan if p["model"] == "mamba2-hybrid-7b")
+    assert hybrid["kv_bytes_per_token"] == 16384 and hybrid["crossover_tokens"] > 1000
+    bad = _cli("simulate", "--workload", "multi-turn", "--capacity", "lots")
+    assert bad.returncode == 2 and "capacity" in bad.stderr
