@@ -138,6 +138,11 @@ def ram_bytes_for(total: int) -> int:
     return 3 * total + (16 << 20)
 
 
+#: Both arenas are sized for recency order (the GET set is always the most recently read);
+#: a throughput benchmark must not depend on what a FLOP-aware policy values.
+EVICTION = "lru"
+
+
 async def prepare(client: PrefixClient, size: int, n: int, ram_bytes: int, seed: int
                   ) -> tuple[Chains, list[tuple[ItemSpec, memoryview]], list[float]]:
     """Warm the arena, then store the GET set and check one read-back.
@@ -173,7 +178,8 @@ async def bench_size(size: int, args: argparse.Namespace) -> dict[str, object]:
     H.progress(f"{size >> 10} KiB: namespace {ns.kv.num_layers} layers x {ns.kv.num_heads} heads x {HEAD_DIM} "
                f"fp16, B={BLOCK_TOKENS} (block_bytes={ns.block_bytes}); batch {n} x {size >> 10} KiB = "
                f"{total / 2**20:.0f} MiB; server={args.server}, tier={args.tier}")
-    async with H.serve_store(args.server, ram_bytes=ram_bytes, page_bytes=page_bytes, tier=args.tier) as rs, \
+    async with H.serve_store(args.server, ram_bytes=ram_bytes, page_bytes=page_bytes, tier=args.tier,
+                             eviction=EVICTION) as rs, \
             H.serve_raw(args.server, "bulk", max_bytes=total) as raw_port, \
             PrefixClient(ns, ClientConfig(url=rs.url, timeout_s=120)) as client:
         chains, get_set, cold = await prepare(client, size, n, ram_bytes, args.seed)
@@ -251,7 +257,8 @@ async def profile_size(size: int, args: argparse.Namespace) -> dict[str, str]:
     total = n * size
     ram_bytes = ram_bytes_for(total)
     paths: dict[str, str] = {}
-    async with H.serve_store("inprocess", ram_bytes=ram_bytes, page_bytes=min(size, 64 << 10), tier=args.tier) as rs, \
+    async with H.serve_store("inprocess", ram_bytes=ram_bytes, page_bytes=min(size, 64 << 10), tier=args.tier,
+                             eviction=EVICTION) as rs, \
             PrefixClient(ns, ClientConfig(url=rs.url, timeout_s=120)) as client:
         chains, get_set, _ = await prepare(client, size, n, ram_bytes, args.seed)
         items = [GetItem(key=make_entry_key(Kind.BLOCK, spec.hash)) for spec, _ in get_set]

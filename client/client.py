@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -19,20 +20,16 @@ from typing import Any
 import aiohttp
 import aiohttp.payload
 import numpy as np
-import xxhash
 
 from ..protocol.keys import Kind
 from ..protocol.namespace import Namespace
-from ..protocol.stream import FrameReader
 from ..protocol.wire import (
     CONTENT_TYPE,
     HAVE,
-    PREFIX_BYTES,
     STATUS_HAVE,
     STATUS_OK,
     WANT,
     GetItem,
-    GetResult,
     ItemResult,
     ItemSpec,
     LookupAnswer,
@@ -41,6 +38,7 @@ from ..protocol.wire import (
     decode_frame,
     encode_header,
 )
+from .bulk import BulkPool, read_get
 from .config import ClientConfig
 from .prompt import Prompt, with_payload
 from .results import LookupResult, SaveResult
@@ -86,7 +84,8 @@ class PrefixClient:
     def __init__(self, namespace: Namespace, config: ClientConfig | None = None) -> None:
         self.namespace = namespace
         self.config = config or ClientConfig()
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # control calls
+        self._pool: BulkPool | None = None  # /v1/get bodies (client/bulk.py)
         self._registered = False
         self.failures: collections.Counter[str] = collections.Counter()
         self._last_warning: dict[str, float] = {}
@@ -98,6 +97,9 @@ class PrefixClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -189,10 +191,16 @@ class PrefixClient:
     async def read(self, items: Sequence[GetItem], outs: Sequence[Buffer]) -> list[int]:
         """Read payloads into caller buffers. Per item: bytes written, or -1 for a miss.
 
-        A buffer may be larger than its payload; only the first bytes are written."""
+        A buffer may be larger than its payload; only the first bytes are
+        written. Only payloads received whole with a matching checksum count:
+        when a batch fails part-way (connection lost, timeout, malformed
+        answer), the payloads already verified keep their sizes and the rest
+        are -1, although their buffers may have been partly written."""
         if len(items) != len(outs):
             raise ValueError("read: one output buffer per item")
         views = [_view(o) for o in outs]
+        if any(v.readonly for v in views):
+            raise ValueError("read: output buffers must be writable")
         done: list[int] = [-1] * len(items)
         batch: list[int] = []
         budget = 0
@@ -206,43 +214,47 @@ class PrefixClient:
             await self._read_batch(items, views, batch, done)
         return done
 
+    def _bulk(self) -> BulkPool:
+        if self._pool is None or self._pool.closed:
+            # No TLS settings exist yet: an https store gets the default verified
+            # context, as aiohttp gives the control calls (ssl=True).
+            context = ssl.create_default_context() if self.config.url.startswith("https://") else None
+            self._pool = BulkPool(self.config.url, connect_timeout_s=self.config.connect_timeout_s,
+                                  ssl_context=context)
+        return self._pool
+
     async def _read_batch(self, items: Sequence[GetItem], views: list[memoryview], batch: list[int],
                           done: list[int]) -> None:
-        header = {"ns": self.namespace.id, "items": [items[i].to_wire() for i in batch]}
+        """One POST /v1/get on the bulk path (client/bulk.py): payloads land straight in ``views``."""
+        request = encode_header({"ns": self.namespace.id, "items": [items[i].to_wire() for i in batch]})
+        batch_views = [views[i] for i in batch]
         try:
             await self._ensure_namespace()
-            body = _FramePayload([encode_header(header)])
-            async with self._http().post("/v1/get", data=body) as resp:
-                if resp.status != 200:
-                    raw = await resp.read()
-                    raise StoreUnavailable(f"/v1/get answered {resp.status}: {raw[:300].decode(errors='replace')}")
-                reader = FrameReader(resp.content)
-                answer, _ = await reader.read_header(64 << 20)
-                raw_items = answer.get("items")
-                if not isinstance(raw_items, list) or len(raw_items) != len(batch):
-                    raise StoreUnavailable("/v1/get: answer lists a different number of items")
-                results = [GetResult.from_wire(x) for x in raw_items]
-                for i, r in zip(batch, results):
-                    if r.status != STATUS_OK:
-                        continue
-                    view = views[i]
-                    if r.size > len(view):
-                        await reader.skip(r.size)
-                        self._fail("read", StoreUnavailable(f"payload of {r.size} bytes exceeds its {len(view)}-byte buffer"))
-                        continue
-                    dest = view[: r.size]
-                    await reader.readinto([dest])
-                    if self.config.verify_checksums and xxhash.xxh3_64_intdigest(dest) != r.checksum:
-                        self.failures["checksum"] += 1
-                        self._fail("read", StoreUnavailable("payload checksum mismatch after transfer"))
-                        continue
-                    done[i] = r.size
-        except (StoreUnavailable, aiohttp.ClientError, asyncio.TimeoutError, asyncio.IncompleteReadError,
-                OSError, WireError) as err:
-            # Anything partially written in this batch is not reported as read.
-            for i in batch:
-                done[i] = -1
+        except StoreUnavailable as err:
             self._fail("read", err)
+            return
+        result = await read_get(self._bulk(), request, batch_views, timeout_s=self.config.timeout_s,
+                                verify=self.config.verify_checksums)
+        if result.error is not None and result.error.status == 404:
+            # The store forgot the namespace (a restart): register again and retry once.
+            self._registered = False
+            try:
+                await self._ensure_namespace()
+            except StoreUnavailable as err:
+                self._fail("read", err)
+                return
+            result = await read_get(self._bulk(), request, batch_views, timeout_s=self.config.timeout_s,
+                                    verify=self.config.verify_checksums)
+        # Only payloads received whole and verified have a size here; anything
+        # partially written by a failed exchange stays -1.
+        for i, size in zip(batch, result.sizes):
+            done[i] = size
+        for kind, message in result.problems:
+            if kind == "checksum":
+                self.failures["checksum"] += 1
+            self._fail("read", StoreUnavailable(message))
+        if result.error is not None:
+            self._fail("read", result.error)
 
     # ------------------------------------------------------------ write
 
@@ -281,28 +293,43 @@ class PrefixClient:
 
         ``kv_payload(a, b)`` returns the store-layout payload of tokens [a, b)
         (layer-major, see KVLayout); it is only called for wanted items.
-        ``snapshots`` maps boundaries t <= kv_upto to state payloads."""
+        ``snapshots`` maps boundaries t <= kv_upto to state payloads.
+
+        Items go batch by batch (``max_items``): offer batch k, put what it
+        wants, then offer batch k+1. Offering everything first fails past one
+        batch: the store rejects a block whose parent was offered but not yet
+        stored ("parent not stored"), and every block after it chains off it.
+        Once a batch is dropped because the store is unavailable, the rest are
+        dropped without asking (their parents are missing anyway)."""
         kv = prompt.kv_items(kv_upto, start - start % prompt.block_tokens)
         specs = [spec for spec, _, _ in kv]
         for t in sorted(snapshots or {}):
             specs.append(prompt.state_item(t, kv_upto))
-        decisions = await self.offer(specs)
-        wanted: list[tuple[ItemSpec, Buffer]] = []
-        for n, (spec, d) in enumerate(zip(specs, decisions)):
-            if d.status != WANT:
+        stored = have = dropped = 0
+        saved: list[tuple[Kind, ItemResult]] = []
+        for s in range(0, len(specs), self.config.max_items):
+            chunk = specs[s : s + self.config.max_items]
+            if dropped:
+                dropped += len(chunk)
                 continue
-            if n < len(kv):
-                _, a, b = kv[n]
-                wanted.append((spec, kv_payload(a, b)))
-            else:
-                wanted.append((spec, (snapshots or {})[spec.boundary]))
-        results = await self.put(wanted) if wanted else []
-        stored = sum(r.status == STATUS_OK for r in results)
-        dropped = sum(r.status == "dropped" for r in results) + sum(d.reason == "store unavailable" for d in decisions)
-        have = sum(d.status == HAVE for d in decisions) + sum(r.status == STATUS_HAVE for r in results)
+            decisions = await self.offer(chunk)
+            wanted: list[tuple[ItemSpec, Buffer]] = []
+            for n, (spec, d) in enumerate(zip(chunk, decisions), start=s):
+                if d.status != WANT:
+                    continue
+                if n < len(kv):
+                    _, a, b = kv[n]
+                    wanted.append((spec, kv_payload(a, b)))
+                else:
+                    wanted.append((spec, (snapshots or {})[spec.boundary]))
+            results = await self.put(wanted) if wanted else []
+            stored += sum(r.status == STATUS_OK for r in results)
+            dropped += sum(r.status == "dropped" for r in results) + sum(d.reason == "store unavailable"
+                                                                           for d in decisions)
+            have += sum(d.status == HAVE for d in decisions) + sum(r.status == STATUS_HAVE for r in results)
+            saved.extend((w.kind, r) for (w, _), r in zip(wanted, results))
         rejected = len(specs) - stored - have - dropped
-        return SaveResult(stored=stored, already=have, rejected=rejected, dropped=dropped,
-                          results=[(w.kind, r) for (w, _), r in zip(wanted, results)])
+        return SaveResult(stored=stored, already=have, rejected=rejected, dropped=dropped, results=saved)
 
 
 def _results(answer: dict[str, object], n: int) -> list[ItemResult]:

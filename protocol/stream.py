@@ -1,8 +1,9 @@
 """Reading a framed body from a stream into caller-provided buffers.
 
-Shared by the server (put bodies into arena pages) and the client (get
-bodies into the engine's buffers): one copy from the socket buffer into the
-destination, no intermediate ``bytes`` per payload.
+Used by the server (put bodies into arena pages): one copy from the chunks
+aiohttp hands over into the destination, no intermediate ``bytes`` per
+payload. The client reads get bodies on its own bulk path
+(``client/bulk.py``), which receives into the destination directly.
 """
 
 from __future__ import annotations
