@@ -436,7 +436,7 @@ class BulkPool:
     ``ssl_context``: for an https store, passed as is to ``create_connection``."""
 
     def __init__(self, url: str, *, connect_timeout_s: float, ssl_context: ssl.SSLContext | None = None,
-                 max_idle: int = MAX_IDLE_CONNECTIONS) -> None:
+                 max_idle: int = MAX_IDLE_CONNECTIONS, authorization: str | None = None) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url: expected http://host[:port] or https://..., got {url!r}")
@@ -447,6 +447,9 @@ class BulkPool:
         self.netloc = parts.netloc
         self.base_path = parts.path.rstrip("/")
         self.ssl_context = ssl_context
+        if authorization is not None and any(c in authorization for c in "\r\n"):
+            raise ValueError("authorization: must not contain line breaks")
+        self.authorization = authorization  # the Authorization header value sent with every request
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self._idle: collections.deque[Connection] = collections.deque()
@@ -527,8 +530,9 @@ def parse_head(raw: bytes) -> ResponseHead:
 
 
 def request_head(pool: BulkPool, path: str, body_bytes: int) -> bytes:
+    auth = f"Authorization: {pool.authorization}\r\n" if pool.authorization else ""
     return (f"POST {pool.base_path}{path} HTTP/1.1\r\nHost: {pool.netloc}\r\nContent-Type: {CONTENT_TYPE}\r\n"
-            f"Content-Length: {body_bytes}\r\nConnection: keep-alive\r\n\r\n").encode("latin-1")
+            f"{auth}Content-Length: {body_bytes}\r\nConnection: keep-alive\r\n\r\n").encode("latin-1")
 
 
 # ---------------------------------------------------------------- checksums

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import ssl
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,6 +25,7 @@ from ..protocol.namespace import Namespace
 from ..protocol.wire import (
     CONTENT_TYPE,
     HAVE,
+    REASON_QUOTA,
     STATUS_HAVE,
     STATUS_OK,
     WANT,
@@ -107,9 +107,13 @@ class PrefixClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             timeout = aiohttp.ClientTimeout(total=self.config.timeout_s, sock_connect=self.config.connect_timeout_s)
+            auth = self.config.authorization
+            context = self.config.ssl_context()
             self._session = aiohttp.ClientSession(
                 base_url=self.config.url, timeout=timeout,
-                connector=aiohttp.TCPConnector(limit=64, enable_cleanup_closed=True),
+                headers={"Authorization": auth} if auth else None,
+                connector=aiohttp.TCPConnector(limit=64, enable_cleanup_closed=True,
+                                               ssl=context if context is not None else True),
                 auto_decompress=False)
         return self._session
 
@@ -216,11 +220,9 @@ class PrefixClient:
 
     def _bulk(self) -> BulkPool:
         if self._pool is None or self._pool.closed:
-            # No TLS settings exist yet: an https store gets the default verified
-            # context, as aiohttp gives the control calls (ssl=True).
-            context = ssl.create_default_context() if self.config.url.startswith("https://") else None
+            # The same verifying context as the control calls (ClientConfig.ssl_context).
             self._pool = BulkPool(self.config.url, connect_timeout_s=self.config.connect_timeout_s,
-                                  ssl_context=context)
+                                  ssl_context=self.config.ssl_context(), authorization=self.config.authorization)
         return self._pool
 
     async def _read_batch(self, items: Sequence[GetItem], views: list[memoryview], batch: list[int],
@@ -281,7 +283,11 @@ class PrefixClient:
             try:
                 answer = await self._call("/v1/put", {"ns": self.namespace.id, "commit": commit,
                                                       "items": [x.to_wire() for x in specs]}, views)
-                out.extend(_results(answer, len(chunk)))
+                results = _results(answer, len(chunk))
+                out.extend(results)
+                refused = sum(r.reason == REASON_QUOTA for r in results)
+                if refused:  # never a silent drop: counted and warned like a failure
+                    self._fail("quota", StoreUnavailable(f"{refused} item(s) refused: {REASON_QUOTA}"))
             except (StoreUnavailable, WireError) as err:
                 self._fail("put", err)
                 out.extend(ItemResult("dropped", "store unavailable") for _ in chunk)

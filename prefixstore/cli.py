@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 import tempfile
 import textwrap
@@ -48,6 +49,7 @@ EXIT_FAILURE = 1  # could not start or reach the store
 EXIT_USAGE = 2  # a bad flag or config value: same code argparse uses
 
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
+ADMIN_TOKEN_ENV = ENV_PREFIX + "ADMIN_TOKEN"  # the admin bearer token of `prefixstore stats`
 """Environment variable naming the TOML config file when --config is not given."""
 
 DEFAULT_URL = "http://127.0.0.1:8077"
@@ -171,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(65536, 64KiB, 4GiB, 1.5GB). A bad value exits with status 2, naming the knob."),
         epilog=_paragraphs(
             "Once listening, one line is logged to stderr: 'prefixstore serving on "
-            "http://HOST:PORT (ram=SIZE, lmdb=PATH|none)', with the address and port actually "
+            "http(s)://HOST:PORT (ram=SIZE, lmdb=PATH|none)', with the address and port actually "
             "bound (useful with --port 0)."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -192,10 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     stats = commands.add_parser(
         "stats", help="print a running store's statistics (GET /v1/stats)",
         description="Ask a running store for its statistics (GET URL/v1/stats) and print them. "
-                    "Exits 1 with a one-line message when the store cannot be reached.")
+                    "Exits 1 with a one-line message when the store cannot be reached. A store with "
+                    f"tenants needs the admin token, read from ${ADMIN_TOKEN_ENV} (never a flag: "
+                    "flags show in process lists).")
     stats.add_argument("url", metavar="URL", nargs="?", default=DEFAULT_URL,
                        help=f"base URL of the store (default: {DEFAULT_URL})")
     stats.add_argument("--json", action="store_true", help="print the raw JSON answer")
+    stats.add_argument("--ca-file", metavar="FILE", default=None,
+                       help="PEM CA bundle that signs an https store's certificate (default: the system's)")
     stats.add_argument("--timeout", metavar="SECONDS", type=float, default=5.0,
                        help="give up after this many seconds (default: 5)")
     stats.set_defaults(run=cmd_stats)
@@ -270,8 +276,8 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig
         raise
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None) -> int:
@@ -290,14 +296,16 @@ async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None)
         except (OSError, RuntimeError, lmdb.Error) as err:
             log.error("cannot open the store (lmdb=%s): %s", lmdb_text, err)
             return EXIT_FAILURE
-        site = web.TCPSite(runner, config.host, config.port)
+        # Built (and its files read) by StoreConfig: a bad certificate failed at start-up, naming the knob.
+        ssl_context = config.ssl_context()
+        site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context)
         try:
             await site.start()
         except OSError as err:
             log.error("cannot listen on %s:%d: %s", config.host, config.port, err)
             return EXIT_FAILURE
         host, port = runner.addresses[0][:2]
-        url = _url(host, port)
+        url = _url(host, port, "https" if ssl_context is not None else "http")
         log.info("prefixstore serving on %s (ram=%s, lmdb=%s)", url, format_size(config.ram_bytes), lmdb_text)
         if ready is not None:
             ready(url)
@@ -348,9 +356,12 @@ def format_stats(url: str, stats: Mapping[str, object]) -> str:
     return "\n".join(f"{name.ljust(width)}  {text}" for name, text in rows)
 
 
-def fetch_stats(url: str, timeout_s: float) -> dict[str, object]:
+def fetch_stats(url: str, timeout_s: float, token: str | None = None, ca_file: str | None = None
+                ) -> dict[str, object]:
     """GET url/v1/stats. Raises OSError (unreachable, HTTP error) or ValueError (not a JSON object)."""
-    with urllib.request.urlopen(url + "/v1/stats", timeout=timeout_s) as resp:
+    request = urllib.request.Request(url + "/v1/stats", headers={"Authorization": f"Bearer {token}"} if token else {})
+    context = ssl.create_default_context(cafile=ca_file) if url.startswith("https://") else None
+    with urllib.request.urlopen(request, timeout=timeout_s, context=context) as resp:
         body = json.loads(resp.read())
     if not isinstance(body, dict):
         raise ValueError(f"expected a JSON object, got {type(body).__name__}")
@@ -362,7 +373,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if "://" not in url:
         url = "http://" + url
     try:
-        stats = fetch_stats(url, args.timeout)
+        stats = fetch_stats(url, args.timeout, os.environ.get(ADMIN_TOKEN_ENV) or None, args.ca_file)
     except urllib.error.HTTPError as err:
         print(f"prefixstore stats: {url}/v1/stats answered {err.code} {err.reason}", file=sys.stderr)
         return EXIT_FAILURE

@@ -405,6 +405,9 @@ STATUS_REJECTED: Final = "rejected"
 STATUS_MISSING: Final = "missing"
 STATUS_CORRUPT: Final = "corrupt"
 
+#: The reason of a put or offer item refused because its tenant holds its quota_bytes.
+REASON_QUOTA: Final = "tenant quota exceeded"
+
 #: Offer decisions.
 WANT: Final = "want"
 HAVE: Final = "have"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import ssl
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -99,6 +100,17 @@ class StoreConfig:
     max_child_scan: int = field(default=1024, metadata=_doc(
         "Most stored children of one block a lookup compares token by token (most recent first)."))
     log_level: str = field(default="INFO", metadata=_doc("Logging level of `prefixstore serve`."))
+    tenants_file: str = field(default="", metadata=_doc(
+        "TOML (or .json) file of tenants: [tenants.NAME] token_sha256 = sha256 hex of its bearer token, "
+        "optional quota_bytes; optional top-level admin_token_sha256. Set: every /v1/* request needs "
+        "'Authorization: Bearer TOKEN' (401 otherwise), a tenant reaches only namespaces whose tenant field "
+        "is its name, and /v1/stats and /v1/admin/* need the admin token; /healthz and /metrics stay open "
+        "(they carry no cache contents). Empty: open store, one trusted tenant."))
+    tls_cert_file: str = field(default="", metadata=_doc(
+        "PEM certificate chain of the HTTP plane. Set together with tls_key_file: the store serves https only."))
+    tls_key_file: str = field(default="", metadata=_doc("PEM private key matching tls_cert_file."))
+    tls_client_ca_file: str = field(default="", metadata=_doc(
+        "PEM CA bundle for mutual TLS: set, every client must present a certificate it signed."))
 
     def __post_init__(self) -> None:
         positive = ("ram_bytes", "page_bytes", "sighting_filter_bytes", "disk_bytes", "max_body_bytes", "max_header_bytes",
@@ -122,6 +134,19 @@ class StoreConfig:
                                   f"choose one of {sorted(ADMISSION_POLICIES)}")
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction: unknown policy {self.eviction!r}; choose one of {sorted(EVICTION_POLICIES)}")
+        if self.tenants_file:
+            from .tenants import load_tenants
+
+            load_tenants(self.tenants_file)  # fail at start-up, naming the knob
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_key_file: tls_cert_file and tls_key_file are set together or not at all")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError("tls_client_ca_file: mutual TLS needs tls_cert_file and tls_key_file too")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            if getattr(self, name) and not os.path.isfile(getattr(self, name)):
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is not a readable file")
+        if self.tls_cert_file:
+            self.ssl_context()  # a certificate that does not load fails at start-up, naming the knob
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"log_level: {self.log_level!r} is not a level; choose one of {list(LOG_LEVELS)}")
 
@@ -130,6 +155,24 @@ class StoreConfig:
         if self.data_dir.lower() == "none":
             return None
         return Path(self.data_dir) if self.data_dir else default_data_dir()
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The server-side TLS context the tls_* knobs describe, or None (plain http)."""
+        if not self.tls_cert_file:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        except (OSError, ssl.SSLError) as err:
+            raise ConfigError(f"tls_cert_file: cannot load {self.tls_cert_file} with {self.tls_key_file}: {err}") from err
+        if self.tls_client_ca_file:
+            try:
+                context.load_verify_locations(cafile=self.tls_client_ca_file)
+            except (OSError, ssl.SSLError) as err:
+                raise ConfigError(f"tls_client_ca_file: cannot load {self.tls_client_ca_file}: {err}") from err
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     @property
     def num_pages(self) -> int:

@@ -45,6 +45,7 @@ from ..protocol.keys import Kind, make_entry_key
 from ..protocol.namespace import Namespace
 from ..protocol.wire import (
     HAVE,
+    REASON_QUOTA,
     REJECTED,
     STATUS_CORRUPT,
     STATUS_HAVE,
@@ -70,6 +71,7 @@ from .index import Entry, Index, IndexInvariantError
 from .leases import Leases
 from .lmdb_tier import LmdbTier, ReadOutcome, StoredRecord
 from .metrics import StoreMetrics
+from .tenants import Tenants, load_tenants
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,10 @@ class Store:
         self._wanted: dict[bytes, float] = {}  # offered and wanted: admitted at put without asking again
         self._sweeper: asyncio.Task[None] | None = None
         self._prefault: asyncio.Task[bool] | None = None
+        self.tenants: Tenants | None = load_tenants(config.tenants_file) if config.tenants_file else None
+        # Payload bytes each tenant holds, committed plus pending (a quota must
+        # count what is already promised), kept where entries are taken and freed.
+        self.tenant_bytes: dict[str, int] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -191,6 +197,7 @@ class Store:
                 dropped.append(r.key)
                 continue
             self.index.insert(e)
+            self._charge(e, 1)
         for e in self.index.entries.values():
             e.priority = self.eviction.priority(e, 0.0)
             if e.is_leaf:
@@ -233,6 +240,10 @@ class Store:
         if self._wanted:
             self._wanted = {k: t for k, t in self._wanted.items() if t > now}
 
+    async def flush_deletes(self) -> None:
+        """Delete from LMDB what was deleted from the index (the sweeper also does it each second)."""
+        await self._flush_deletes()
+
     async def _flush_deletes(self) -> None:
         if self.tier is not None and self._doomed:
             doomed, self._doomed = self._doomed, []
@@ -254,6 +265,14 @@ class Store:
         if ns is None:
             raise WireError("ns", f"unknown namespace {ns_id.hex()}; register it with POST /v1/namespaces", 404)
         return ns
+
+    def _charge(self, e: Entry, sign: int) -> None:
+        ns = self.namespaces.get(e.namespace_id)
+        if ns is not None:
+            self.tenant_bytes[ns.tenant] = self.tenant_bytes.get(ns.tenant, 0) + sign * e.size
+
+    def quota_of(self, ns: Namespace) -> int | None:
+        return self.tenants.quota_of(ns.tenant) if self.tenants is not None else None
 
     def block_tokens_of(self, ns_id: bytes) -> int:
         return self.namespace(ns_id).block_tokens
@@ -409,6 +428,8 @@ class Store:
         """First pass of offer and put: validate everything, allocate nothing."""
         ns = self.namespace(ns_id)
         now = self.clock()
+        quota = self.quota_of(ns)
+        taken = self.tenant_bytes.get(ns.tenant, 0)  # plus what this batch takes, below
         batch: dict[bytes, Entry] = {}
         results: list[ItemResult] = []
         new: list[Entry | None] = []
@@ -418,8 +439,15 @@ class Store:
             if for_put and item.checksum is None:
                 raise WireError(f"{ctx}checksum", "a put item needs the xxh3-64 of its payload")
             key = make_entry_key(item.kind, item.hash)
-            if key in self.index.entries or key in self.pending or key in batch:
-                results.append(ItemResult(HAVE if not for_put else STATUS_HAVE))
+            held = self._find(key, batch)
+            if held is not None:
+                # Entry keys are global, but "have" is said only within the
+                # namespace: another namespace holding the key means an xxh3-128
+                # collision (keys chain from the namespace root), answered as a
+                # refusal that says nothing about the other tenant.
+                same = held.namespace_id == ns_id
+                results.append(ItemResult(HAVE if not for_put else STATUS_HAVE) if same
+                               else ItemResult(REJECTED, "key collision"))
                 new.append(None)
                 continue
             got = self._resolve(ns_id, item, key, batch, now, ctx)
@@ -431,12 +459,18 @@ class Store:
                 results.append(ItemResult(REJECTED, "larger than the RAM arena"))
                 new.append(None)
                 continue
+            if quota is not None and taken + item.size > quota:
+                results.append(ItemResult(REJECTED, REASON_QUOTA))
+                new.append(None)
+                self.metrics.quota_rejections.labels(ns.tenant).inc()
+                continue
             wanted = self._wanted.pop(key, None) is not None if for_put else False
             if not wanted and not self.admission[item.kind].admit(item.kind, key, item.size, now, item.origin):
                 results.append(ItemResult(REJECTED, "admission"))
                 new.append(None)
                 continue
             batch[key] = got
+            taken += item.size
             results.append(ItemResult(WANT))
             new.append(got)
         return results, new
@@ -489,6 +523,7 @@ class Store:
             e.pages = pages
             e.expires_s = now + self.config.pending_ttl_s
             self.pending[e.key] = e
+            self._charge(e, 1)
             targets.append(list(self.arena.runs(pages, 0, e.size)))
             results[i] = ItemResult(STATUS_PENDING)
             self.metrics.admission.labels(item.kind.metric_kind, WANT).inc()
@@ -521,6 +556,7 @@ class Store:
 
     def _drop_pending(self, e: Entry) -> None:
         del self.pending[e.key]
+        self._charge(e, -1)
         e.dead = True
         if e.pages is not None:
             self.arena.free(e.pages)
@@ -762,6 +798,7 @@ class Store:
         """Remove ``e`` and everything that depends on it, leaves first."""
         for x in self.index.subtree(e):
             up = self.index.remove(x)
+            self._charge(x, -1)
             self.ram_queue.discard(x)
             self.delete_queue.discard(x)
             if x.on_disk:
@@ -773,6 +810,16 @@ class Store:
             if up is not None and up.committed and up.is_leaf:
                 # Its priority from its own last access: becoming a leaf is not a use.
                 self.delete_queue.update(up, up.priority)
+
+    def flush(self) -> int:
+        """Delete every committed entry (the admin flush); returns how many. Pending puts stay
+        pending and are refused at commit ("parent or container gone") when their parent went."""
+        before = len(self.index.entries)
+        for e in list(self.index.entries.values()):
+            if e.kind is not Kind.STATE and not e.dead and e.key in self.index.entries \
+                    and e.parent == self._roots.get(e.namespace_id):
+                self._delete(e, "flushed")
+        return before - len(self.index.entries)
 
     def _unpin(self, e: Entry) -> None:
         e.pins -= 1
@@ -812,6 +859,8 @@ class Store:
                      "path": str(self.tier.path) if self.tier is not None else None},
             "leases": len(self.leases),
             "pending": len(self.pending),
+            "tenants": {name: {"stored_bytes": n, "quota_bytes": self.tenants.quota_of(name) if self.tenants else None}
+                        for name, n in sorted(self.tenant_bytes.items())},
             "policies": {"kv_admission": self.admission[Kind.BLOCK].name,
                          "state_admission": self.admission[Kind.STATE].name,
                          "eviction": self.eviction.name},
@@ -843,6 +892,12 @@ class Store:
                 raise IndexInvariantError(f"entry {e.key.hex()}: negative pins")
             if self.tier is not None and not e.on_disk:
                 raise IndexInvariantError(f"entry {e.key.hex()}: committed but not written through to LMDB")
+        owed: dict[str, int] = {}
+        for e in holders:
+            tenant = self.namespaces[e.namespace_id].tenant
+            owed[tenant] = owed.get(tenant, 0) + e.size
+        if {t: n for t, n in self.tenant_bytes.items() if n} != owed:
+            raise IndexInvariantError(f"tenant bytes {self.tenant_bytes} differ from the entries held {owed}")
 
 
 def _ref(e: Entry, usable: int) -> EntryRef:

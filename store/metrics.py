@@ -70,6 +70,11 @@ class StoreMetrics:
             ["direction", "path"], registry=r)
         self.requests = Counter(
             "prefixstore_requests", "HTTP requests, by endpoint and status class.", ["endpoint", "status"], registry=r)
+        self.quota_rejections = Counter(
+            "prefixstore_quota_rejections", "Offer and put items refused because their tenant is at quota_bytes.",
+            ["tenant"], registry=r)
+        self.auth_failures = Counter(
+            "prefixstore_auth_failures", "Requests refused for a missing or unknown bearer token (401).", registry=r)
         self.latency = Histogram(
             "prefixstore_request_duration_seconds", "Server-side request latency by endpoint.",
             ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)

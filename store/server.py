@@ -9,7 +9,16 @@ Endpoints (all POST bodies are frames, see protocol/wire.py)::
     POST /v1/commit       {ns, keys}                  -> {results}
     POST /v1/get          {ns, items}                 -> {items: [[status, size, checksum]]} + payloads
     POST /v1/release      {lease}                     -> {released}
-    GET  /healthz  /metrics  /v1/stats
+    GET  /v1/stats                                    (admin token when tenants are configured)
+    POST /v1/admin/flush                              -> {flushed}   (admin token when tenants are configured)
+    GET  /healthz  /metrics                           (always open: no cache contents, no tenant names)
+
+Tenants (``tenants_file``, see store/tenants.py): every /v1/* request then
+carries ``Authorization: Bearer TOKEN``; a missing or unknown token is 401
+naming ``authorization``. A tenant registers only namespaces whose tenant
+field is its name (403 naming ``ns`` otherwise) and every other request on a
+namespace of another tenant is answered exactly like an unknown namespace
+(404), so a tenant cannot learn that another tenant's namespace exists.
 
 Malformed input is answered 4xx with a JSON body ``{"error", "field"}``; an
 unexpected exception is logged and answered 500, and the server keeps
@@ -48,10 +57,16 @@ from ..protocol.wire import (
 )
 from .config import StoreConfig
 from .core import Store
+from .tenants import Tenant
+
+OPEN_TENANT = "default"  # the tenant of every request when no tenants file is configured
 
 log = logging.getLogger(__name__)
 
 STORE = web.AppKey("store", Store)
+TENANT = web.RequestKey("tenant", str)  # the authenticated tenant (OPEN_TENANT on an open store)
+
+ADMIN_PATHS = ("/v1/stats", "/v1/admin/")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -112,6 +127,49 @@ async def _control_header(request: web.Request) -> dict[str, object]:
     return header
 
 
+def _bearer(request: web.Request) -> str | None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+@web.middleware
+async def _authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Bearer tokens to tenants (inside the error middleware, so refusals are counted)."""
+    store = request.app[STORE]
+    tenants = store.tenants
+    if tenants is None or not request.path.startswith("/v1/"):
+        request[TENANT] = OPEN_TENANT
+        return await handler(request)
+    token = _bearer(request)
+    if request.path.startswith(ADMIN_PATHS):
+        if token is None or not tenants.is_admin(token):
+            store.metrics.auth_failures.inc()
+            return _unauthorized("this endpoint needs the admin bearer token")
+        request[TENANT] = OPEN_TENANT
+        return await handler(request)
+    tenant: Tenant | None = tenants.authenticate(token) if token is not None else None
+    if tenant is None:
+        store.metrics.auth_failures.inc()
+        return _unauthorized("missing 'Bearer TOKEN'" if token is None else "unknown bearer token")
+    request[TENANT] = tenant.name
+    return await handler(request)
+
+
+def _unauthorized(message: str) -> web.Response:
+    response = _error(401, "authorization", message)
+    response.headers["WWW-Authenticate"] = 'Bearer realm="prefixstore"'
+    return response
+
+
+def _owned(request: web.Request, ns_id: bytes) -> Namespace:
+    """The namespace, if the caller's tenant owns it; another tenant's is answered as unknown (404)."""
+    store = request.app[STORE]
+    ns = store.namespace(ns_id)
+    if store.tenants is not None and ns.tenant != request[TENANT]:
+        raise WireError("ns", f"unknown namespace {ns_id.hex()}; register it with POST /v1/namespaces", 404)
+    return ns
+
+
 def _frame_response(header: dict[str, object]) -> web.Response:
     return web.Response(body=encode_frame(header), content_type=CONTENT_TYPE)
 
@@ -125,6 +183,8 @@ async def register_namespace(request: web.Request) -> web.Response:
     if "namespace" not in header:
         raise WireError("namespace", "missing")
     ns = Namespace.from_wire(header["namespace"])
+    if store.tenants is not None and ns.tenant != request[TENANT]:
+        raise WireError("ns", f"the namespace's tenant {ns.tenant!r} is not the tenant of this token", 403)
     ns_id = await store.register_namespace(ns)
     return _frame_response({"ns": ns_id})
 
@@ -132,7 +192,7 @@ async def register_namespace(request: web.Request) -> web.Response:
 async def lookup(request: web.Request) -> web.Response:
     store = request.app[STORE]
     header = await _control_header(request)
-    req = LookupRequest.from_header(header, store.limits, store.block_tokens_of)
+    req = LookupRequest.from_header(header, store.limits, lambda ns_id: _owned(request, ns_id).block_tokens)
     return _frame_response(store.lookup(req).to_header())
 
 
@@ -140,6 +200,7 @@ async def offer(request: web.Request) -> web.Response:
     store = request.app[STORE]
     header = await _control_header(request)
     ns_id = req_bin(header, "ns", size=8)
+    _owned(request, ns_id)
     results = store.offer(ns_id, parse_items(header, store.limits))
     return _frame_response({"results": [r.to_wire() for r in results]})
 
@@ -154,6 +215,7 @@ async def put(request: web.Request) -> web.Response:
     except asyncio.IncompleteReadError:
         raise WireError("frame", "truncated before the end of the header") from None
     ns_id = req_bin(header, "ns", size=8)
+    _owned(request, ns_id)
     items = parse_items(header, store.limits)
     commit_now = req_bool(header, "commit", default=True)
     payload_bytes = sum(it.size for it in items)
@@ -193,6 +255,7 @@ async def commit(request: web.Request) -> web.Response:
     store = request.app[STORE]
     header = await _control_header(request)
     ns_id = req_bin(header, "ns", size=8)
+    _owned(request, ns_id)
     raw = req_list(header, "keys", "", store.limits.max_items)
     keys = []
     for i, k in enumerate(raw):
@@ -207,6 +270,7 @@ async def get(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE]
     header = await _control_header(request)
     ns_id = req_bin(header, "ns", size=8)
+    _owned(request, ns_id)
     raw = req_list(header, "items", "", store.limits.max_items)
     items = [GetItem.from_wire(x, f"items[{i}]") for i, x in enumerate(raw)]
     plan = await store.prepare_get(ns_id, items)
@@ -245,6 +309,14 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[STORE].stats())
 
 
+async def flush(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    flushed = store.flush()
+    await store.flush_deletes()
+    log.warning("admin flush: deleted %d entries", flushed)
+    return web.json_response({"flushed": flushed})
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[STORE].metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -255,7 +327,7 @@ def create_app(config: StoreConfig, clock: Callable[[], float] = time.monotonic)
     store = Store(config, clock)
     # Put bodies are streamed and bounded by max_body_bytes through Content-Length
     # checks; aiohttp's own limit applies to request.read(), which no handler uses.
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors_and_metrics])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors_and_metrics, _authenticate])
     app[STORE] = store
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -274,4 +346,5 @@ def create_app(config: StoreConfig, clock: Callable[[], float] = time.monotonic)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/stats", stats)
+    app.router.add_post("/v1/admin/flush", flush)
     return app

@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
-READY_RE = re.compile(r"prefixstore serving on (http://\S+) \(ram=(\S+), lmdb=(\S+)\)")
+READY_RE = re.compile(r"prefixstore serving on (https?://\S+) \(ram=(\S+), lmdb=(\S+)\)")
 START_DEADLINE_S = 20.0
 
 
@@ -34,9 +35,11 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
+def http_get(url: str, timeout_s: float = 5.0, ca_file: str | None = None) -> tuple[int, bytes]:
+    """GET; an https URL is verified against ``ca_file`` (or the system's CAs)."""
+    context = ssl.create_default_context(cafile=ca_file) if url.startswith("https://") else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as err:
         return err.code, err.read()
@@ -50,8 +53,10 @@ def run_cli(args: Sequence[str], env: Mapping[str, str] | None = None,
 
 
 class ServeProcess:
-    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None) -> None:
+    def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None,
+                 ca_file: str | None = None) -> None:
         self.args = list(args)
+        self.ca_file = ca_file  # verifies the health poll of a store serving https
         self.lines: list[str] = []
         self.url: str | None = None
         self.ram: str | None = None
@@ -90,7 +95,7 @@ class ServeProcess:
             if self.proc.poll() is not None:
                 raise AssertionError(f"store exited with {self.proc.returncode}:\n{self.output}")
             try:
-                status, _ = http_get(self.url + "/healthz", timeout_s=1.0)
+                status, _ = http_get(self.url + "/healthz", timeout_s=1.0, ca_file=self.ca_file)
                 if status == 200:
                     return self.url
             except OSError:
@@ -121,7 +126,8 @@ class ServeProcess:
 
 
 class StartServe(Protocol):
-    def __call__(self, *args: str, env: Mapping[str, str] | None = None, ready: bool = True) -> ServeProcess: ...
+    def __call__(self, *args: str, env: Mapping[str, str] | None = None, ready: bool = True,
+                 ca_file: str | None = None) -> ServeProcess: ...
 
 
 @contextlib.contextmanager
@@ -132,8 +138,9 @@ def serving() -> Iterator[StartServe]:
     fixture's origin visible without importing fixtures by name."""
     procs: list[ServeProcess] = []
 
-    def start(*args: str, env: Mapping[str, str] | None = None, ready: bool = True) -> ServeProcess:
-        p = ServeProcess(args, env)
+    def start(*args: str, env: Mapping[str, str] | None = None, ready: bool = True,
+              ca_file: str | None = None) -> ServeProcess:
+        p = ServeProcess(args, env, ca_file=ca_file)
         procs.append(p)
         if ready:
             p.wait_ready()

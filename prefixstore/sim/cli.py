@@ -18,7 +18,7 @@ def _models_help() -> str:
     return ", ".join(sorted(MODEL_PRESETS))
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_commands(commands: argparse._SubParsersAction) -> None:
     sim = commands.add_parser(
         "simulate", help="replay a trace through the store's own policies; report hit rates",
         description="Replay a JSONL trace (session_id, input_tokens, output_tokens, optional ts) through the "
@@ -112,7 +112,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot(results: list, path: Path) -> None:  # type: ignore[type-arg]
+def _plot(results: list, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -70,7 +70,7 @@ def write_trace(path: str | Path, requests: list[Request]) -> None:
             f.write(r.to_json() + "\n")
 
 
-def _toks(rng: np.random.Generator, n: int) -> list[int]:
+def _toks(rng: np.random.Generator, n: int | np.integer) -> list[int]:
     return rng.integers(1, VOCAB, int(n)).tolist()
 
 
@@ -99,7 +99,7 @@ def multi_turn(num_requests: int = 1000, seed: int = 0, num_system_prompts: int 
     sessions: list[list[Request]] = []
     total = 0
     while total < num_requests:
-        n_turns = int(min(rng.integers(turns[0], turns[1] + 1), num_requests - total))
+        n_turns = min(int(rng.integers(turns[0], turns[1] + 1)), num_requests - total)
         history = list(systems[int(rng.choice(num_system_prompts, p=weights))])
         sid = f"s{len(sessions)}"
         session = []
