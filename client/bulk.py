@@ -694,3 +694,48 @@ async def _exchange(pool: BulkPool, conn: Connection, request: bytes, views: Seq
             verifier.expect(k, ok[k][0], sink, ok[k][1].checksum)
     await receiver.fill(sinks, verifier.on_data)
     conn.clean = head.keep_alive
+
+
+# ---------------------------------------------------------------- small control exchanges
+
+
+async def post_control(pool: BulkPool, path: str, request: bytes, *, timeout_s: float) -> bytes:
+    """POST a whole frame and return the whole answer body, on a pooled connection.
+
+    Lookups ride this path too: their request is large (a 131k-token prompt is
+    655 KB) and aiohttp's per-request machinery cost about 1.5 ms of a 3.3 ms
+    round trip (docs/benchmarks.md). Raises BulkError (with ``status`` for a
+    non-200 answer), OSError or asyncio.TimeoutError."""
+    async with asyncio.timeout(timeout_s):
+        for attempt in range(2):
+            conn, reused = await pool.acquire()
+            receiver = conn.receiver
+            try:
+                if receiver.error is not None:
+                    raise ConnectionResetError(str(receiver.error))
+                receiver.reset_count()
+                conn.clean = False
+                conn.num_requests += 1
+                conn.transport.write(request_head(pool, path, len(request)))
+                conn.transport.write(request)
+                head = parse_head(await receiver.read_head(MAX_HEAD_BYTES))
+                limit = MAX_ANSWER_HEADER_BYTES + PREFIX_BYTES if head.status == 200 else MAX_ERROR_BODY_BYTES
+                if head.content_length > limit:
+                    raise BulkError(f"{path} answered {head.status} with a {head.content_length}-byte body, "
+                                    f"more than the {limit} a control answer may have", head.status)
+                body = await receiver.read_exactly(head.content_length)
+                conn.clean = head.keep_alive
+            except ConnectionError:
+                conn.abort()
+                if attempt or not reused or receiver.bytes_received:
+                    raise
+                continue  # a kept-alive connection the store closed while idle: once more, fresh
+            except BaseException:
+                conn.abort()
+                raise
+            pool.release(conn)
+            if head.status != 200:
+                raise BulkError(f"{path} answered {head.status}: {bytes(body[:300]).decode(errors='replace')}",
+                                head.status)
+            return bytes(body)
+    raise AssertionError("unreachable")  # pragma: no cover

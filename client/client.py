@@ -38,7 +38,7 @@ from ..protocol.wire import (
     decode_frame,
     encode_header,
 )
-from .bulk import BulkPool, read_get
+from .bulk import BulkError, BulkPool, post_control, read_get
 from .config import ClientConfig
 from .prompt import Prompt, with_payload
 from .results import LookupResult, SaveResult
@@ -131,7 +131,19 @@ class PrefixClient:
 
     async def _post(self, path: str, header: dict[str, object],
                     payloads: Sequence[bytes | memoryview] = ()) -> dict[str, object]:
-        """POST a frame, return the answer's header. Raises StoreUnavailable."""
+        """POST a frame, return the answer's header. Raises StoreUnavailable.
+
+        Frames without payloads (lookup, offer, commit, release, register) go
+        over the pooled raw connections of the bulk path; puts, whose payload
+        views aiohttp streams without joining them, over aiohttp."""
+        if not payloads:
+            try:
+                raw = await post_control(self._bulk(), path, encode_header(header), timeout_s=self.config.timeout_s)
+                answer, _ = decode_frame(raw)
+                return answer
+            except (BulkError, asyncio.TimeoutError, OSError, WireError) as err:
+                status = f" answered {err.status}" if isinstance(err, BulkError) and err.status else ""
+                raise StoreUnavailable(f"{path}{status}: {type(err).__name__}: {err}") from err
         body = _FramePayload([encode_header(header), *payloads])
         try:
             async with self._http().post(path, data=body) as resp:
