@@ -303,3 +303,16 @@ def test_entry_keys_keep_kinds_apart() -> None:
         make_entry_key(Kind.BLOCK, BlockHash(b"short"))
     with pytest.raises(ValueError, match="^entry key"):
         split_entry_key(b"\x01" + h + b"x")
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200), block=st.sampled_from([1, 3, 16]),
+       extras=st.lists(st.binary(max_size=12), max_size=20))
+def test_native_chain_equals_the_python_reference(tokens: list[int], block: int, extras: list[bytes]) -> None:
+    from prefixstore.protocol import hashing
+
+    assert hashing._native_chain is not None, "the native chain should be built (a C compiler is on CI)"
+    parent = hashing.root_hash(make_namespace(block_tokens=block))
+    packed = pack_tokens(tokens)
+    assert hashing.chain_from(parent, packed, block, extras) == hashing.chain_from_python(parent, packed, block, extras)
+    assert hashing.chain_from(parent, packed, block) == hashing.chain_from_python(parent, packed, block)
