@@ -99,6 +99,11 @@ class StoreConfig:
         "Most payload bytes one get may return; ask in several batches beyond it.", "size"))
     max_child_scan: int = field(default=1024, metadata=_doc(
         "Most stored children of one block a lookup compares token by token (most recent first)."))
+    request_timeout_s: float = field(default=60.0, metadata=_doc(
+        "Most seconds a client may take to send a request body, or to take a get's answer off the wire. "
+        "A client that stalls longer is answered 408 (or disconnected mid-answer) and the arena pages its "
+        "put reserved, or the entries its get pinned, are released at once; without it a stalled client "
+        "holds them for as long as it keeps the connection open."))
     log_level: str = field(default="INFO", metadata=_doc("Logging level of `prefixstore serve`."))
     tenants_file: str = field(default="", metadata=_doc(
         "TOML (or .json) file of tenants: [tenants.NAME] token_sha256 = sha256 hex of its bearer token, "
@@ -122,7 +127,7 @@ class StoreConfig:
             raise ConfigError(f"ram_bytes: {self.ram_bytes} is smaller than one page (page_bytes={self.page_bytes})")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: {self.port} is not a TCP port")
-        for name in ("lease_ttl_s", "pending_ttl_s"):
+        for name in ("lease_ttl_s", "pending_ttl_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive seconds, got {getattr(self, name)!r}")
         # Policy names are checked against the registries here, at start-up.

@@ -20,6 +20,10 @@ field is its name (403 naming ``ns`` otherwise) and every other request on a
 namespace of another tenant is answered exactly like an unknown namespace
 (404), so a tenant cannot learn that another tenant's namespace exists.
 
+A request body that is not in within ``request_timeout_s`` is answered 408
+(a put's reserved pages are freed), and a get answer the client does not take
+within it is cut off (its pins dropped): a stalled client holds nothing.
+
 Malformed input is answered 4xx with a JSON body ``{"error", "field"}``; an
 unexpected exception is logged and answered 500, and the server keeps
 serving. Put bodies are streamed straight into reserved arena pages and get
@@ -100,20 +104,29 @@ async def _errors_and_metrics(request: web.Request, handler: Handler) -> web.Str
     return response
 
 
+def _stalled(store: Store) -> WireError:
+    return WireError("body", f"not received within request_timeout_s={store.config.request_timeout_s:g}", 408)
+
+
 async def _read_control(request: web.Request, limit: int) -> bytes:
-    """Read a whole (small) request body, refusing more than ``limit`` bytes."""
+    """Read a whole (small) request body, refusing more than ``limit`` bytes or a stall past request_timeout_s."""
     if request.content_length is not None and request.content_length > limit:
         raise WireError("body", f"{request.content_length} bytes exceeds the limit of {limit} for this endpoint", 413)
     chunks: list[bytes] = []
     total = 0
-    while True:
-        chunk = await request.content.readany()
-        if not chunk:
-            break
-        total += len(chunk)
-        if total > limit:
-            raise WireError("body", f"exceeds the limit of {limit} bytes for this endpoint", 413)
-        chunks.append(chunk)
+    store = request.app[STORE]
+    try:
+        async with asyncio.timeout(store.config.request_timeout_s):
+            while True:
+                chunk = await request.content.readany()
+                if not chunk:
+                    break
+                total += len(chunk)
+                if total > limit:
+                    raise WireError("body", f"exceeds the limit of {limit} bytes for this endpoint", 413)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise _stalled(store) from None
     return b"".join(chunks)
 
 
@@ -210,10 +223,17 @@ async def put(request: web.Request) -> web.Response:
     if request.content_length is not None and request.content_length > store.config.max_body_bytes:
         raise WireError("body", f"{request.content_length} bytes exceeds max_body_bytes={store.config.max_body_bytes}", 413)
     body = FrameReader(request.content)
+    # One deadline for the whole body (header and payloads), but not for the
+    # commit: cancelling a commit while its LMDB write is in flight would leave
+    # the entries half committed, and the commit does not wait on the client.
+    deadline = asyncio.get_running_loop().time() + store.config.request_timeout_s
     try:
-        header, header_len = await body.read_header(store.config.max_header_bytes)
+        async with asyncio.timeout_at(deadline):
+            header, header_len = await body.read_header(store.config.max_header_bytes)
     except asyncio.IncompleteReadError:
         raise WireError("frame", "truncated before the end of the header") from None
+    except TimeoutError:
+        raise _stalled(store) from None
     ns_id = req_bin(header, "ns", size=8)
     _owned(request, ns_id)
     items = parse_items(header, store.limits)
@@ -228,16 +248,20 @@ async def put(request: web.Request) -> web.Response:
                         f"{payload_bytes} payload bytes ({PREFIX_BYTES + header_len + payload_bytes} in all)")
     plan = store.plan_put(ns_id, items)
     try:
-        for i, target in enumerate(plan.targets):
-            if target is None:
-                await body.skip(plan.sizes[i])
-            else:
-                await body.readinto(target)
-        if not await body.at_eof():
-            raise WireError("frame", "bytes follow the last payload the header lists")
+        async with asyncio.timeout_at(deadline):  # a stalled client must not hold its reserved pages
+            for i, target in enumerate(plan.targets):
+                if target is None:
+                    await body.skip(plan.sizes[i])
+                else:
+                    await body.readinto(target)
+            if not await body.at_eof():
+                raise WireError("frame", "bytes follow the last payload the header lists")
     except asyncio.IncompleteReadError:
         store.abort_put(plan)
         raise WireError("frame", "body ended before every payload the header lists arrived") from None
+    except TimeoutError:
+        store.abort_put(plan)
+        raise _stalled(store) from None
     except BaseException:
         store.abort_put(plan)
         raise
@@ -282,12 +306,22 @@ async def get(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
         response.content_length = len(head) + payload
         await response.prepare(request)
-        await response.write(head)
-        for slot in plan.slots:
-            if slot.status == STATUS_OK:
-                for view in store.payload_views(slot):
-                    await response.write(view)
-        await response.write_eof()
+        try:
+            # A client that stops reading would otherwise keep these entries
+            # pinned (never evicted) for as long as it holds the connection.
+            async with asyncio.timeout(store.config.request_timeout_s):
+                await response.write(head)
+                for slot in plan.slots:
+                    if slot.status == STATUS_OK:
+                        for view in store.payload_views(slot):
+                            await response.write(view)
+                await response.write_eof()
+        except TimeoutError:
+            log.warning("get: client took the answer off the wire slower than request_timeout_s=%g; disconnected",
+                        store.config.request_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("get answer not read within request_timeout_s") from None
         store.metrics.transfer_bytes.labels("out", "http").inc(payload)
         return response
     finally:

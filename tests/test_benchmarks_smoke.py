@@ -18,7 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lookup", "transfer"])
+@pytest.mark.parametrize("name", ["lookup", "transfer", "soak"])
 def test_benchmark_quick_run(name: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out)],
@@ -37,4 +37,13 @@ def test_benchmark_help_documents_every_flag(name: str) -> None:
                           capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent)
     assert proc.returncode == 0, proc.stderr
     for flag in ("--out", "--quick", "--reps", "--warmup", "--seed"):
+        assert flag in proc.stdout
+
+
+def test_soak_help_documents_every_flag() -> None:
+    """soak.py runs for a duration, not in repetitions: its own flags instead of --reps/--warmup."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "soak.py"), "--help"],
+                          capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--out", "--quick", "--seed", "--duration-s", "--clients", "--mix", "--server", "--tier"):
         assert flag in proc.stdout
