@@ -301,8 +301,9 @@ class PrefixClient:
                 if refused:  # never a silent drop: counted and warned like a failure
                     self._fail("quota", StoreUnavailable(f"{refused} item(s) refused: {REASON_QUOTA}"))
             except (StoreUnavailable, WireError) as err:
-                self._fail("put", err)
-                out.extend(ItemResult("dropped", "store unavailable") for _ in chunk)
+                over_quota = "answered 413" in str(err) and "quota" in str(err)
+                self._fail("quota" if over_quota else "put", err)
+                out.extend(ItemResult("dropped", REASON_QUOTA if over_quota else "store unavailable") for _ in chunk)
         return out
 
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],

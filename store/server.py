@@ -46,6 +46,7 @@ from ..protocol.stream import FrameReader
 from ..protocol.wire import (
     CONTENT_TYPE,
     PREFIX_BYTES,
+    REASON_QUOTA,
     STATUS_OK,
     GetItem,
     GetResult,
@@ -247,6 +248,16 @@ async def put(request: web.Request) -> web.Response:
         raise WireError("frame", f"Content-Length is {declared} bytes but the header lists "
                         f"{payload_bytes} payload bytes ({PREFIX_BYTES + header_len + payload_bytes} in all)")
     plan = store.plan_put(ns_id, items)
+    over = [i for i, r in enumerate(plan.results) if r.reason == REASON_QUOTA]
+    if over:
+        # A put over the tenant's quota is refused whole with a 4xx, before any
+        # payload byte is read: nothing of it is stored, and the engine is told
+        # plainly (offers, which move no bytes, answer per item instead).
+        store.abort_put(plan)
+        ns = store.namespace(ns_id)
+        raise WireError("quota", f"tenant {ns.tenant!r} would exceed its quota of {store.quota_of(ns)} bytes "
+                        f"(holds {store.tenant_bytes.get(ns.tenant, 0)}); items {over[:8]} do not fit; "
+                        "nothing of this put was stored", 413)
     try:
         async with asyncio.timeout_at(deadline):  # a stalled client must not hold its reserved pages
             for i, target in enumerate(plan.targets):

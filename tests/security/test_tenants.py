@@ -11,7 +11,8 @@ import pytest
 from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.results import LookupResult
 from prefixstore.protocol import Namespace, make_entry_key
-from prefixstore.protocol.wire import REASON_QUOTA, GetItem
+from prefixstore.client.prompt import with_payload
+from prefixstore.protocol.wire import REASON_QUOTA, GetItem, encode_frame
 from prefixstore.store import StoreConfig
 from prefixstore.store.config import ConfigError
 from prefixstore.store.tenants import load_tenants, token_sha256
@@ -156,13 +157,22 @@ async def test_quota_exhaustion_rejects_items_and_frees_on_delete(start_store: S
         offered = await a.offer(specs)
         assert [r.status for r in offered] == ["want", "want", "rejected", "rejected"]
         assert offered[2].reason == REASON_QUOTA
-        # ... and a put answers each item: 200 as a whole, the items over the quota 'rejected'.
+        # ... and a put over the quota is refused whole with a clear 413, nothing stored ...
+        async with aiohttp.ClientSession() as s:
+            frame = encode_frame({"ns": ns.id, "commit": True, "items": [
+                with_payload(sp, pl).to_wire() for sp, pl in zip(specs, payloads)]}, payloads)
+            async with s.post(running.url + "/v1/put", data=frame,
+                              headers={"Authorization": f"Bearer {TOKENS['alpha']}"}) as r:
+                assert r.status == 413
+                body = await r.json()
+                assert body["field"] == "quota" and "alpha" in body["error"] and "items [2]" in body["error"]
+        assert running.store.tenant_bytes.get("alpha", 0) == 0 and not running.store.pending
         results = await a.put(list(zip(specs, payloads)))
-        # (the fourth block then has no stored parent, which is the reason it is given)
-        assert [(r.status, r.reason) for r in results] == [("ok", ""), ("ok", ""), ("rejected", REASON_QUOTA),
-                                                           ("rejected", "parent not stored")]
-        assert running.store.tenant_bytes["alpha"] == 2 * block_bytes
+        assert [(r.status, r.reason) for r in results] == [("dropped", REASON_QUOTA)] * 4
         assert a.failures["quota"] == 1  # never silent: counted and warned
+        # What fits goes through.
+        assert [r.status for r in await a.put(list(zip(specs[:2], payloads[:2])))] == ["ok", "ok"]
+        assert running.store.tenant_bytes["alpha"] == 2 * block_bytes
         assert (await a.lookup(tokens)).kv_tokens == 2 * ns.block_tokens
         # Another tenant is not limited by alpha's quota.
         await save_all(b, tokens)
@@ -175,7 +185,7 @@ async def test_quota_exhaustion_rejects_items_and_frees_on_delete(start_store: S
         results = await a.put(list(zip(specs[:2], payloads[:2])))
         assert [r.status for r in results] == ["ok", "ok"]
         metrics = running.store.metrics.quota_rejections.labels("alpha")._value.get()
-        assert metrics == 2  # the third block, in the offer and in the put (the fourth lacks its parent)
+        assert metrics == 3  # block 3 in the offer, the raw put and the client's put (block 4 then lacks its parent)
     running.store.check()
 
 
