@@ -825,7 +825,7 @@ class Store:
         e.pins -= 1
         if e.pins < 0:
             raise IndexInvariantError(f"entry {e.key.hex()}: unpinned more often than pinned")
-        if e.pins == 0 and e.dead and e.pages is not None and not e.committed and e.key not in self.pending:
+        if e.pins == 0 and e.dead and e.pages is not None and not e.committed and self.pending.get(e.key) is not e:
             self.arena.free(e.pages)
             e.pages = None
 

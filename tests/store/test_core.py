@@ -191,3 +191,25 @@ def test_extra_keys_separate_tails_and_snapshots(ns, harness) -> None:  # type: 
     assert (other.kv_tokens, other.state_tokens) == (4, 0)
     plain = h.lookup(toks)[1]
     assert (plain.kv_tokens, plain.state_tokens) == (4, 0)
+
+
+def test_a_deleted_pinned_entry_frees_its_pages_even_if_its_key_is_put_again(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """Regression: the pages of an entry removed while a read pinned it are freed when
+    the read ends — also when a new put of the same key is pending meanwhile."""
+    h = harness(ram_only(ram_bytes=1 << 20), ns)
+    toks = [9, 9, 9, 9]
+    h.save(toks, 4)
+    free_after_save = h.store.arena.num_free
+    key = Prompt(ns, toks).block_key(0)
+    plan = h.run(h.store.prepare_get(ns.id, [GetItem(key=key)]))
+    old = h.store.index.get(key)
+    assert old is not None
+    h.store._delete(old, "corrupt")  # e.g. a corruption cascade while the read streams
+    spec = with_payload(Prompt(ns, toks).kv_items(4)[0][0], kv_payload(ns, toks, 0, 4))
+    put = h.store.plan_put(ns.id, [spec])  # the same key, pending again
+    assert put.entries[0] is not None and h.store.pending.get(key) is put.entries[0]
+    h.store.finish_get(plan)
+    assert old.pages is None  # freed once the last pin dropped
+    assert h.store.arena.num_free == free_after_save  # old pages back, the new put holds its own
+    h.store.abort_put(put)
+    h.store.check()
