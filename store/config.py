@@ -104,6 +104,39 @@ class StoreConfig:
         "A client that stalls longer is answered 408 (or disconnected mid-answer) and the arena pages its "
         "put reserved, or the entries its get pinned, are released at once; without it a stalled client "
         "holds them for as long as it keeps the connection open."))
+    max_connections: int = field(default=1024, metadata=_doc(
+        "Most client connections held open at once; a connection beyond it is closed at once, before "
+        "anything is read from it, so a flood cannot exhaust file descriptors or memory."))
+    header_timeout_s: float = field(default=10.0, metadata=_doc(
+        "Most seconds a client may take to send a request's HTTP head (request line and headers); a "
+        "client that dribbles it byte by byte (slowloris) is disconnected. Idle keep-alive connections "
+        "are closed after the same time."))
+    nixl: str = field(default="auto", metadata=_doc(
+        "GPU-direct data path: 'auto' (serve NIXL READs/WRITEs of the arena when the nixl package imports, "
+        "HTTP only otherwise), 'on' (refuse to start without nixl), 'off' (HTTP only)."))
+    node_url: str = field(default="", metadata=_doc(
+        "URL that clients and other nodes reach this node at; it is the node's identity in placement. "
+        "Empty: http(s)://host:port of this process (a wildcard host is replaced by the host name)."))
+    peers: str = field(default="", metadata=_doc(
+        "Static cluster membership: comma-separated node URLs, this node included. Empty (and no "
+        "peers_dns): a single-node store."))
+    peers_dns: str = field(default="", metadata=_doc(
+        "Membership from DNS, as HOST:PORT: HOST is a Kubernetes headless Service (one record per ready "
+        "pod of the StatefulSet), re-resolved every membership_refresh_s; PORT is the nodes' HTTP port."))
+    membership_refresh_s: float = field(default=10.0, metadata=_doc(
+        "Seconds between refreshes of DNS membership (and of the member list served to clients)."))
+    replication_threshold: float = field(default=20.0, metadata=_doc(
+        "Decayed reads per second of one entry above which its owner pushes replicas to the next nodes in "
+        "rendezvous order; the replica count grows with the rate (one more per doubling)."))
+    replication_max_replicas: int = field(default=3, metadata=_doc(
+        "Most copies of a hot entry, the primary included (1: no replication)."))
+    replication_half_life_s: float = field(default=30.0, metadata=_doc(
+        "Half-life of the decayed read rate; a cooled entry loses replicas after about this long."))
+    replication_bytes_per_s: int = field(default=256 << 20, metadata=_doc(
+        "Most bytes per second one node pushes to replicas (token bucket); pushes beyond it wait.", "size"))
+    owner_grace_s: float = field(default=300.0, metadata=_doc(
+        "After a membership change, how long a miss on a key whose owner changed is retried on its "
+        "previous owner, so a scale-out does not flush the cache."))
     log_level: str = field(default="INFO", metadata=_doc("Logging level of `prefixstore serve`."))
     tenants_file: str = field(default="", metadata=_doc(
         "TOML (or .json) file of tenants: [tenants.NAME] token_sha256 = sha256 hex of its bearer token, "
@@ -119,7 +152,8 @@ class StoreConfig:
 
     def __post_init__(self) -> None:
         positive = ("ram_bytes", "page_bytes", "sighting_filter_bytes", "disk_bytes", "max_body_bytes", "max_header_bytes",
-                    "max_items", "max_lookup_tokens", "max_get_bytes", "max_child_scan")
+                    "max_items", "max_lookup_tokens", "max_get_bytes", "max_child_scan", "max_connections",
+                    "replication_max_replicas", "replication_bytes_per_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)!r}")
@@ -127,7 +161,8 @@ class StoreConfig:
             raise ConfigError(f"ram_bytes: {self.ram_bytes} is smaller than one page (page_bytes={self.page_bytes})")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: {self.port} is not a TCP port")
-        for name in ("lease_ttl_s", "pending_ttl_s", "request_timeout_s"):
+        for name in ("lease_ttl_s", "pending_ttl_s", "request_timeout_s", "header_timeout_s",
+                     "membership_refresh_s", "replication_half_life_s", "owner_grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive seconds, got {getattr(self, name)!r}")
         # Policy names are checked against the registries here, at start-up.
@@ -152,6 +187,19 @@ class StoreConfig:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not a readable file")
         if self.tls_cert_file:
             self.ssl_context()  # a certificate that does not load fails at start-up, naming the knob
+        if self.nixl not in ("auto", "on", "off"):
+            raise ConfigError(f"nixl: {self.nixl!r} is not one of 'auto', 'on', 'off'")
+        if self.replication_threshold <= 0:
+            raise ConfigError(f"replication_threshold: must be positive reads per second, got {self.replication_threshold!r}")
+        if self.peers and self.peers_dns:
+            raise ConfigError("peers_dns: set peers (a static list) or peers_dns, not both")
+        for url in self.peer_urls:
+            if not re.match(r"^https?://[^/\s:]+(:\d+)?/?$", url):
+                raise ConfigError(f"peers: {url!r} is not a node URL like http://10.0.0.7:8077")
+        if self.node_url and not re.match(r"^https?://[^/\s:]+(:\d+)?/?$", self.node_url):
+            raise ConfigError(f"node_url: {self.node_url!r} is not a URL like http://10.0.0.7:8077")
+        if self.peers_dns and not re.match(r"^[A-Za-z0-9.-]+:\d+$", self.peers_dns):
+            raise ConfigError(f"peers_dns: {self.peers_dns!r} is not HOST:PORT")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"log_level: {self.log_level!r} is not a level; choose one of {list(LOG_LEVELS)}")
 
@@ -178,6 +226,11 @@ class StoreConfig:
                 raise ConfigError(f"tls_client_ca_file: cannot load {self.tls_client_ca_file}: {err}") from err
             context.verify_mode = ssl.CERT_REQUIRED
         return context
+
+    @property
+    def peer_urls(self) -> list[str]:
+        """The static member list, normalised (no trailing slash, no blanks)."""
+        return [u.strip().rstrip("/") for u in self.peers.split(",") if u.strip()]
 
     @property
     def num_pages(self) -> int:
