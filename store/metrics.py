@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -78,6 +78,34 @@ class StoreMetrics:
         self.latency = Histogram(
             "prefixstore_request_duration_seconds", "Server-side request latency by endpoint.",
             ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        # Connection limits (max_connections, header_timeout_s).
+        self.connections = Gauge("prefixstore_connections", "Client connections open now.", registry=r)
+        self.connections_refused = Counter(
+            "prefixstore_connections_refused", "Connections closed on arrival because max_connections were open.",
+            registry=r)
+        # Data paths: 1 for each path this node serves (http always; nixl when its agent is up).
+        self.data_path = Gauge("prefixstore_data_path", "Data paths this node serves (1: served).", ["path"], registry=r)
+        # Cluster: membership and hot-prefix replication.
+        self.members = Gauge("prefixstore_members", "Cluster members this node currently sees (itself included).",
+                             registry=r)
+        self.replicas = Gauge(
+            "prefixstore_replicas", "Entries this node holds as replicas of another node's keys, by kind.",
+            ["kind"], registry=r)
+        self.replication_pushes = Counter(
+            "prefixstore_replication_pushes", "Entries pushed to replica nodes, by result (ok, failed, skipped).",
+            ["result"], registry=r)
+        self.replication_bytes = Counter(
+            "prefixstore_replication_bytes", "Payload bytes pushed to replica nodes.", registry=r)
+        self.data_path.labels("http").set(1)
+        self.data_path.labels("nixl").set(0)
+        self.members.set(1)
+        for kind in KINDS:
+            self.replicas.labels(kind).set(0)
+        for direction in ("in", "out"):
+            for path in ("http", "nixl"):
+                self.transfer_bytes.labels(direction, path)
+        for result in ("ok", "failed", "skipped"):
+            self.replication_pushes.labels(result)
         for kind in KINDS:
             for result in ("hit", "miss"):
                 self.lookup_tokens.labels(kind, result)
