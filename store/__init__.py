@@ -2,6 +2,7 @@
 
 from .config import StoreConfig
 from .core import Store
+from .runner import StoreRunner
 from .server import STORE, create_app
 
-__all__ = ["STORE", "Store", "StoreConfig", "create_app"]
+__all__ = ["STORE", "Store", "StoreConfig", "StoreRunner", "create_app"]

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from prefixstore.client import ClientConfig, PrefixClient
-from prefixstore.store import StoreConfig, create_app
+from prefixstore.store import StoreConfig, StoreRunner, create_app
 from prefixstore.store.config import ConfigError
 
 from ..factories import kv_payload, make_namespace
@@ -35,7 +35,7 @@ async def serve_tls() -> AsyncIterator[Serve]:
     runners: list[web.AppRunner] = []
 
     async def start(config: StoreConfig) -> str:
-        runner = web.AppRunner(create_app(config), access_log=None)
+        runner = StoreRunner(create_app(config), config)
         await runner.setup()
         runners.append(runner)
         site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=config.ssl_context())
