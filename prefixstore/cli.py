@@ -37,6 +37,7 @@ from aiohttp import web
 from . import __version__
 from .admission import ADMISSION_POLICIES, EVICTION_POLICIES
 from .store.config import ENV_PREFIX, LOG_LEVELS, ConfigError, StoreConfig
+from .store.runner import StoreRunner
 from .store.server import STORE, create_app
 
 if TYPE_CHECKING:
@@ -288,7 +289,7 @@ async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None)
         loop.add_signal_handler(sig, stop.set)
     # No access log: a store answers thousands of requests a second;
     # /metrics counts them by endpoint and status instead.
-    runner = web.AppRunner(create_app(config), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    runner = StoreRunner(create_app(config), config, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     lmdb_text = str(config.lmdb_path) if config.lmdb_path is not None else "none"
     try:
         try:
@@ -400,7 +401,7 @@ async def demo(config: StoreConfig, options: DemoOptions) -> int:
     """Serve ``config`` on loopback, run the conversation against it, stop the store."""
     from .gpu_staging.demo import run_conversation  # torch: imported only by this command
 
-    runner = web.AppRunner(create_app(config), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    runner = StoreRunner(create_app(config), config, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     try:
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
