@@ -1,0 +1,152 @@
+{{/*
+Names. fullname is at most 48 characters so that "<fullname>-headless" and
+the StatefulSet's pod names stay valid DNS labels (63).
+*/}}
+{{- define "prefixstore.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "prefixstore.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 48 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "prefixstore.headless" -}}
+{{- printf "%s-headless" (include "prefixstore.fullname" .) }}
+{{- end }}
+
+{{- define "prefixstore.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "prefixstore.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "prefixstore.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "prefixstore.labels" -}}
+helm.sh/chart: {{ include "prefixstore.chart" . }}
+{{ include "prefixstore.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: prefixstore
+{{- end }}
+
+{{- define "prefixstore.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "prefixstore.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "prefixstore.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "prefixstore.scheme" -}}
+{{- if .Values.tls.enabled }}https{{ else }}http{{ end }}
+{{- end }}
+
+{{/* The DNS suffix every pod of the StatefulSet gets under the headless Service. */}}
+{{- define "prefixstore.podDomain" -}}
+{{- printf "%s.%s.svc.%s" (include "prefixstore.headless" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{- define "prefixstore.peersDns" -}}
+{{- printf "%s:%d" (include "prefixstore.podDomain" .) (int .Values.config.port) }}
+{{- end }}
+
+{{/* Whether the store runs with a tenants file, and the Secret holding it. */}}
+{{- define "prefixstore.authEnabled" -}}
+{{- if or .Values.auth.existingSecret .Values.auth.tenants }}true{{ end }}
+{{- end }}
+
+{{- define "prefixstore.authSecretName" -}}
+{{- default (printf "%s-tenants" (include "prefixstore.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{- define "prefixstore.authSecretKey" -}}
+{{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}tenants.toml{{ end }}
+{{- end }}
+
+{{/* A size value as the operator wrote it: "4GiB" stays, a number prints as whole bytes (not 4.294967296e+09). */}}
+{{- define "prefixstore.size" -}}
+{{- if kindIs "string" . }}{{ . }}{{ else }}{{ int64 . }} bytes{{ end }}
+{{- end }}
+
+{{/* Paths inside the pod. */}}
+{{- define "prefixstore.configDir" -}}/etc/prefixstore{{- end }}
+{{- define "prefixstore.tenantsDir" -}}/etc/prefixstore/tenants{{- end }}
+{{- define "prefixstore.tlsDir" -}}/etc/prefixstore/tls{{- end }}
+{{- define "prefixstore.dataDir" -}}/var/lib/prefixstore{{- end }}
+
+{{/*
+The store's TOML config file. Every key of .Values.config is written as is
+(toJson renders strings, numbers and booleans as valid TOML values, and keeps
+large integers out of exponent notation), then the knobs the chart owns.
+node_url is per pod and comes from the environment (PREFIXSTORE_NODE_URL).
+*/}}
+{{- define "prefixstore.storeToml" -}}
+# prefixstore StoreConfig, rendered by the {{ include "prefixstore.chart" . }} chart.
+# Every key is a field of StoreConfig (store/config.py); `prefixstore serve --help` documents each.
+{{- range $key, $value := .Values.config }}
+{{ $key }} = {{ $value | toJson }}
+{{- end }}
+# Set by the chart:
+host = "0.0.0.0"
+peers_dns = {{ include "prefixstore.peersDns" . | toJson }}
+data_dir = {{ printf "%s/lmdb" (include "prefixstore.dataDir" .) | toJson }}
+{{- if include "prefixstore.authEnabled" . }}
+tenants_file = {{ printf "%s/%s" (include "prefixstore.tenantsDir" .) (include "prefixstore.authSecretKey" .) | toJson }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+tls_cert_file = {{ printf "%s/tls.crt" (include "prefixstore.tlsDir" .) | toJson }}
+tls_key_file = {{ printf "%s/tls.key" (include "prefixstore.tlsDir" .) | toJson }}
+{{- if .Values.tls.mutual }}
+tls_client_ca_file = {{ printf "%s/ca.crt" (include "prefixstore.tlsDir" .) | toJson }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The tenants file (TOML) made from .Values.auth when no existingSecret is named. */}}
+{{- define "prefixstore.tenantsToml" -}}
+# prefixstore tenants file (store/tenants.py): sha256 digests of bearer tokens, never the tokens.
+{{- with .Values.auth.admin_token_sha256 }}
+admin_token_sha256 = {{ . | toJson }}
+{{- end }}
+{{- range $name, $spec := .Values.auth.tenants }}
+
+[tenants.{{ $name | toJson }}]
+token_sha256 = {{ $spec.token_sha256 | toJson }}
+{{- if hasKey $spec "quota_bytes" }}
+quota_bytes = {{ $spec.quota_bytes | toJson }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A probe handler: HTTP(S) GET /healthz, or the TCP port under mutual TLS. */}}
+{{- define "prefixstore.probeHandler" -}}
+{{- if and .Values.tls.enabled .Values.tls.mutual }}
+tcpSocket:
+  port: http
+{{- else }}
+httpGet:
+  path: /healthz
+  port: http
+  scheme: {{ include "prefixstore.scheme" . | upper }}
+{{- end }}
+{{- end }}
+
+{{/* Label matchers that pick this release's series in PromQL. */}}
+{{- define "prefixstore.promSelector" -}}
+job="{{ include "prefixstore.fullname" . }}", namespace="{{ .Release.Namespace }}"
+{{- end }}
