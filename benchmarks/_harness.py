@@ -186,7 +186,10 @@ async def serve_store(mode: str, *, ram_bytes: int, page_bytes: int, tier: str =
 
     ``tier``: "lmdb" puts the LMDB capacity tier in a fresh temporary
     directory (the default product set-up: commits write through to disk);
-    "ram" runs RAM only (``data_dir="none"``)."""
+    "ram" runs RAM only (``data_dir="none"``). The store serves HTTP only unless a benchmark
+    passes ``nixl="auto"`` or ``"on"``: clients default to NIXL where it is served, and the HTTP
+    benchmarks must keep measuring HTTP."""
+    knobs.setdefault("nixl", "off")
     with tempfile.TemporaryDirectory(prefix="prefixstore-bench-") as tmp:
         data_dir = os.path.join(tmp, "lmdb") if tier == "lmdb" else "none"
         if mode == "inprocess":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib.util
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +41,7 @@ from ..protocol.wire import (
 )
 from .bulk import BulkError, BulkPool, post_control, read_get
 from .config import ClientConfig
+from .nixl_path import NixlChannel, NixlPath, NixlUnavailable, TransferFailed, fetch_metadata
 from .prompt import Prompt, with_payload
 from .results import LookupResult, SaveResult
 
@@ -81,6 +83,15 @@ def _view(buf: Buffer) -> memoryview:
 
 
 class PrefixClient:
+    def __new__(cls, namespace: Namespace, config: ClientConfig | None = None) -> PrefixClient:
+        # A config with cluster seed URLs makes a cluster client (client/cluster.py): same methods and
+        # results, so an engine moves from one node to a cluster by configuration alone.
+        if cls is PrefixClient and config is not None and config.urls:
+            from .cluster import ClusterClient
+
+            return super().__new__(ClusterClient)
+        return super().__new__(cls)
+
     def __init__(self, namespace: Namespace, config: ClientConfig | None = None) -> None:
         self.namespace = namespace
         self.config = config or ClientConfig()
@@ -89,6 +100,14 @@ class PrefixClient:
         self._registered = False
         self.failures: collections.Counter[str] = collections.Counter()
         self._last_warning: dict[str, float] = {}
+        # Data path (ClientConfig.data_path): NIXL when it works, HTTP otherwise (client/nixl_path.py).
+        self.path_bytes: collections.Counter[str] = collections.Counter()
+        """Payload bytes moved, by path ('nixl', 'http'): which path the data actually took."""
+        self._nixl: NixlChannel | None = None
+        self._nixl_off: str | None = None  # why NIXL is not used (None: not decided, or in use)
+        self._nixl_retry_s = 0.0  # after a transient failure, when to try NIXL again
+        self._path_logged: str | None = None
+        self._pending_buffers: list[memoryview] = []  # registered once an agent exists
 
     async def __aenter__(self) -> PrefixClient:
         return self
@@ -97,6 +116,9 @@ class PrefixClient:
         await self.close()
 
     async def close(self) -> None:
+        if self._nixl is not None:
+            self._nixl.path.close()
+            self._nixl = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -175,6 +197,93 @@ class PrefixClient:
             await self._ensure_namespace()
             return await self._post(path, header, payloads)
 
+    # ------------------------------------------------------------ data path
+
+    @property
+    def data_path(self) -> str:
+        """'nixl' or 'http': the path payloads take now ('undecided' before the first transfer)."""
+        if self._nixl is not None and self._nixl.path.remote is not None:
+            return "nixl"
+        if self.config.data_path == "http" or self._nixl_off is not None:
+            return "http"
+        return "undecided"
+
+    def register_buffer(self, buf: Buffer) -> bool:
+        """Register a buffer the client will read into or send from (a staging region) with the
+        NIXL agent, once, so transfers into it need no per-call registration. True when the NIXL
+        path will use it; a no-op (False) on the HTTP path. The buffer must outlive the client or
+        be passed to :meth:`unregister_buffer`."""
+        if self.config.data_path == "http":
+            return False
+        view = _view(buf)
+        if self._nixl is None:
+            self._pending_buffers.append(view)
+            return True
+        return self._nixl.path.register(view) or True
+
+    def unregister_buffer(self, buf: Buffer) -> bool:
+        view = _view(buf)
+        self._pending_buffers = [v for v in self._pending_buffers if v is not view]
+        return self._nixl.path.unregister(view) if self._nixl is not None else False
+
+    def _use_path(self, path: str, why: str) -> None:
+        """One log line when the data path is decided or changes."""
+        if self._path_logged != path:
+            self._path_logged = path
+            log.info("prefixstore data path: %s (%s)", path, why)
+
+    def _nixl_disable(self, reason: str, permanent: bool) -> None:
+        if self.config.data_path == "nixl":
+            self._fail("nixl", StoreUnavailable(f"NIXL data path unavailable, using HTTP: {reason}"))
+        if permanent:
+            self._nixl_off = reason
+        else:
+            self._nixl_retry_s = time.monotonic() + self.config.warn_interval_s
+        self._use_path("http", reason)
+
+    async def _nixl_ready(self) -> NixlChannel | None:
+        """The NIXL channel when the NIXL path is usable now, else None (use HTTP)."""
+        if self.config.data_path == "http" or self._nixl_off is not None:
+            if self.config.data_path == "http":
+                self._use_path("http", "data_path = http")
+            return None
+        if self._nixl is not None and self._nixl.path.remote is not None:
+            return self._nixl
+        if time.monotonic() < self._nixl_retry_s:
+            return None
+        if self._nixl is None and not _nixl_installed():
+            self._nixl_disable("nixl is not installed here (pip install nixl)", permanent=True)
+            return None
+        try:
+            agent, metadata = await fetch_metadata(self._post)  # before making an agent: is NIXL served?
+            if self._nixl is None:
+                try:
+                    path = NixlPath()
+                except NixlUnavailable as err:
+                    self._nixl_disable(str(err), permanent=True)
+                    return None
+                self._nixl = NixlChannel(path)
+                for view in self._pending_buffers:
+                    path.register(view)
+                self._pending_buffers = []
+            self._nixl.path.connect(agent, metadata)
+        except StoreUnavailable as err:
+            refused = _nixl_refused(err)
+            self._nixl_disable(f"the store does not serve NIXL: {err}" if refused
+                               else f"cannot ask the store for its NIXL agent: {err}", permanent=refused)
+            return None
+        except (TransferFailed, WireError) as err:
+            self._nixl_disable(f"cannot load the store's NIXL agent: {err}", permanent=False)
+            return None
+        self._use_path("nixl", f"store agent {self._nixl.path.remote}")
+        return self._nixl
+
+    def _nixl_problems(self, problems: Sequence[tuple[str, str]]) -> None:
+        for kind, message in problems:
+            if kind == "checksum":
+                self.failures["checksum"] += 1
+            self._fail("nixl" if kind == "nixl" else "read", StoreUnavailable(message))
+
     # ------------------------------------------------------------ lookup
 
     async def lookup(self, prompt: Prompt | Sequence[int] | np.ndarray, lease: bool | None = None) -> LookupResult:
@@ -239,6 +348,32 @@ class PrefixClient:
 
     async def _read_batch(self, items: Sequence[GetItem], views: list[memoryview], batch: list[int],
                           done: list[int]) -> None:
+        """NIXL when it is usable (one READ for the batch), HTTP for everything it did not deliver
+        and could not prove missing."""
+        channel = await self._nixl_ready()
+        if channel is not None:
+            try:
+                got = await channel.read(self._call, self.namespace.id, [items[i] for i in batch],
+                                         [views[i] for i in batch], self.config.verify_checksums, self.config.timeout_s)
+            except StoreUnavailable as err:
+                if not _nixl_refused(err):
+                    self._fail("read", err)
+                    return
+                self._nixl_disable(f"the store stopped serving NIXL: {err}", permanent=True)
+            else:
+                for i, size in zip(batch, got.sizes):
+                    done[i] = size
+                self.path_bytes["nixl"] += got.nixl_bytes
+                self._nixl_problems(got.problems)
+                if any(kind == "nixl" for kind, _ in got.problems):
+                    self._use_path("http", "a NIXL transfer failed; HTTP until the agent is reloaded")
+                batch = [batch[j] for j in got.http]
+                if not batch:
+                    return
+        await self._http_read_batch(items, views, batch, done)
+
+    async def _http_read_batch(self, items: Sequence[GetItem], views: list[memoryview], batch: list[int],
+                               done: list[int]) -> None:
         """One POST /v1/get on the bulk path (client/bulk.py): payloads land straight in ``views``."""
         request = encode_header({"ns": self.namespace.id, "items": [items[i].to_wire() for i in batch]})
         batch_views = [views[i] for i in batch]
@@ -263,6 +398,7 @@ class PrefixClient:
         # partially written by a failed exchange stays -1.
         for i, size in zip(batch, result.sizes):
             done[i] = size
+        self.path_bytes["http"] += sum(size for size in result.sizes if size > 0)
         for kind, message in result.problems:
             if kind == "checksum":
                 self.failures["checksum"] += 1
@@ -292,11 +428,35 @@ class PrefixClient:
             chunk = items[s : s + self.config.max_items]
             views = [_view(buf) for _, buf in chunk]
             specs = [with_payload(spec, v) for (spec, _), v in zip(chunk, views)]
+            channel = await self._nixl_ready()
+            if channel is not None:
+                try:
+                    results, problems, written = await channel.write(self._call, self.namespace.id, specs, views,
+                                                                     commit, self.config.timeout_s)
+                except StoreUnavailable as err:
+                    if _nixl_refused(err):
+                        self._nixl_disable(f"the store stopped serving NIXL: {err}", permanent=True)
+                    else:
+                        over_quota = "answered 413" in str(err) and "quota" in str(err)
+                        self._fail("quota" if over_quota else "put", err)
+                        out.extend(ItemResult("dropped", REASON_QUOTA if over_quota else "store unavailable")
+                                   for _ in chunk)
+                        continue
+                except (TransferFailed, WireError) as err:
+                    self._fail("put", err)
+                    out.extend(ItemResult("dropped", "store unavailable") for _ in chunk)
+                    continue
+                else:
+                    out.extend(results)
+                    self.path_bytes["nixl"] += written
+                    self._nixl_problems(problems)
+                    continue
             try:
                 answer = await self._call("/v1/put", {"ns": self.namespace.id, "commit": commit,
                                                       "items": [x.to_wire() for x in specs]}, views)
                 results = _results(answer, len(chunk))
                 out.extend(results)
+                self.path_bytes["http"] += sum(v.nbytes for v, r in zip(views, results) if r.status == STATUS_OK)
                 refused = sum(r.reason == REASON_QUOTA for r in results)
                 if refused:  # never a silent drop: counted and warned like a failure
                     self._fail("quota", StoreUnavailable(f"{refused} item(s) refused: {REASON_QUOTA}"))
@@ -349,6 +509,20 @@ class PrefixClient:
             saved.extend((w.kind, r) for (w, _), r in zip(wanted, results))
         rejected = len(specs) - stored - have - dropped
         return SaveResult(stored=stored, already=have, rejected=rejected, dropped=dropped, results=saved)
+
+
+def _nixl_installed() -> bool:
+    """Whether the nixl package exists here, without importing it (seconds with torch installed)."""
+    try:
+        return importlib.util.find_spec("nixl") is not None
+    except (ImportError, ValueError):  # ValueError: a module hidden by sys.modules["nixl"] = None
+        return False
+
+
+def _nixl_refused(err: StoreUnavailable) -> bool:
+    """The store answered that it does not serve NIXL (404 naming the field 'nixl')."""
+    text = str(err)
+    return "answered 404" in text and '"field": "nixl"' in text
 
 
 def _results(answer: dict[str, object], n: int) -> list[ItemResult]:

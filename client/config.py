@@ -9,7 +9,21 @@ from dataclasses import dataclass
 @dataclass(frozen=True, kw_only=True)
 class ClientConfig:
     url: str = "http://127.0.0.1:8077"
-    """Base URL of the store (one node; the cluster issue adds a member list)."""
+    """Base URL of the store when it is one node (ignored when ``urls`` is set)."""
+    urls: tuple[str, ...] = ()
+    """Seed URLs of a cluster (client/cluster.py): any live one tells the client the member list
+    (GET /v1/members), which it then refreshes. Set, ``PrefixClient(ns, config)`` is a cluster client
+    with the same methods. A comma-separated string is accepted too."""
+    membership_refresh_s: float = 10.0
+    """Cluster: seconds between refreshes of the member list."""
+    retry_after_s: float = 1.0
+    """Cluster: a node that failed is skipped (its keys are misses) for this long, doubling on every
+    further failure up to ``max_retry_after_s``; then it is tried again."""
+    max_retry_after_s: float = 30.0
+    """Cluster: the longest a failed node is skipped before it is tried again."""
+    owner_grace_s: float | None = None
+    """Cluster: after a membership change, misses are retried on a key's previous owner for this
+    long. None: the cluster's own owner_grace_s (served with the member list)."""
     timeout_s: float = 5.0
     """Whole-request deadline; past it the request counts as a miss or a dropped save."""
     connect_timeout_s: float = 1.0
@@ -34,10 +48,24 @@ class ClientConfig:
     """PEM client certificate for a store that requires mutual TLS (with tls_key_file)."""
     tls_key_file: str = ""
     """PEM private key of tls_cert_file."""
+    data_path: str = "auto"
+    """How payloads move: 'auto' (NIXL READs/WRITEs of the store's arena when nixl is importable
+    here and the store serves it, HTTP otherwise), 'nixl' (the same, but not getting NIXL is
+    counted as a failure and warned about), 'http' (never NIXL). Either way the API and results
+    are the same, and any NIXL failure falls back to HTTP; one log line says which path is in use."""
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url: expected http:// or https://, got {self.url!r}")
+        if isinstance(self.urls, str):
+            object.__setattr__(self, "urls", tuple(u.strip() for u in self.urls.split(",") if u.strip()))
+        object.__setattr__(self, "urls", tuple(u.strip().rstrip("/") for u in self.urls))
+        for u in self.urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"urls: expected http:// or https:// URLs, got {u!r}")
+        for name in ("membership_refresh_s", "retry_after_s", "max_retry_after_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
         for name in ("timeout_s", "connect_timeout_s", "max_get_bytes", "max_items"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
@@ -45,6 +73,8 @@ class ClientConfig:
             raise ValueError("token: must be printable ASCII without spaces")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_key_file: tls_cert_file and tls_key_file are set together or not at all")
+        if self.data_path not in ("auto", "nixl", "http"):
+            raise ValueError(f"data_path: {self.data_path!r} is not one of 'auto', 'nixl', 'http'")
 
     @property
     def authorization(self) -> str | None:
@@ -53,7 +83,7 @@ class ClientConfig:
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """A verifying TLS context for an https URL (None for http)."""
-        if not self.url.startswith("https://"):
+        if not self.url.startswith("https://") and not any(u.startswith("https://") for u in self.urls):
             return None
         context = ssl.create_default_context(cafile=self.tls_ca_file or None)
         if self.tls_cert_file:

@@ -101,6 +101,22 @@ class SyncPrefixClient:
         """Failures by operation, as counted by the async client (a live view)."""
         return self._client.failures
 
+    @property
+    def data_path(self) -> str:
+        """'nixl', 'http' or 'undecided' (see PrefixClient.data_path)."""
+        return self._client.data_path
+
+    @property
+    def path_bytes(self) -> collections.Counter[str]:
+        """Payload bytes moved by path (a live view)."""
+        return self._client.path_bytes
+
+    def register_buffer(self, buf: Buffer) -> bool:
+        return self._client.register_buffer(buf)
+
+    def unregister_buffer(self, buf: Buffer) -> bool:
+        return self._client.unregister_buffer(buf)
+
     def prompt(self, tokens: Sequence[int] | np.ndarray | bytes, extra_keys: Sequence[bytes] | None = None) -> Prompt:
         return self._client.prompt(tokens, extra_keys)
 

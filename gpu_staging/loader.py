@@ -95,6 +95,7 @@ class LayerwiseLoad:
             if self.seq.capacity_tokens < self.kv_tokens:
                 raise LoadFailed(f"the sequence reserves {self.seq.capacity_tokens} tokens, the load needs "
                                  f"{self.kv_tokens}")
+            self.staging.register_with(self.client)  # once per client: NIXL READs land in it directly
             if self.state is not None:
                 await self._load_state()
             self._set_ready(self.config.linear_layers)

@@ -23,10 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..client.client import PrefixClient
 
 class StagingFull(ValueError):
     """A round asked for more bytes than the region holds; the message names the knob."""
@@ -60,6 +64,20 @@ class StagingBuffer:
         self.region = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device) if on_gpu else self.host
         self.zeroed_bytes = 0
         """Bytes zeroed by :meth:`land` so far (a transfer that did not cover its slot)."""
+        self._registered_with: set[int] = set()
+
+    def register_with(self, client: PrefixClient) -> bool:
+        """Register the host region with ``client``'s NIXL agent, once per client, so every NIXL
+        READ of a load lands in it without a per-call registration (a no-op on the HTTP path).
+
+        It is the host region because the client reads into and sends from host views
+        (:meth:`host_view`); on a GPU machine the device region is the better target (one READ
+        straight into device memory, no host copy in :meth:`land`), which needs the client to
+        accept device buffers -- not built yet, see docs/nixl.md."""
+        if id(client) in self._registered_with:
+            return False
+        self._registered_with.add(id(client))
+        return client.register_buffer(self.host.numpy())
 
     # ------------------------------------------------------------ carving
 

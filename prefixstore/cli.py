@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import ssl
 import sys
 import tempfile
@@ -38,6 +39,7 @@ from . import __version__
 from .admission import ADMISSION_POLICIES, EVICTION_POLICIES
 from .store.config import ENV_PREFIX, LOG_LEVELS, ConfigError, StoreConfig
 from .store.runner import StoreRunner
+from .store.cluster import MEMBERSHIP
 from .store.server import STORE, create_app
 
 if TYPE_CHECKING:
@@ -308,6 +310,9 @@ async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None)
         host, port = runner.addresses[0][:2]
         url = _url(host, port, "https" if ssl_context is not None else "http")
         log.info("prefixstore serving on %s (ram=%s, lmdb=%s)", url, format_size(config.ram_bytes), lmdb_text)
+        # The node's identity in placement (store/membership.py): node_url, else the address bound.
+        named = host if host not in ("0.0.0.0", "::") else socket.gethostname()
+        runner.app[MEMBERSHIP].set_self_url(_url(named, port, "https" if ssl_context is not None else "http"))
         if ready is not None:
             ready(url)
         await stop.wait()

@@ -324,6 +324,9 @@ class ItemSpec:
     boundary: int = 0
     checksum: int | None = None  # xxh3-64 of the payload; required in a put
     origin: int = 0  # snapshots: why the engine took it (protocol.keys.Origin); a hint for eviction
+    # Blocks and tails: first token position. Needed only in a cluster, where the
+    # parent usually lives on another node (protocol/placement.py); else derived.
+    start: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -343,6 +346,8 @@ class ItemSpec:
             d["checksum"] = self.checksum
         if self.origin:
             d["origin"] = self.origin
+        if self.start is not None and self.kind is not Kind.STATE:
+            d["start"] = self.start
         return d
 
     @classmethod
@@ -364,7 +369,9 @@ class ItemSpec:
         if not tokens:
             raise WireError(f"{ctx}tokens", "a block or tail holds at least one token")
         extra = req_bin(h, "extra", ctx) if "extra" in h else b""
-        return cls(kind=kind, hash=digest, size=size, parent=parent, tokens=tokens, extra=extra, checksum=checksum)
+        start = req_int(h, "start", ctx, 0) if "start" in h else None
+        return cls(kind=kind, hash=digest, size=size, parent=parent, tokens=tokens, extra=extra, checksum=checksum,
+                   start=start)
 
 
 def parse_items(h: dict[str, object], limits: Limits, name: str = "items") -> list[ItemSpec]:

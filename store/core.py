@@ -141,6 +141,14 @@ class Store:
         # Payload bytes each tenant holds, committed plus pending (a quota must
         # count what is already promised), kept where entries are taken and freed.
         self.tenant_bytes: dict[str, int] = {}
+        # In a cluster a block usually lives on another node than its parent
+        # (protocol/placement.py), so prefix closure holds per cluster, not per
+        # node: a block or tail may name a parent this node does not hold.
+        self.foreign_parents = bool(config.peer_urls or config.peers_dns)
+        # Cluster hooks (store/replication.py): called with each entry a get served.
+        self.read_hooks: list[Callable[[Entry], None]] = []
+        self._unanchored: set[bytes] = set()  # pending keys whose parent was another node's: nothing pinned
+        self.replica_keys: set[bytes] = set()  # entries taken as another node's replicas (store/replication.py)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -218,6 +226,9 @@ class Store:
         if e.parent == self._roots.get(e.namespace_id):
             return e.start == 0
         p = self.index.get_block(e.parent)
+        if p is None and self.foreign_parents:  # the parent lives on another node
+            ns = self.namespaces.get(e.namespace_id)
+            return ns is not None and e.start > 0 and e.start % ns.block_tokens == 0
         return p is not None and p.end == e.start
 
     async def _sweep_forever(self) -> None:
@@ -416,9 +427,16 @@ class Store:
             start = 0
         else:
             p = self._find(make_entry_key(Kind.BLOCK, item.parent), batch)
-            if p is None or p.namespace_id != ns_id:
+            if p is not None and p.namespace_id == ns_id:
+                start = p.end
+            elif p is None and self.foreign_parents and item.start is not None:
+                # Cluster: the parent is another node's; the client says where the block starts.
+                B = self.namespace(ns_id).block_tokens
+                if item.start <= 0 or item.start % B:
+                    raise WireError(f"{ctx}start", f"{item.start} is not a positive multiple of the block size {B}")
+                start = item.start
+            else:
                 return "parent not stored"
-            start = p.end
         return Entry(key=key, kind=item.kind, hash=item.hash, namespace_id=ns_id, parent=item.parent, start=start,
                      tokens=item.tokens, extra=item.extra, container=None, boundary=0, size=item.size,
                      checksum=item.checksum or 0, last_access_s=now)
@@ -498,6 +516,8 @@ class Store:
             anchor = (in_batch.get(anchor_key) or self._find(anchor_key, {})) if anchor_key else None
             if anchor is not None:
                 anchor.pins += 1  # held until the entry commits or is dropped
+            elif e is not None and anchor_key is not None:
+                self._unanchored.add(e.key)  # a cluster block whose parent is another node's
             anchors.append(anchor)
         targets: list[list[memoryview] | None] = []
         failed: set[bytes] = set()
@@ -511,6 +531,7 @@ class Store:
             pages = None if dep in failed else self._allocate(e.size)
             if pages is None:
                 failed.add(e.key)
+                self._unanchored.discard(e.key)
                 anchor = anchors[i]
                 if anchor is not None:
                     self._unpin(anchor)
@@ -548,6 +569,26 @@ class Store:
                 plan.results[i] = ItemResult(STATUS_REJECTED, "payload does not match its checksum")
                 self.metrics.checksum_failures.labels("network").inc()
 
+    def verify_pending(self, ns_id: bytes, keys: Sequence[bytes]) -> tuple[list[ItemResult], int]:
+        """The NIXL path's verify_put: payloads were WRITTEN into reserved pages, not streamed.
+        Per key: pending (its pages hold bytes matching its checksum), rejected (dropped: they do
+        not), or missing; plus the payload bytes verified."""
+        out: list[ItemResult] = []
+        received = 0
+        for key in keys:
+            e = self.pending.get(key)
+            if e is None or e.namespace_id != ns_id or e.pages is None or e.expires_s == _COMMITTING:
+                out.append(ItemResult(STATUS_MISSING, "not reserved, expired, or committing"))
+                continue
+            if self.arena.checksum(e.pages, 0, e.size) != e.checksum:
+                self._drop_pending(e)
+                out.append(ItemResult(STATUS_REJECTED, "payload does not match its checksum"))
+                self.metrics.checksum_failures.labels("network").inc()
+                continue
+            received += e.size
+            out.append(ItemResult(STATUS_PENDING))
+        return out, received
+
     def _anchor_key(self, e: Entry) -> bytes | None:
         if e.kind is Kind.STATE:
             return e.container
@@ -563,7 +604,9 @@ class Store:
             e.pages = None
         anchor_key = self._anchor_key(e)
         anchor = self._find(anchor_key, {}) if anchor_key else None
-        if anchor is not None:
+        if e.key in self._unanchored:
+            self._unanchored.discard(e.key)
+        elif anchor is not None:
             self._unpin(anchor)
 
     async def commit(self, ns_id: bytes, keys: Sequence[bytes]) -> list[ItemResult]:
@@ -626,11 +669,14 @@ class Store:
             self.index.insert(e)
             self.eviction.on_store(e, now)
             anchor_key = self._anchor_key(e)
+            pinned = e.key not in self._unanchored
+            self._unanchored.discard(e.key)
             if anchor_key is not None:
                 anchor = self.index.get(anchor_key)
                 if anchor is not None:
                     self.delete_queue.discard(anchor)  # it has a dependant now
-                    self._unpin(anchor)
+                    if pinned:
+                        self._unpin(anchor)
             self._requeue(e, now)
             results[i] = ItemResult(STATUS_OK)
         return results
@@ -704,6 +750,8 @@ class Store:
             e.last_access_s = now
             if not e.dead:
                 self._requeue(e, now)
+            for hook in self.read_hooks:
+                hook(e)
         return plan
 
     def payload_views(self, slot: GetSlot) -> list[memoryview]:
@@ -817,7 +865,8 @@ class Store:
         before = len(self.index.entries)
         for e in list(self.index.entries.values()):
             if e.kind is not Kind.STATE and not e.dead and e.key in self.index.entries \
-                    and e.parent == self._roots.get(e.namespace_id):
+                    and (e.parent == self._roots.get(e.namespace_id)
+                         or (e.parent is not None and self.index.get_block(e.parent) is None)):
                 self._delete(e, "flushed")
         return before - len(self.index.entries)
 
@@ -868,7 +917,7 @@ class Store:
 
     def check(self) -> None:
         """Verify the store's invariants (index, arena accounting, queues); raise naming the broken one."""
-        self.index.check(set(self._roots.values()))
+        self.index.check(set(self._roots.values()), foreign_parents=self.foreign_parents)
         holders = list(self.index.entries.values()) + list(self.pending.values())
         if self.arena.virtual:
             held = sum(-sum(e.pages) for e in holders if e.pages)

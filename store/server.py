@@ -9,6 +9,11 @@ Endpoints (all POST bodies are frames, see protocol/wire.py)::
     POST /v1/commit       {ns, keys}                  -> {results}
     POST /v1/get          {ns, items}                 -> {items: [[status, size, checksum]]} + payloads
     POST /v1/release      {lease}                     -> {released}
+    GET  /v1/members  POST /v1/probe  /v1/lookup_report  /v1/replica/drop   (cluster: store/cluster.py)
+    POST /v1/nixl/metadata {}                         -> {agent, metadata, region}  (store/nixl_target.py)
+    POST /v1/nixl/get     {ns, items}                 -> {agent, items: [[status, size, checksum, descs]], lease}
+    POST /v1/nixl/reserve {ns, items}                 -> {agent, results: [[status, reason, descs]], ttl_s}
+    POST /v1/nixl/commit  {ns, keys, commit}          -> {results}
     GET  /v1/stats                                    (admin token when tenants are configured)
     POST /v1/admin/flush                              -> {flushed}   (admin token when tenants are configured)
     GET  /healthz  /metrics                           (always open: no cache contents, no tenant names)
@@ -62,6 +67,7 @@ from ..protocol.wire import (
 )
 from .config import StoreConfig
 from .core import Store
+from .membership import DnsResolver
 from .tenants import Tenant
 
 OPEN_TENANT = "default"  # the tenant of every request when no tenants file is configured
@@ -283,6 +289,9 @@ async def put(request: web.Request) -> web.Response:
         keys = [e.key for e in plan.entries if e is not None]
         committed = iter(await store.commit(ns_id, keys))
         results = [next(committed) if e is not None else r for e, r in zip(plan.entries, results)]
+        if req_bool(header, "replica", default=False):  # pushed by a hot entry's owner (store/replication.py)
+            store.replica_keys.update(e.key for e, r in zip(plan.entries, results)
+                                      if e is not None and r.status == STATUS_OK)
     return _frame_response({"results": [r.to_wire() for r in results]})
 
 
@@ -367,8 +376,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def create_app(config: StoreConfig, clock: Callable[[], float] = time.monotonic) -> web.Application:
-    """The store as an aiohttp application; the store opens in startup and closes in cleanup."""
+def create_app(config: StoreConfig, clock: Callable[[], float] = time.monotonic,
+               resolver: DnsResolver | None = None) -> web.Application:
+    """The store as an aiohttp application; the store opens in startup and closes in cleanup.
+
+    ``resolver``: the DNS lookups of ``peers_dns`` membership (tests pass their own)."""
     store = Store(config, clock)
     # Put bodies are streamed and bounded by max_body_bytes through Content-Length
     # checks; aiohttp's own limit applies to request.read(), which no handler uses.
@@ -392,4 +404,13 @@ def create_app(config: StoreConfig, clock: Callable[[], float] = time.monotonic)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/stats", stats)
     app.router.add_post("/v1/admin/flush", flush)
+    # The NIXL data path (store/nixl_target.py): /v1/nixl/{metadata,get,reserve,commit} and the
+    # agent's life cycle. Imported here, not at the top: that module builds on this one's helpers.
+    from .nixl_target import install as install_nixl
+
+    install_nixl(app, config)
+    # Cluster (store/cluster.py): membership, /v1/members, /v1/probe, hot-prefix replication.
+    from .cluster import install as install_cluster
+
+    install_cluster(app, config, clock, resolver)
     return app

@@ -23,8 +23,10 @@ def namespace() -> Namespace:
 
 @pytest.fixture
 def store_config(tmp_path: Path) -> StoreConfig:
+    # nixl off: these stores test the HTTP path (clients default to NIXL where a store serves
+    # it); tests/nixl/ starts its own stores with NIXL on.
     return StoreConfig(port=0, data_dir=str(tmp_path / "lmdb"), ram_bytes=4 << 20, page_bytes=4096,
-                       disk_bytes=64 << 20)
+                       disk_bytes=64 << 20, nixl="off")
 
 
 class RunningStore:

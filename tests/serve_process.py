@@ -28,9 +28,12 @@ START_DEADLINE_S = 20.0
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The test process's environment without any PREFIXSTORE_* knob, plus ``extra``."""
+    """The test process's environment without any PREFIXSTORE_* knob but PREFIXSTORE_NIXL=off, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXSTORE_")}
     env["COLUMNS"] = "1000"  # argparse: no help wrapping, so texts can be matched whole
+    # HTTP only unless a test asks (--nixl on): clients default to NIXL where a store serves it,
+    # and most tests test the HTTP path (tests/nixl/ tests NIXL); it also keeps starts fast.
+    env["PREFIXSTORE_NIXL"] = "off"
     env.update(extra)
     return env
 

@@ -52,7 +52,7 @@ async def store_chain(client: PrefixClient, num_tokens: int, seed: int) -> list[
 @pytest.fixture
 async def big_store(start_store: Callable[[StoreConfig], Awaitable[RunningStore]], tmp_path: Path) -> RunningStore:
     return await start_store(StoreConfig(port=0, data_dir=str(tmp_path / "lmdb"), ram_bytes=64 << 20,
-                                         page_bytes=64 << 10, disk_bytes=256 << 20))
+                                         page_bytes=64 << 10, disk_bytes=256 << 20, nixl="off"))
 
 
 # ---------------------------------------------------------------- a real store
@@ -146,7 +146,7 @@ async def test_one_connection_serves_consecutive_reads(big_store: RunningStore) 
         assert pool.num_connects == 1
         assert len(pool._idle) == 1 and pool._idle[0].num_requests == before + 5
         # Reads split into several batches (max_get_bytes) also share it.
-    async with big_store.client(ns, max_get_bytes=1 << 20) as c:
+    async with big_store.client(ns, max_get_bytes=1 << 20, data_path="http") as c:
         outs = [bytearray(len(p)) for _, p in stored]
         assert await c.read(items, outs) == [len(p) for _, p in stored]
         # One connection: the namespace registration, then five batches.
@@ -371,7 +371,7 @@ def outs_for(payloads: list[bytes]) -> list[bytearray]:
 async def test_fake_store_good_answer_is_read(fake: Callable[[Answer], Awaitable[FakeStore]]) -> None:
     """The fake itself speaks the protocol: a well-formed answer is read (and the connection kept)."""
     s = await fake(fixed(http_answer(get_frame(PAYLOADS))))
-    async with PrefixClient(s.ns, ClientConfig(url=s.url)) as c:
+    async with PrefixClient(s.ns, ClientConfig(url=s.url, data_path="http")) as c:
         for _ in range(3):
             outs = outs_for(PAYLOADS)
             assert await c.read(ITEMS, outs) == [len(p) for p in PAYLOADS]
@@ -401,7 +401,7 @@ GARBAGE = {
 @pytest.mark.parametrize("kind", sorted(GARBAGE))
 async def test_garbage_answers_are_misses(fake: Callable[[Answer], Awaitable[FakeStore]], kind: str) -> None:
     s = await fake(fixed(GARBAGE[kind]))
-    async with PrefixClient(s.ns, ClientConfig(url=s.url, timeout_s=2.0)) as c:
+    async with PrefixClient(s.ns, ClientConfig(url=s.url, data_path="http", timeout_s=2.0)) as c:
         outs = outs_for(PAYLOADS)
         started = time.monotonic()
         assert await c.read(ITEMS, outs) == [-1, -1, -1]
@@ -418,7 +418,7 @@ async def test_connection_closed_mid_answer(fake: Callable[[Answer], Awaitable[F
     cut = {"inside payload 1": len(whole) - len(PAYLOADS[2]) - 1500, "before answering": 0,
            "inside the headers": 20, "inside the frame header": len(whole) - sum(map(len, PAYLOADS)) - 5}[where]
     s = await fake(fixed(Cut(whole[:cut])))
-    async with PrefixClient(s.ns, ClientConfig(url=s.url, timeout_s=1.0)) as c:
+    async with PrefixClient(s.ns, ClientConfig(url=s.url, data_path="http", timeout_s=1.0)) as c:
         outs = outs_for(PAYLOADS)
         started = time.monotonic()
         got = await c.read(ITEMS, outs)
@@ -437,11 +437,11 @@ async def test_checksum_mismatch_is_a_miss(fake: Callable[[Answer], Awaitable[Fa
     sums = [xxhash.xxh3_64_intdigest(p) for p in PAYLOADS]
     sums[1] ^= 1
     s = await fake(fixed(http_answer(get_frame(PAYLOADS, sums))))
-    async with PrefixClient(s.ns, ClientConfig(url=s.url)) as c:
+    async with PrefixClient(s.ns, ClientConfig(url=s.url, data_path="http")) as c:
         got = await c.read(ITEMS, outs_for(PAYLOADS))
         assert got == [len(PAYLOADS[0]), -1, len(PAYLOADS[2])]
         assert c.failures["checksum"] == 1 and c.failures["read"] == 1
-    async with PrefixClient(s.ns, ClientConfig(url=s.url, verify_checksums=False)) as c:
+    async with PrefixClient(s.ns, ClientConfig(url=s.url, data_path="http", verify_checksums=False)) as c:
         assert await c.read(ITEMS, outs_for(PAYLOADS)) == [len(p) for p in PAYLOADS]
 
 
@@ -457,7 +457,7 @@ async def test_large_payload_checksum_is_verified_across_receives(fake: Callable
         return http_answer(get_frame(payloads, sums if n % 2 else bad))
 
     s = await fake(answer)
-    async with PrefixClient(s.ns, ClientConfig(url=s.url)) as c:
+    async with PrefixClient(s.ns, ClientConfig(url=s.url, data_path="http")) as c:
         outs = outs_for(payloads)
         assert await c.read(ITEMS, outs) == [len(p) for p in payloads]
         assert [bytes(o[: len(p)]) for o, p in zip(outs, payloads)] == payloads
@@ -479,7 +479,7 @@ async def test_stalled_answer_times_out_as_a_miss(fake: Callable[[Answer], Await
         return http_answer(frame)
 
     s = await fake(stall)
-    async with PrefixClient(s.ns, ClientConfig(url=s.url, timeout_s=0.3)) as c:
+    async with PrefixClient(s.ns, ClientConfig(url=s.url, data_path="http", timeout_s=0.3)) as c:
         started = time.monotonic()
         assert await c.read(ITEMS, outs_for(PAYLOADS)) == [-1, -1, -1]
         assert time.monotonic() - started < 2
@@ -501,7 +501,7 @@ async def test_cancelled_read_drops_its_connection(fake: Callable[[Answer], Awai
         return http_answer(frame)
 
     s = await fake(slow)
-    async with PrefixClient(s.ns, ClientConfig(url=s.url)) as c:
+    async with PrefixClient(s.ns, ClientConfig(url=s.url, data_path="http")) as c:
         outs = outs_for(PAYLOADS)
         task = asyncio.create_task(c.read(ITEMS, outs))
         await started.wait()
@@ -521,7 +521,7 @@ async def test_kept_alive_connection_closed_by_the_store_is_retried(fake: Callab
         return http_answer(frame) if n == 1 else None  # the second request on a connection: closed unanswered
 
     s = await fake(one_per_connection)
-    async with PrefixClient(s.ns, ClientConfig(url=s.url)) as c:
+    async with PrefixClient(s.ns, ClientConfig(url=s.url, data_path="http")) as c:
         for _ in range(3):
             outs = outs_for(PAYLOADS)
             assert await c.read(ITEMS, outs) == [len(p) for p in PAYLOADS]
@@ -542,7 +542,7 @@ async def test_store_that_forgot_the_namespace_is_asked_again(fake: Callable[[An
         return http_answer(frame)
 
     s = await fake(forgetful)
-    async with PrefixClient(s.ns, ClientConfig(url=s.url)) as c:
+    async with PrefixClient(s.ns, ClientConfig(url=s.url, data_path="http")) as c:
         assert await c.read(ITEMS, outs_for(PAYLOADS)) == [len(p) for p in PAYLOADS]
         assert s.paths == ["/v1/namespaces", "/v1/get", "/v1/namespaces", "/v1/get"]
         assert c.failures == {}

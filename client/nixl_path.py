@@ -1,0 +1,429 @@
+"""The client side of the NIXL data path: one agent, registered buffers, one READ or WRITE per batch.
+
+:class:`~prefixstore.client.client.PrefixClient` drives it (``ClientConfig.data_path``); this
+module only knows agents, descriptors and buffers, not the protocol's requests::
+
+    store answer: per payload, runs of the arena as (address, length) pairs
+    local side:   the caller's buffer for that payload, cut at the same run lengths
+    -> one descriptor list per side, one READ (or WRITE) for the whole batch
+
+Buffers must be registered with the agent. Engines register their staging region once
+(:meth:`NixlPath.register`, via ``PrefixClient.register_buffer``); any other buffer a call
+passes is registered for that call and deregistered after it (grouped into contiguous runs,
+so a batch cut from one array costs one registration).
+
+The agent runs without NIXL's progress thread (it spins a core) and without its listener
+thread (it binds every interface unauthenticated): metadata comes over the store's HTTP plane
+and this side progresses its transfers by polling their state from the event loop.
+
+nixl is imported lazily; where it is missing, :class:`NixlUnavailable` says so and the client
+keeps using HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..protocol.keys import make_entry_key
+from ..protocol.nixl_agent import NixlUnavailable, make_agent
+from ..protocol.wire import STATUS_OK, STATUS_PENDING, GetItem, ItemResult, ItemSpec
+
+log = logging.getLogger(__name__)
+
+DESC = np.dtype("<u8")
+
+
+class TransferFailed(RuntimeError):
+    """A READ or WRITE did not complete (error, remote gone, deadline)."""
+
+
+def address_of(view: memoryview) -> int:
+    """The address of a buffer's first byte (read-only buffers too: they are WRITE sources).
+    ctypes first: a fifth of numpy's cost, which counts at a thousand payloads a batch."""
+    if view.nbytes and not view.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+@dataclass(slots=True)
+class _Region:
+    start: int
+    end: int
+    handle: Any
+
+
+def descriptor_lists(raws: Sequence[object], sizes: Sequence[int], addrs: Sequence[int]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """The two Nx3 (address, length, device) lists of one transfer, built in a few numpy ops.
+
+    ``raws[i]`` is payload i's descriptors from a store answer: (address, length) uint64 pairs
+    in its arena, summing to ``sizes[i]``; payload i's local bytes start at ``addrs[i]`` and are
+    cut at the same lengths, so the lists pair up run by run::
+
+        remote: | a0 len 40K | a7 len 24K | b3 len 64K |      (payload 0 in two runs, payload 1 in one)
+        local:  | x  len 40K | x+40K 24K  | y  len 64K |
+
+    Raises ValueError naming the payload whose descriptors are malformed."""
+    counts = np.empty(len(raws), dtype=np.int64)
+    for i, raw in enumerate(raws):
+        if not isinstance(raw, bytes) or not raw or len(raw) % 16:
+            raise ValueError(f"[{i}]: descriptors must be non-empty (address, length) uint64 pairs")
+        counts[i] = len(raw) // 16
+    runs = np.frombuffer(b"".join(raws), dtype=DESC).reshape(-1, 2)  # type: ignore[arg-type]
+    lengths = runs[:, 1]
+    first = np.zeros(len(raws), dtype=np.int64)
+    np.cumsum(counts[:-1], out=first[1:])
+    covered = np.add.reduceat(lengths, first)
+    bad = np.flatnonzero(covered != np.asarray(sizes, dtype=np.uint64))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"[{i}]: descriptors cover {int(covered[i])} bytes, the payload is {sizes[i]}")
+    before = np.cumsum(lengths) - lengths  # bytes of all earlier runs, every payload
+    item = np.repeat(np.arange(len(raws)), counts)
+    local_addr = np.asarray(addrs, dtype=np.uint64)[item] + (before - before[first][item])
+    zeros = np.zeros(len(lengths), dtype=np.uint64)
+    return (np.column_stack([local_addr, lengths, zeros]).astype(np.uint64),
+            np.column_stack([runs[:, 0], lengths, zeros]).astype(np.uint64))
+
+
+class NixlPath:
+    """One client agent (UCX backend) and the store agent it reads from and writes to."""
+
+    def __init__(self) -> None:
+        self.agent, self.name = make_agent(f"prefixstore-client-{os.getpid()}")
+        self.remote: str | None = None  # the store agent's name, once its metadata is loaded
+        self._regions: list[_Region] = []  # registered until close() or unregister()
+        self.closed = False
+
+    # ------------------------------------------------------------ the store's agent
+
+    def knows(self, agent_name: str) -> bool:
+        return self.remote is not None and self.remote == agent_name
+
+    def connect(self, agent_name: str, metadata: bytes) -> None:
+        """Load the store agent's metadata (replacing an earlier incarnation's)."""
+        self.forget()
+        try:
+            loaded = self.agent.add_remote_agent(metadata)
+        except Exception as err:  # nixl's errors derive from Exception only
+            raise TransferFailed(f"cannot load the store agent's metadata: {type(err).__name__}: {err}") from err
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if name != agent_name:
+            self.agent.remove_remote_agent(name)
+            raise TransferFailed(f"the metadata describes agent {name!r}, the store named {agent_name!r}")
+        self.remote = name
+
+    def forget(self) -> None:
+        if self.remote is not None:
+            try:
+                self.agent.remove_remote_agent(self.remote)
+            except Exception as err:  # already gone: nothing to undo
+                log.debug("NIXL: removing agent %s failed: %s", self.remote, err)
+            self.remote = None
+
+    # ------------------------------------------------------------ registration
+
+    def register(self, view: memoryview) -> bool:
+        """Register a buffer until :meth:`unregister` or :meth:`close`; False if it already is."""
+        start = address_of(view)
+        end = start + view.nbytes
+        if view.nbytes == 0 or self._covered(start, end):
+            return False
+        try:
+            handle = self.agent.register_memory([(start, view.nbytes, 0, "")], "DRAM")
+        except Exception as err:  # then each call registers it for itself, or fails over to HTTP
+            log.warning("NIXL: registering a %d-byte buffer failed: %s: %s", view.nbytes, type(err).__name__, err)
+            return False
+        self._regions.append(_Region(start, end, handle))
+        return True
+
+    def unregister(self, view: memoryview) -> bool:
+        start = address_of(view)
+        for i, r in enumerate(self._regions):
+            if r.start == start and r.end == start + view.nbytes:
+                del self._regions[i]
+                try:
+                    self.agent.deregister_memory(r.handle)
+                except Exception as err:
+                    log.warning("NIXL: deregistering a buffer failed: %s: %s", type(err).__name__, err)
+                return True
+        return False
+
+    def _covered(self, start: int, end: int) -> bool:
+        return any(r.start <= start and end <= r.end for r in self._regions)
+
+    def _register_for_call(self, spans: Sequence[tuple[int, int]]) -> list[Any]:
+        """Registrations for the spans no registered region covers, merged into contiguous runs."""
+        todo = sorted((a, a + n) for a, n in spans if n and not self._covered(a, a + n))
+        merged: list[list[int]] = []
+        for a, b in todo:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        made: list[Any] = []
+        try:
+            for a, b in merged:
+                made.append(self.agent.register_memory([(a, b - a, 0, "")], "DRAM"))
+        except BaseException:
+            for reg in made:
+                self.agent.deregister_memory(reg)
+            raise
+        return made
+
+    # ------------------------------------------------------------ transfers
+
+    async def transfer(self, op: str, local: np.ndarray, remote: np.ndarray,
+                       spans: Sequence[tuple[int, int]], timeout_s: float) -> None:
+        """One READ (remote -> local) or WRITE (local -> remote) of matching Nx3 descriptor lists.
+
+        Polls the transfer from the event loop, yielding between polls (the store's target, when
+        it runs in this loop, progresses in between). Raises :class:`TransferFailed`."""
+        if self.remote is None:
+            raise TransferFailed("no store agent loaded")
+        if not len(local):
+            return
+        try:
+            temporary = self._register_for_call(spans)
+        except Exception as err:
+            raise TransferFailed(f"registering the call's buffers: {type(err).__name__}: {err}") from err
+        handle = None
+        settled = True  # False while a transfer may still touch the buffers
+        try:
+            try:
+                handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(local, "DRAM"),
+                                                    self.agent.get_xfer_descs(remote, "DRAM"), self.remote, b"")
+                state = self.agent.transfer(handle)
+                deadline = time.monotonic() + timeout_s
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise TransferFailed(f"{op} not complete within {timeout_s:g}s")
+                    await asyncio.sleep(0)
+                    state = self.agent.check_xfer_state(handle)
+            except TransferFailed:
+                raise
+            except Exception as err:  # nixl raises its own types (remote disconnected, not found, ...)
+                raise TransferFailed(f"{op}: {type(err).__name__}: {err}") from err
+            if state != "DONE":
+                raise TransferFailed(f"{op} ended in state {state}")
+        finally:
+            if handle is not None:
+                try:
+                    self.agent.release_xfer_handle(handle)
+                except Exception as err:  # an active transfer that cannot be cancelled; nixl retries at exit
+                    settled = False
+                    log.warning("NIXL: releasing a transfer handle failed: %s", err)
+            # Memory a transfer may still touch stays registered (leaked) rather than pulled from under it.
+            for reg in temporary if settled else ():
+                try:
+                    self.agent.deregister_memory(reg)
+                except Exception as err:
+                    log.warning("NIXL: deregistering a call's buffer failed: %s", err)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.forget()
+        for r in self._regions:
+            try:
+                self.agent.deregister_memory(r.handle)
+            except Exception as err:
+                log.debug("NIXL: deregistering failed at close: %s", err)
+        self._regions.clear()
+
+
+# ---------------------------------------------------------------- the protocol over the store's HTTP plane
+
+Call = Callable[[str, dict[str, object]], Awaitable[dict[str, object]]]
+"""PrefixClient._call: POST a control frame to the store, return the answer's header (raises the
+client's StoreUnavailable, which the client handles)."""
+
+STATUS_HTTP = "http"  # a /v1/nixl/get item the store serves over HTTP only (not in its arena)
+
+
+async def fetch_metadata(call: Call) -> tuple[str, bytes]:
+    """The store agent's name and metadata, over the store's authenticated HTTP plane."""
+    answer = await call("/v1/nixl/metadata", {})
+    agent, metadata = answer.get("agent"), answer.get("metadata")
+    if not isinstance(agent, str) or not isinstance(metadata, bytes):
+        raise TransferFailed("/v1/nixl/metadata: expected {agent: str, metadata: bin}")
+    return agent, metadata
+
+
+@dataclass(slots=True)
+class ReadOutcome:
+    """Per item of a batch: bytes read and verified over NIXL, or -1; which to read over HTTP."""
+
+    sizes: list[int]
+    http: list[int] = field(default_factory=list)
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) for the client's counters
+    nixl_bytes: int = 0
+
+
+class NixlChannel:
+    """The NIXL exchange of one client: metadata, descriptors under a lease, READ, verify, release;
+    reserve, WRITE, commit. Store failures surface as the ``call``'s exceptions; transfer failures
+    as problems, with the items handed back for HTTP."""
+
+    def __init__(self, path: NixlPath) -> None:
+        self.path = path
+
+    async def connect(self, call: Call) -> None:
+        """Fetch the store agent's metadata over the HTTP plane and load it."""
+        self.path.connect(*await fetch_metadata(call))  # call: PrefixClient._post (no namespace needed)
+
+    async def _same_store(self, call: Call, agent: object) -> None:
+        """The answer came from agent ``agent``; load its metadata if it is another incarnation."""
+        if not isinstance(agent, str):
+            raise TransferFailed("answer names no agent")
+        if not self.path.knows(agent):
+            await self.connect(call)  # the store restarted (new agent) or this is the first call
+            if not self.path.knows(agent):
+                raise TransferFailed(f"the store's agent changed again (now {self.path.remote}, answered {agent})")
+
+    async def read(self, call: Call, ns_id: bytes, items: Sequence[GetItem], views: Sequence[memoryview],
+                   verify: bool, timeout_s: float) -> ReadOutcome:
+        """One batch: descriptors under a lease, one READ into ``views``, verify, release.
+
+        A payload is counted only once its bytes are verified (its xxh3, when ``verify``) and the
+        lease is known to have held or the xxh3 proves the bytes; a payload that fails is zeroed,
+        so no mixed bytes are ever left looking like a result."""
+        out = ReadOutcome(sizes=[-1] * len(items))
+        answer = await call("/v1/nixl/get", {"ns": ns_id, "items": [it.to_wire() for it in items]})
+        lease = answer.get("lease")
+        raw = answer.get("items")
+        ok: list[tuple[int, int, int]] = []  # (item, size, checksum)
+        try:
+            if not isinstance(raw, list) or len(raw) != len(items):
+                raise TransferFailed(f"/v1/nixl/get: expected {len(items)} items")
+            descs: list[object] = []
+            for i, r in enumerate(raw):
+                if not isinstance(r, list) or len(r) != 4 or not isinstance(r[0], str):
+                    raise TransferFailed(f"/v1/nixl/get: items[{i}] is not [status, size, checksum, descs]")
+                status, size, checksum = r[:3]
+                if status == STATUS_HTTP:
+                    out.http.append(i)
+                elif status == STATUS_OK:
+                    if not isinstance(size, int) or not isinstance(checksum, int) or size > views[i].nbytes:
+                        out.problems.append(("read", f"items[{i}]: a {size}-byte payload for a "
+                                                     f"{views[i].nbytes}-byte buffer"))
+                        continue
+                    descs.append(r[3])
+                    ok.append((i, size, checksum))
+                elif status == "corrupt":
+                    out.problems.append(("read", f"items[{i}]: the store found the payload corrupt"))
+            if ok:
+                try:
+                    sizes = [size for _, size, _ in ok]
+                    addrs = [address_of(views[i]) for i, _, _ in ok]
+                    local, remote = descriptor_lists(descs, sizes, addrs)
+                except ValueError as err:
+                    raise TransferFailed(f"/v1/nixl/get: items{err}") from err
+                await self._same_store(call, answer.get("agent"))
+                try:
+                    await self.path.transfer("READ", local, remote, list(zip(addrs, sizes)), timeout_s)
+                except TransferFailed as err:
+                    for i, size, _ in ok:
+                        views[i][:size] = bytes(size)
+                    out.problems.append(("nixl", str(err)))
+                    out.http.extend(i for i, _, _ in ok)  # the HTTP path tries them again
+                    self.path.forget()  # reload the metadata next time: the store may have restarted
+                    ok = []
+            for i, size, checksum in ok:
+                if verify and xxhash.xxh3_64_intdigest(views[i][:size]) != checksum:
+                    views[i][:size] = bytes(size)
+                    out.problems.append(("checksum", f"items[{i}]: NIXL READ does not match its checksum "
+                                                     "(its lease expired mid-transfer?); zeroed"))
+                else:
+                    out.sizes[i] = size
+        except TransferFailed as err:
+            out.problems.append(("nixl", str(err)))
+            out.http.extend(i for i, _, _ in ok)
+            ok = []
+        finally:
+            held = False
+            if isinstance(lease, bytes):
+                try:
+                    held = bool((await call("/v1/release", {"lease": lease})).get("released"))
+                except Exception as err:  # the store is gone: the READ's bytes stand on their checksums
+                    out.problems.append(("release", f"{type(err).__name__}: {err}"))
+        if not verify and not held:
+            # Without checksums only a lease that held until after the READ proves the bytes.
+            for i, size, _ in ok:
+                if out.sizes[i] >= 0:
+                    views[i][:size] = bytes(size)
+                    out.sizes[i] = -1
+                    out.problems.append(("read", f"items[{i}]: the lease expired before the READ was confirmed"))
+        out.nixl_bytes = sum(s for s in out.sizes if s > 0)
+        return out
+
+    async def write(self, call: Call, ns_id: bytes, specs: Sequence[ItemSpec], views: Sequence[memoryview],
+                    commit: bool, timeout_s: float) -> tuple[list[ItemResult], list[tuple[str, str]], int]:
+        """Reserve pages, WRITE the payloads into them, have the store verify and commit them.
+        ``specs`` carry their checksums. Returns per-item results, problems and bytes written."""
+        started = time.monotonic()
+        answer = await call("/v1/nixl/reserve", {"ns": ns_id, "items": [s.to_wire() for s in specs]})
+        raw = answer.get("results")
+        ttl = answer.get("ttl_s")
+        if not isinstance(raw, list) or len(raw) != len(specs) or not isinstance(ttl, (int, float)):
+            raise TransferFailed(f"/v1/nixl/reserve: expected {len(specs)} results and ttl_s")
+        results: list[ItemResult] = []
+        todo: list[tuple[int, object]] = []  # (item, its descriptors)
+        problems: list[tuple[str, str]] = []
+        for i, r in enumerate(raw):
+            if not isinstance(r, list) or len(r) != 3 or not all(isinstance(x, str) for x in r[:2]):
+                raise TransferFailed(f"/v1/nixl/reserve: results[{i}] is not [status, reason, descs]")
+            results.append(ItemResult(r[0], r[1]))
+            if r[0] == STATUS_PENDING:
+                todo.append((i, r[2]))
+        if not todo:
+            return results, problems, 0
+
+        def dropped(reason: str) -> tuple[list[ItemResult], list[tuple[str, str]], int]:
+            for i, _ in todo:
+                results[i] = ItemResult("dropped", reason)
+            problems.append(("nixl", reason))
+            return results, problems, 0
+
+        try:
+            await self._same_store(call, answer.get("agent"))
+            # Never start a WRITE late: past its reservation the pages may belong to another entry.
+            if time.monotonic() - started > float(ttl) / 2:
+                return dropped("the reservation is too old to WRITE into")
+            sizes = [views[i].nbytes for i, _ in todo]
+            addrs = [address_of(views[i]) for i, _ in todo]
+            try:
+                local, remote = descriptor_lists([d for _, d in todo], sizes, addrs)
+            except ValueError as err:
+                raise TransferFailed(f"/v1/nixl/reserve: results{err}") from err
+            await self.path.transfer("WRITE", local, remote, list(zip(addrs, sizes)),
+                                     min(timeout_s, float(ttl) / 2))
+        except TransferFailed as err:
+            self.path.forget()
+            return dropped(f"NIXL WRITE failed: {err}")
+        keys = [make_entry_key(specs[i].kind, specs[i].hash) for i, _ in todo]
+        done = await call("/v1/nixl/commit", {"ns": ns_id, "keys": keys, "commit": commit})
+        committed = done.get("results")
+        if not isinstance(committed, list) or len(committed) != len(todo):
+            raise TransferFailed(f"/v1/nixl/commit: expected {len(todo)} results")
+        written = 0
+        for (i, _), r in zip(todo, committed):
+            results[i] = ItemResult.from_wire(r)
+            if results[i].status in (STATUS_OK, STATUS_PENDING):
+                written += views[i].nbytes
+        return results, problems, written
+
+
+__all__ = ["NixlChannel", "NixlPath", "NixlUnavailable", "ReadOutcome", "TransferFailed", "address_of",
+           "descriptor_lists", "fetch_metadata"]

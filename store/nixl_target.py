@@ -1,0 +1,359 @@
+"""The store's NIXL agent: the RAM arena as the target of one-sided READs and WRITEs.
+
+::
+
+    client                                   store (this file)
+    POST /v1/nixl/metadata  ---------------> agent metadata (the arena, registered once)
+    add_remote_agent(metadata)
+    POST /v1/nixl/get {ns, items} ---------> prepare_get (pin, promote from LMDB, checksums)
+                            <--------------- per item: status, size, xxh3, descriptors; a lease
+    READ descriptors -> registered buffers   (one-sided: the store's Python does nothing)
+    verify xxh3 of every payload
+    POST /v1/release {lease} --------------> unpin; answers whether the lease was still held
+
+    POST /v1/nixl/reserve {ns, items} -----> plan_put: pages reserved, entries pending
+                            <--------------- per item: status, descriptors
+    WRITE buffers -> descriptors
+    POST /v1/nixl/commit {ns, keys} -------> verify xxh3 of the pages, then commit
+
+Decisions:
+
+- **One registration.** The arena is one mmap region (store/arena.py); it is
+  registered once at start and its metadata never changes, so clients fetch
+  it once per store incarnation. A store restart makes a new agent with a new
+  name; a client seeing another name in an answer fetches the metadata again.
+- **Metadata travels over the store's own HTTP plane** (``/v1/nixl/metadata``,
+  behind the tenant token like every /v1 call). NIXL's listener thread is
+  never started: it binds every interface and authenticates nothing. The store
+  never adds a client's metadata: one-sided READs and WRITEs initiated by the
+  client need only the target's, so a client cannot make the store hold state.
+- **No progress thread.** NIXL's thread spins a core. Without it, a transfer's
+  completion is only acknowledged when the target calls into its agent, so a
+  task on the server's loop calls ``get_new_notifs()``: every ``BUSY_PROGRESS_S``
+  while a NIXL lease or reservation is outstanding, every ``IDLE_PROGRESS_S``
+  otherwise.
+- **Leases.** Descriptors are only handed out under a lease (store/leases.py)
+  that pins every entry they point into: a pinned entry is never evicted or
+  overwritten, so its pages keep its bytes until the lease is released or
+  expires. Past expiry the pages may be reused; the client verifies each
+  payload's xxh3 after the READ, so a transfer that outlived its lease fails
+  (zeroed, counted as a miss) instead of handing out mixed bytes.
+- **LMDB-resident entries are promoted into the arena first** (prepare_get
+  already does this, with checksum verification). A READ straight out of
+  LMDB's map would need a read transaction held open across a client's
+  transfer (LMDB's rule: short read transactions) and a registration of the
+  map, which moves when LMDB grows it; one copy into RAM is the simpler and
+  safe choice. An entry that cannot be promoted (RAM full of pinned entries)
+  is answered ``http``: the client reads it over HTTP.
+- **WRITEs are one-sided too**, so the store cannot stop a client that writes
+  after its reservation expired (pending_ttl_s) into pages that were reused.
+  The client never starts a WRITE after half the reservation's lifetime, and
+  every payload is checksummed at commit and again by every reader; see
+  THREAT_MODEL.md for what registered memory means for trust.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from ..protocol.nixl_agent import NixlUnavailable, import_nixl, make_agent
+from ..protocol.keys import ENTRY_KEY_BYTES
+from ..protocol.wire import (
+    REASON_QUOTA,
+    STATUS_OK,
+    STATUS_PENDING,
+    GetItem,
+    ItemResult,
+    WireError,
+    parse_items,
+    req_bin,
+    req_bool,
+    req_list,
+)
+from .config import StoreConfig
+from .core import Store
+from .server import STORE, _control_header, _frame_response, _owned
+
+log = logging.getLogger(__name__)
+
+BUSY_PROGRESS_S = 0.001
+"""Progress interval while a NIXL lease or reservation is outstanding. Not zero: over loopback
+the initiator copies the bytes itself (UCX cma: process_vm_readv) inside its post call, and the
+target only acknowledges completion; a target spinning back to back took the CPU that copy
+needs and measured 2-3x slower on 2 cores (1.3-2.2 GB/s vs 3.0-3.9 GB/s at 1 ms, 64 MiB READs;
+docs/nixl.md). A transfer's completion is seen up to this late."""
+
+IDLE_PROGRESS_S = 0.005
+"""Progress interval of the agent while no NIXL lease or reservation is outstanding."""
+
+BUSY_WINDOW_S = 5.0
+"""Longest time a single outstanding lease or reservation keeps the progress task busy: a client
+that never releases must not keep the loop spinning until its lease expires."""
+
+STATUS_HTTP = "http"
+"""A /v1/nixl/get item whose payload is not in the registered arena: read it over HTTP."""
+
+
+def run_descriptors(base: int, page_bytes: int, pages: list[int], offset: int, length: int) -> bytes:
+    """(address, length) pairs, uint64 little-endian, covering bytes [offset, offset+length) of an
+    entry whose pages start at ``base``; consecutive pages are merged into one descriptor, as
+    :meth:`Arena.runs` merges them into one view."""
+    out: list[int] = []
+    end = offset + length
+    if length <= 0:
+        return b""
+    first, last = offset // page_bytes, (end - 1) // page_bytes
+    i = first
+    while i <= last:
+        j = i
+        while j < last and pages[j + 1] == pages[j] + 1:
+            j += 1
+        lo = max(offset, i * page_bytes) - i * page_bytes
+        hi = min(end, (j + 1) * page_bytes) - i * page_bytes
+        out += (base + pages[i] * page_bytes + lo, hi - lo)
+        i = j + 1
+    return struct.pack(f"<{len(out)}Q", *out)
+
+
+class NixlTarget:
+    """The store side of the NIXL path; one per store process, made by :meth:`start`."""
+
+    def __init__(self, store: Store, agent: Any, name: str) -> None:
+        self.store = store
+        self.agent = agent
+        self.name = name
+        arena = store.arena
+        self.base = int(arena.region.ctypes.data)
+        self.size = arena.capacity_bytes
+        # The only registration this agent ever makes (DESIGN §7: one region).
+        self._reg = agent.register_memory([(self.base, self.size, 0, "prefixstore-arena")], "DRAM")
+        # Fetched after registering: metadata taken before would not describe the arena.
+        self.metadata: bytes = agent.get_agent_metadata()
+        self._outstanding: dict[bytes, float] = {}  # lease id / reservation -> loop time handed out
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.progress_errors = 0
+
+    @classmethod
+    def start(cls, store: Store) -> NixlTarget:
+        if store.arena.virtual or store.arena.capacity_bytes == 0:
+            raise NixlUnavailable("the arena holds no memory (virtual payloads)")
+        agent, name = make_agent("prefixstore-store")
+        target = cls(store, agent, name)
+        target._task = asyncio.create_task(target._progress_forever(), name="nixl-progress")
+        store.metrics.data_path.labels("nixl").set(1)
+        log.info("NIXL data path: agent %s serves the arena (%d bytes at one registration)", name, target.size)
+        return target
+
+    async def close(self) -> None:
+        self.store.metrics.data_path.labels("nixl").set(0)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        try:
+            self.agent.deregister_memory(self._reg)
+        except Exception as err:  # closing: nothing left to protect
+            log.warning("NIXL: deregistering the arena failed: %s", err)
+
+    # ------------------------------------------------------------ descriptors
+
+    def descriptors(self, pages: list[int], offset: int, length: int) -> bytes:
+        return run_descriptors(self.base, self.store.arena.page_bytes, pages, offset, length)
+
+    # ------------------------------------------------------------ progress
+
+    def expect_traffic(self, token: bytes) -> None:
+        """A lease or reservation was handed out: progress back to back until it ends."""
+        self._outstanding[token] = asyncio.get_running_loop().time()
+        self._wake.set()
+
+    def traffic_done(self, token: bytes) -> None:
+        self._outstanding.pop(token, None)
+
+    def _busy(self, now: float) -> bool:
+        if not self._outstanding:
+            return False
+        leases = self.store.leases
+        pending = self.store.pending
+        stale = [t for t, since in self._outstanding.items()
+                 if now - since > BUSY_WINDOW_S or (len(t) == 16 and not leases.holds(t))
+                 or (len(t) != 16 and t not in pending)]
+        for t in stale:
+            del self._outstanding[t]
+        return bool(self._outstanding)
+
+    async def _progress_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                self.agent.get_new_notifs()
+            except Exception as err:  # the agent must keep serving; count and go on
+                self.progress_errors += 1
+                if self.progress_errors in (1, 10, 100) or self.progress_errors % 1000 == 0:
+                    log.warning("NIXL progress failed (%d so far): %s", self.progress_errors, err)
+            if self._busy(loop.time()):
+                await asyncio.sleep(BUSY_PROGRESS_S)
+            else:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), IDLE_PROGRESS_S)
+                except TimeoutError:
+                    pass
+
+
+# ---------------------------------------------------------------- HTTP plane
+
+@dataclass(slots=True)
+class NixlSlot:
+    """Where the app keeps its target (set after start-up, when the app is already frozen)."""
+
+    target: NixlTarget | None = None
+
+
+NIXL = web.AppKey("nixl", NixlSlot)
+
+
+def _target(request: web.Request) -> NixlTarget:
+    target = request.app[NIXL].target
+    if target is None:
+        raise WireError("nixl", "this store does not serve the NIXL data path (nixl = off, or not installed); "
+                        "use /v1/get and /v1/put", 404)
+    return target
+
+
+async def nixl_metadata(request: web.Request) -> web.Response:
+    """The store agent's name and metadata (the registered arena). Behind the tenant token like
+    every /v1 call: holding the metadata is what lets an agent read the arena (THREAT_MODEL.md)."""
+    target = _target(request)
+    await _control_header(request)  # an empty map; read so a body cannot linger on the connection
+    return _frame_response({"agent": target.name, "metadata": target.metadata,
+                            "region": [target.base, target.size]})
+
+
+async def nixl_get(request: web.Request) -> web.Response:
+    """Descriptors of the requested payloads under one lease (released by POST /v1/release)."""
+    target = _target(request)
+    store = request.app[STORE]
+    header = await _control_header(request)
+    ns_id = req_bin(header, "ns", size=8)
+    _owned(request, ns_id)
+    raw = req_list(header, "items", "", store.limits.max_items)
+    items = [GetItem.from_wire(x, f"items[{i}]") for i, x in enumerate(raw)]
+    plan = await store.prepare_get(ns_id, items)
+    try:
+        out: list[list[object]] = []
+        leased = []
+        offered = 0
+        for slot in plan.slots:
+            e = slot.entry
+            if slot.status != STATUS_OK or e is None:
+                out.append([slot.status, 0, 0, b""])
+            elif slot.buffer is not None or e.pages is None:
+                out.append([STATUS_HTTP, slot.length, slot.checksum, b""])
+            else:
+                out.append([STATUS_OK, slot.length, slot.checksum, target.descriptors(e.pages, slot.offset, slot.length)])
+                leased.append(e)
+                offered += slot.length
+        # The lease pins what the descriptors point into; prepare_get's own pins drop below.
+        lease = store.leases.grant(leased, store.clock(), store.config.lease_ttl_s) if leased else None
+    finally:
+        store.finish_get(plan)
+    if lease is not None:
+        target.expect_traffic(lease)
+        store.metrics.transfer_bytes.labels("out", "nixl").inc(offered)
+    return _frame_response({"agent": target.name, "items": out, "lease": lease,
+                            "lease_ttl_s": store.config.lease_ttl_s if lease else 0.0})
+
+
+async def nixl_reserve(request: web.Request) -> web.Response:
+    """Reserve arena pages for a put whose payloads the client WRITEs; answers their descriptors."""
+    target = _target(request)
+    store = request.app[STORE]
+    header = await _control_header(request)
+    ns_id = req_bin(header, "ns", size=8)
+    _owned(request, ns_id)
+    items = parse_items(header, store.limits)
+    plan = store.plan_put(ns_id, items)
+    over = [i for i, r in enumerate(plan.results) if r.reason == REASON_QUOTA]
+    if over:  # refused whole, as a put over quota is (server.py)
+        store.abort_put(plan)
+        ns = store.namespace(ns_id)
+        raise WireError("quota", f"tenant {ns.tenant!r} would exceed its quota of {store.quota_of(ns)} bytes; "
+                        f"items {over[:8]} do not fit; nothing was reserved", 413)
+    out: list[list[object]] = []
+    for r, e in zip(plan.results, plan.entries):
+        if e is not None and r.status == STATUS_PENDING and e.pages is not None:
+            out.append([r.status, r.reason, target.descriptors(e.pages, 0, e.size)])
+            target.expect_traffic(e.key)
+        else:
+            out.append([r.status, r.reason, b""])
+    return _frame_response({"agent": target.name, "results": out, "ttl_s": store.config.pending_ttl_s})
+
+
+async def nixl_commit(request: web.Request) -> web.Response:
+    """After the WRITEs: verify every reserved payload's xxh3 in the arena, then commit (unless
+    ``commit`` is false: verified and left pending for a later /v1/commit)."""
+    _target(request)
+    store = request.app[STORE]
+    header = await _control_header(request)
+    ns_id = req_bin(header, "ns", size=8)
+    _owned(request, ns_id)
+    raw = req_list(header, "keys", "", store.limits.max_items)
+    keys: list[bytes] = []
+    for i, k in enumerate(raw):
+        if not isinstance(k, bytes) or len(k) != ENTRY_KEY_BYTES or k[0] not in (1, 2, 3):
+            raise WireError(f"keys[{i}]", f"expected a {ENTRY_KEY_BYTES}-byte entry key")
+        keys.append(k)
+    verified, received = store.verify_pending(ns_id, keys)
+    store.metrics.transfer_bytes.labels("in", "nixl").inc(received)
+    results: list[ItemResult] = list(verified)
+    if req_bool(header, "commit", default=True):
+        todo = [i for i, r in enumerate(results) if r.status == STATUS_PENDING]
+        committed = await store.commit(ns_id, [keys[i] for i in todo])
+        for i, r in zip(todo, committed):
+            results[i] = r
+    return _frame_response({"results": [r.to_wire() for r in results]})
+
+
+def install(app: web.Application, config: StoreConfig) -> None:
+    """Routes of the NIXL path, and the agent's life cycle (after the store opens, before it closes).
+
+    ``nixl = auto`` serves NIXL when the package imports and an agent can be made (HTTP only
+    otherwise, said once in the log); ``on`` refuses to start without it; ``off`` never tries."""
+    slot = app[NIXL] = NixlSlot()
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        target: NixlTarget | None = None
+        if config.nixl != "off":
+            try:
+                target = NixlTarget.start(app[STORE])
+            except NixlUnavailable as err:
+                if config.nixl == "on":
+                    raise RuntimeError(f"nixl: 'on' but {err}") from err
+                log.info("NIXL data path not served (HTTP only): %s", err)
+        slot.target = target
+        yield
+        slot.target = None
+        if target is not None:
+            await target.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/nixl/metadata", nixl_metadata)
+    app.router.add_post("/v1/nixl/get", nixl_get)
+    app.router.add_post("/v1/nixl/reserve", nixl_reserve)
+    app.router.add_post("/v1/nixl/commit", nixl_commit)
+
+
+__all__ = ["NIXL", "NixlSlot", "NixlTarget", "NixlUnavailable", "STATUS_HTTP", "import_nixl", "install", "make_agent",
+           "run_descriptors"]

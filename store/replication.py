@@ -1,0 +1,364 @@
+"""CDN-style hot-prefix replication (DESIGN §8).
+
+The owner of an entry (first in rendezvous order of its level key,
+protocol/placement.py) keeps a **decayed read count** per entry it serves::
+
+    value <- value * 2^(-(now - t) / half_life) + 1      on each read
+    rate  =  value * ln 2 / half_life                     reads per second, smoothed
+
+Clients spread reads over every copy by load (client/cluster.py), so the owner
+sees about 1/copies of the reads; it estimates the entry's total rate as its
+own times the number of copies. Copies (the primary included) follow the
+rate, one more per doubling above ``replication_threshold``, up to
+``replication_max_replicas``::
+
+    rate < T: 1     T <= rate < 2T: 2     2T <= rate < 4T: 3 ...
+
+Growing happens at those thresholds; shrinking only once the rate has fallen
+below half of them (hysteresis), so an entry near a threshold does not flap.
+New copies go to the next members in rendezvous order (each key has its own
+order, so one node's hot keys land on different nodes); dropped copies go
+furthest-first and the primary is never dropped.
+
+A push is a normal ``/v1/put`` with ``replica: true``: the receiving node's
+admission, byte budget and eviction apply exactly as for a client's put, and
+it remembers which keys it took as replicas, so only those are deleted by
+``/v1/replica/drop`` (and only while unpinned leaves: a node never drops
+anything it holds in its own right). A snapshot is pushed with its container.
+Pushes share a token bucket of ``replication_bytes_per_s`` per node; a push
+beyond it waits.
+
+Not done: replica marks live in memory, so a restarted replica node keeps
+its replicas as ordinary entries (they age out by eviction); in a store with
+tenants, pushes carry no tenant token and are refused (counted as failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import aiohttp
+
+from ..protocol.keys import Kind
+from ..protocol.placement import level_key
+from ..protocol.wire import (
+    CONTENT_TYPE,
+    STATUS_HAVE,
+    STATUS_OK,
+    GetItem,
+    ItemResult,
+    ItemSpec,
+    decode_frame,
+    encode_frame,
+)
+from .core import Store
+from .index import Entry
+from .membership import Membership
+
+log = logging.getLogger(__name__)
+
+FORGET_BELOW = 0.05  # decayed reads under which an entry without replicas is no longer tracked
+
+
+class TokenBucket:
+    """``rate`` bytes per second, bursts up to one second's worth; a larger take waits for a full bucket."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = float(rate)
+        self.clock = clock
+        self.tokens = self.rate
+        self.stamp = clock()
+
+    def _fill(self) -> None:
+        now = self.clock()
+        self.tokens = min(self.rate, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def delay(self, n: int) -> float:
+        """Seconds until ``n`` bytes may go (0: now)."""
+        self._fill()
+        need = min(float(n), self.rate)
+        return 0.0 if self.tokens >= need else (need - self.tokens) / self.rate
+
+    def take(self, n: int) -> None:
+        self._fill()
+        self.tokens -= n  # may go negative for a push larger than the bucket: later pushes wait it off
+
+    async def acquire(self, n: int) -> None:
+        while (wait := self.delay(n)) > 0:
+            await asyncio.sleep(wait)
+        self.take(n)
+
+
+def copies_for(rate: float, threshold: float, max_copies: int) -> int:
+    """Copies (primary included) an entry read ``rate`` times a second gets."""
+    if rate < threshold or max_copies <= 1:
+        return 1
+    return min(max_copies, 2 + int(math.log2(rate / threshold)))
+
+
+class Replicator:
+    def __init__(self, store: Store, membership: Membership, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.membership = membership
+        self.config = store.config
+        self.clock = clock
+        self.enabled = self.config.replication_max_replicas > 1
+        self.half_life_s = self.config.replication_half_life_s
+        self._reads: dict[bytes, list[float]] = {}  # entry key -> [decayed count, as of time]
+        self.pushed: dict[bytes, tuple[str, ...]] = {}  # owner side: entry key -> nodes holding a replica
+        self.replica_keys = store.replica_keys  # receiver side: entries this node took as replicas
+        self.bucket = TokenBucket(self.config.replication_bytes_per_s, clock)
+        self._session: aiohttp.ClientSession | None = None
+        self._registered: set[tuple[str, bytes]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self.interval_s = max(0.05, min(1.0, self.half_life_s / 8))
+        store.read_hooks.append(self.on_read)
+
+    # ------------------------------------------------------------ rates
+
+    def on_read(self, e: Entry) -> None:
+        if not self.enabled:
+            return
+        now = self.clock()
+        slot = self._reads.get(e.key)
+        if slot is None:
+            self._reads[e.key] = [1.0, now]
+        else:
+            slot[0] = slot[0] * 2.0 ** (-(now - slot[1]) / self.half_life_s) + 1.0
+            slot[1] = now
+
+    def rate(self, key: bytes, now: float | None = None) -> float:
+        """Smoothed reads per second this node served of ``key``."""
+        slot = self._reads.get(key)
+        if slot is None:
+            return 0.0
+        now = self.clock() if now is None else now
+        return slot[0] * 2.0 ** (-(now - slot[1]) / self.half_life_s) * math.log(2) / self.half_life_s
+
+    def replicas_of(self) -> dict[bytes, tuple[str, ...]]:
+        return self.pushed
+
+    def level_of(self, e: Entry) -> bytes | None:
+        """The placement key of an entry (protocol/placement.py): parent and first token of it or its container."""
+        if e.kind is Kind.STATE:
+            c = self.store.index.get(e.container or b"")
+            return level_key(c.parent, c.tokens) if c is not None and c.parent is not None else None
+        return level_key(e.parent, e.tokens) if e.parent is not None else None
+
+    # ------------------------------------------------------------ the loop
+
+    async def start(self) -> None:
+        if self.enabled and self.membership.is_cluster:
+            self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.tick()
+            except Exception:  # housekeeping must survive anything
+                log.exception("replication tick failed")
+
+    def plan(self) -> tuple[list[tuple[Entry, list[str]]], list[tuple[Entry, list[str]]]]:
+        """(pushes, drops): per hot or cooling entry this node owns, the nodes to add or drop."""
+        now = self.clock()
+        members = self.membership.members
+        me = self.membership.self_url
+        live = set(members)
+        pushes: list[tuple[Entry, list[str]]] = []
+        drops: list[tuple[Entry, list[str]]] = []
+        for key in list(self._reads):
+            e = self.store.index.get(key)
+            rate = self.rate(key, now)
+            have = tuple(u for u in self.pushed.get(key, ()) if u in live)
+            if e is None or e.dead:
+                self._reads.pop(key, None)
+                self.pushed.pop(key, None)
+                continue
+            if rate * self.half_life_s / math.log(2) < FORGET_BELOW and not have:
+                del self._reads[key]
+                continue
+            if not have and rate < self.config.replication_threshold:
+                continue  # neither growing nor shrinking: skip the placement work (most keys)
+            lk = self.level_of(e)
+            if lk is None or not members:
+                continue
+            order = self.membership.rank(lk)
+            if order[0] != me:
+                continue  # not the primary here (a replica, or a key whose owner changed): the owner decides
+            total = rate * (1 + len(have))
+            copies = 1 + len(have)
+            grow = copies_for(total, self.config.replication_threshold, self.config.replication_max_replicas)
+            keep = copies_for(2 * total, self.config.replication_threshold, self.config.replication_max_replicas)
+            if grow > copies:
+                target = grow
+            elif keep < copies:
+                target = keep
+            else:
+                target = copies
+            want = [u for u in order[1:target]]
+            add = [u for u in want if u not in have]
+            gone = [u for u in have if u not in want]
+            if add:
+                pushes.append((e, add))
+            if gone:
+                drops.append((e, gone))
+            if have != self.pushed.get(key, ()):
+                self.pushed[key] = have  # forget replicas on nodes that left
+        return pushes, drops
+
+    async def tick(self) -> None:
+        pushes, drops = self.plan()
+        for e, nodes in drops:
+            for node in nodes:
+                await self._drop(e, node)
+        for e, nodes in pushes:
+            for node in nodes:
+                await self._push(e, node)
+        self._gauge()
+
+    def _gauge(self) -> None:
+        counts = {"kv": 0, "state": 0}
+        for key in list(self.replica_keys):
+            e = self.store.index.get(key)
+            if e is None:
+                self.replica_keys.discard(key)
+            else:
+                counts[e.metric_kind] += 1
+        for kind, n in counts.items():
+            self.store.metrics.replicas.labels(kind).set(n)
+
+    # ------------------------------------------------------------ node-to-node calls
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            timeout = aiohttp.ClientTimeout(total=max(5.0, self.config.request_timeout_s / 4), sock_connect=1.0)
+            self._session = aiohttp.ClientSession(timeout=timeout)
+        return self._session
+
+    async def _post(self, node: str, path: str, header: dict[str, object],
+                    payloads: Sequence[bytes] = ()) -> dict[str, object]:
+        body = encode_frame(header, payloads)
+        async with self._http().post(node + path, data=body, headers={"Content-Type": CONTENT_TYPE}) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                raise OSError(f"{node}{path} answered {resp.status}: {raw[:200]!r}")
+        answer, _ = decode_frame(raw)
+        return answer
+
+    def _spec(self, e: Entry) -> ItemSpec:
+        if e.kind is Kind.STATE:
+            return ItemSpec(kind=e.kind, hash=e.hash, size=e.size, container=e.container, boundary=e.boundary,
+                            checksum=e.checksum, origin=e.origin)
+        return ItemSpec(kind=e.kind, hash=e.hash, size=e.size, parent=e.parent, tokens=e.tokens, extra=e.extra,
+                        checksum=e.checksum, start=e.start)
+
+    async def _payloads(self, entries: list[Entry]) -> list[bytes] | None:
+        ns_id = entries[0].namespace_id
+        plan = await self.store.prepare_get(ns_id, [GetItem(key=e.key) for e in entries])
+        try:
+            if any(s.status != STATUS_OK for s in plan.slots):
+                return None
+            return [b"".join(bytes(v) for v in self.store.payload_views(s)) for s in plan.slots]
+        finally:
+            self.store.finish_get(plan)
+
+    async def _push(self, e: Entry, node: str) -> None:
+        metrics = self.store.metrics
+        batch = [e]
+        if e.kind is Kind.STATE:  # a snapshot needs its container on the same node
+            c = self.store.index.get(e.container or b"")
+            if c is None:
+                metrics.replication_pushes.labels("skipped").inc()
+                return
+            batch = [c, e]
+        ns = self.store.namespaces.get(e.namespace_id)
+        if ns is None:
+            return
+        try:
+            # Reading the payloads counts as reads of our own; do not let them heat the entry.
+            saved = {x.key: list(self._reads[x.key]) for x in batch if x.key in self._reads}
+            payloads = await self._payloads(batch)
+            for k, v in saved.items():
+                if k in self._reads:
+                    self._reads[k][:] = v
+            if payloads is None:
+                metrics.replication_pushes.labels("skipped").inc()
+                return
+            size = sum(len(p) for p in payloads)
+            await self.bucket.acquire(size)
+            if (node, ns.id) not in self._registered:
+                await self._post(node, "/v1/namespaces", {"namespace": ns.to_wire()})
+                self._registered.add((node, ns.id))
+            answer = await self._post(node, "/v1/put", {
+                "ns": ns.id, "commit": True, "replica": True,
+                "items": [self._spec(x).to_wire() for x in batch]}, payloads)
+            raw = answer.get("results")
+            results = [ItemResult.from_wire(r) for r in raw] if isinstance(raw, list) else []
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as err:
+            metrics.replication_pushes.labels("failed").inc()
+            self._registered.discard((node, e.namespace_id))
+            log.debug("replica push of %s to %s failed: %s", e.key.hex(), node, err)
+            return
+        mine = results[-1] if len(results) == len(batch) else ItemResult("rejected", "malformed answer")
+        if mine.status in (STATUS_OK, STATUS_HAVE):
+            metrics.replication_pushes.labels("ok").inc()
+            metrics.replication_bytes.inc(size)
+            self.pushed[e.key] = tuple(sorted(set(self.pushed.get(e.key, ())) | {node}))
+        else:
+            metrics.replication_pushes.labels("skipped").inc()  # the receiver's admission or budget said no
+
+    async def _drop(self, e: Entry, node: str) -> None:
+        self.pushed[e.key] = tuple(u for u in self.pushed.get(e.key, ()) if u != node)
+        if not self.pushed[e.key]:
+            del self.pushed[e.key]
+        try:
+            await self._post(node, "/v1/replica/drop", {"ns": e.namespace_id, "keys": [e.key]})
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as err:
+            log.debug("replica drop of %s on %s failed: %s", e.key.hex(), node, err)
+
+    # ------------------------------------------------------------ receiver side
+
+    def mark_replicas(self, keys: list[bytes]) -> None:
+        self.replica_keys.update(keys)
+        self._gauge()
+
+    async def drop(self, ns_id: bytes, keys: list[bytes]) -> int:
+        """Delete entries this node holds as replicas (unpinned leaves only); returns how many."""
+        dropped = 0
+        for key in keys:
+            e = self.store.index.get(key)
+            if key not in self.replica_keys or e is None or e.namespace_id != ns_id:
+                continue
+            self.replica_keys.discard(key)
+            if e.pins or not e.is_leaf:
+                # In use, or the parent of entries this node holds in its own right (a block's
+                # children live by its hash, possibly here): it stays as an ordinary entry, no
+                # longer advertised as a replica, and eviction takes it when it is cold.
+                continue
+            self.store._delete(e, "replica_dropped")
+            dropped += 1
+        if dropped:
+            await self.store.flush_deletes()
+        self._gauge()
+        return dropped
+
+
+__all__ = ["Replicator", "TokenBucket", "copies_for"]

@@ -1,0 +1,67 @@
+"""The cluster endpoints answer malformed input with a 4xx naming the field, never a 5xx."""
+
+from __future__ import annotations
+
+import aiohttp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixstore.protocol.wire import CONTENT_TYPE, encode_frame
+
+from ..conftest import RunningStore
+from ..factories import make_namespace
+
+NS = make_namespace(block_tokens=4)
+ROOT = b"\x01" * 16
+
+
+async def post(running: RunningStore, path: str, header: dict[str, object]) -> tuple[int, dict[str, object]]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(running.url + path, data=encode_frame(header),
+                                headers={"Content-Type": CONTENT_TYPE}) as resp:
+            body = await resp.json() if resp.content_type == "application/json" else {}
+            return resp.status, body
+
+
+async def register(running: RunningStore) -> None:
+    status, _ = await post(running, "/v1/namespaces", {"namespace": NS.to_wire()})
+    assert status == 200
+
+
+async def test_probe_fields_are_checked(running: RunningStore) -> None:
+    await register(running)
+    good = [0, ROOT, b"\x02" * 16, b"\x00" * 16, b""]
+    cases = {
+        "levels": {"ns": NS.id, "levels": "x"},
+        "levels[0]": {"ns": NS.id, "levels": [[0, ROOT]]},
+        "levels[0].next": {"ns": NS.id, "levels": [[0, ROOT, b"\x02" * 5, b"\x00" * 16, b""]]},
+        "levels[0].tokens": {"ns": NS.id, "levels": [[0, ROOT, b"\x02" * 16, b"\x00" * 12, b""]]},
+        "levels[0].level": {"ns": NS.id, "levels": [[-1, ROOT, b"", b"", b""]]},
+        "ns": {"ns": b"\x00" * 8, "levels": [good]},
+    }
+    for field, header in cases.items():
+        status, body = await post(running, "/v1/probe", header)
+        assert 400 <= status < 500 and body["field"] == field, (field, status, body)
+    status, _ = await post(running, "/v1/probe", {"ns": NS.id, "levels": [good]})
+    assert status == 200
+
+
+async def test_report_and_drop_fields_are_checked(running: RunningStore) -> None:
+    await register(running)
+    status, body = await post(running, "/v1/lookup_report",
+                              {"ns": NS.id, "num_tokens": 4, "kv_tokens": 8, "state_tokens": 0})
+    assert status == 400 and body["field"] == "kv_tokens"
+    status, body = await post(running, "/v1/replica/drop", {"ns": NS.id, "keys": [b"\x09" * 17]})
+    assert status == 400 and body["field"] == "keys[0]"
+    status, _ = await post(running, "/v1/replica/drop", {"ns": NS.id, "keys": [b"\x01" * 17]})
+    assert status == 200  # a key this node does not hold as a replica: nothing to drop
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(levels=st.lists(st.lists(st.one_of(st.integers(-2, 5), st.binary(max_size=20), st.none(), st.text(max_size=3)),
+                                max_size=6), max_size=4),
+       lease=st.one_of(st.booleans(), st.integers(-(1 << 63), (1 << 63) - 1), st.none()))
+async def test_probe_never_answers_5xx(running: RunningStore, levels: list[list[object]], lease: object) -> None:
+    await register(running)
+    status, _ = await post(running, "/v1/probe", {"ns": NS.id, "levels": levels, "lease": lease})
+    assert status < 500

@@ -1,0 +1,73 @@
+"""Fan-out lookups over three real store processes: placement agreement and the single-node answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from prefixstore.client import ClientConfig, PrefixClient, SyncPrefixClient
+from prefixstore.client.cluster import ClusterClient
+from prefixstore.protocol.placement import rank
+
+from ..factories import kv_payload, make_namespace, state_payload
+from ..serve_process import http_get
+
+
+def test_nodes_and_client_agree_on_placement(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(3)
+    views = [json.loads(http_get(u + "/v1/members")[1]) for u in cluster.urls]
+    assert all(v["members"] == sorted(cluster.urls) for v in views)
+    assert [v["self"] for v in views] == cluster.urls
+    ns = make_namespace()
+
+    async def client_orders(keys: list[bytes]) -> list[list[str]]:
+        client = PrefixClient(ns, ClientConfig(urls=(cluster.urls[0],)))
+        assert isinstance(client, ClusterClient)
+        try:
+            await client.refresh_members()
+            assert client.members == tuple(sorted(cluster.urls))
+            return [client.owners(k) for k in keys]
+        finally:
+            await client.close()
+
+    keys = [bytes([i]) * 16 for i in range(40)]
+    mine = asyncio.run(client_orders(keys))
+    for key, order in zip(keys, mine):
+        assert order == rank(cluster.urls, key)
+        for u in cluster.urls:
+            assert json.loads(http_get(f"{u}/v1/members?key={key.hex()}")[1])["order"] == order
+    owners = {order[0] for order in mine}
+    assert owners == set(cluster.urls)  # 40 keys over 3 nodes: each owns some
+
+
+def test_fanout_spreads_a_chain_and_reads_exact_bytes(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(3)
+    ns = make_namespace(block_tokens=4)
+    tokens = list(range(1, 43))  # 10 full blocks + 2 tokens: 11 levels over 3 nodes
+
+    async def run() -> None:
+        async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls))) as client:
+            p = client.prompt(tokens)
+            saved = await client.save(p, 42, lambda a, b: kv_payload(ns, tokens, a, b),
+                                      snapshots={41: state_payload(ns, tokens, 41)})
+            assert saved.stored == 12 and saved.dropped == 0, saved
+            res = await client.lookup(tokens + [7, 7])
+            assert (res.kv_tokens, res.state_tokens, res.matched_blocks) == (42, 41, 10)
+            reads = res.kv_reads(42)
+            bufs = [bytearray(ns.kv.payload_bytes(b - a)) for _, a, b in reads]
+            got = await client.read([it for it, _, _ in reads], bufs)
+            assert got == [len(b) for b in bufs]
+            for (_, a, b), buf in zip(reads, bufs):
+                assert bytes(buf) == kv_payload(ns, tokens, a, b)
+            snap = bytearray(ns.state.snapshot_bytes)
+            assert await client.read([res.state_read()], [snap]) == [len(snap)]
+            assert bytes(snap) == state_payload(ns, tokens, 41)
+            assert await client.release(res.lease_id)
+            assert client.failures.total() == 0
+
+    asyncio.run(run())
+    # The blocking client is a cluster client too when given seed URLs.
+    with SyncPrefixClient(ns, ClientConfig(urls=(cluster.urls[2],))) as sync:
+        assert sync.lookup(tokens).kv_tokens == 42
+    held = [json.loads(http_get(u + "/v1/stats")[1])["entries"].get("kv/disk", 0) for u in cluster.urls]
+    assert sum(held) == 11 and all(held), held  # every node holds part of the one chain

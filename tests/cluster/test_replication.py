@@ -1,0 +1,77 @@
+"""Hot-prefix replication on three real nodes: a hot block gets replicas on the next nodes in rendezvous
+order, lookups carry the replica set, reads spread over the copies with the right bytes, and the
+replicas are dropped (the primary kept) once the block cools."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+from prefixstore.client import ClientConfig, PrefixClient
+from prefixstore.protocol.placement import level_key, rank
+
+from ..factories import kv_payload, make_namespace
+from ..serve_process import http_get
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = http_get(url + "/metrics")[1].decode()
+    pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)"
+    m = re.search(pattern, text)
+    return float(m.group(1)) if m else 0.0
+
+
+def gets(url: str) -> float:
+    """Reads served, on either data path."""
+    return sum(metric(url, "prefixstore_requests_total", f'endpoint="{path}",status="2xx"')
+               for path in ("/v1/get", "/v1/nixl/get"))
+
+
+def test_hot_block_is_replicated_spread_and_dropped_when_cold(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(3, "--replication-threshold", "2", "--replication-half-life-s", "0.5",
+                           "--replication-max-replicas", "3")
+    ns = make_namespace(block_tokens=4, model="hot")
+    tokens = list(range(100, 108))  # two blocks
+
+    async def run() -> None:
+        async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls))) as client:
+            p = client.prompt(tokens)
+            await client.save(p, 8, lambda a, b: kv_payload(ns, tokens, a, b))
+            hot = p.block_key(0)
+            primary = rank(cluster.urls, level_key(p.root, p.tokens(0, 1)))[0]
+            buf = bytearray(ns.kv.payload_bytes(4))
+            deadline = time.monotonic() + 20.0
+            while True:  # read the first block hard until its owner has pushed two replicas
+                res = await client.lookup(tokens)
+                got = await client.read([it for it, _, _ in res.kv_reads(4)], [buf])
+                assert got == [len(buf)] and bytes(buf) == kv_payload(ns, tokens, 0, 4)
+                await client.release(res.lease_id)
+                if len(client._replicas_of(hot, time.monotonic())) == 3:
+                    break
+                assert time.monotonic() < deadline, "no replicas were pushed"
+            assert metric(primary, "prefixstore_replication_pushes_total", 'result="ok"') >= 2
+            others = [u for u in cluster.urls if u != primary]
+            deadline = time.monotonic() + 10.0  # the receivers' gauges follow within a tick
+            while not all(metric(u, "prefixstore_replicas", 'kind="kv"') >= 1 for u in others):
+                assert time.monotonic() < deadline, "the receivers do not count their replicas"
+                await asyncio.sleep(0.05)
+            # Reads now spread over the copies, every one verified.
+            before = {u: gets(u) for u in cluster.urls}
+            for _ in range(60):
+                res = await client.lookup(tokens)
+                got = await client.read([it for it, _, _ in res.kv_reads(4)], [buf])
+                assert got == [len(buf)] and bytes(buf) == kv_payload(ns, tokens, 0, 4)
+                await client.release(res.lease_id)
+            served = {u: gets(u) - before[u] for u in cluster.urls}
+            assert all(served[u] > 0 for u in others), served
+        # Cold now: the owner drops the replicas (a replica that is the parent of entries a node holds
+        # in its own right stays as an ordinary entry, no longer a replica), never its own copy.
+        deadline = time.monotonic() + 20.0
+        while any(metric(u, "prefixstore_replicas", 'kind="kv"') for u in others):
+            assert time.monotonic() < deadline, "replicas of a cold block were not dropped"
+            await asyncio.sleep(0.2)
+        async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls))) as client:
+            assert (await client.lookup(tokens)).kv_tokens == 8
+
+    asyncio.run(run())

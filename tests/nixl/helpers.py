@@ -1,0 +1,84 @@
+"""Chains of KV blocks whose bytes say where they came from, saved and read back through a client."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+
+from prefixstore.client import PrefixClient
+from prefixstore.protocol import Namespace
+from prefixstore.protocol.wire import GetItem
+
+from ..factories import kv_payload, make_namespace
+from ..serve_process import http_get
+
+BLOCK_TOKENS = 64  # 64 tokens x 64 B = 4 KiB a block: one page at 4 KiB pages, several at 1 KiB
+
+
+def namespace(**overrides: object) -> Namespace:
+    return make_namespace(block_tokens=BLOCK_TOKENS, **overrides)  # type: ignore[arg-type]
+
+
+def tokens(seed: int, num_blocks: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 50_000, num_blocks * BLOCK_TOKENS)]
+
+
+async def save(client: PrefixClient, toks: list[int]) -> int:
+    ns = client.namespace
+    res = await client.save(client.prompt(toks), len(toks), lambda a, b: kv_payload(ns, toks, a, b))
+    return res.stored
+
+
+def block_reads(client: PrefixClient, toks: list[int], layer: int | None = None
+                ) -> tuple[list[GetItem], list[bytes]]:
+    """One item per full block (optionally one layer of it) and the bytes each must return."""
+    ns = client.namespace
+    p = client.prompt(toks)
+    B = ns.block_tokens
+    items, expected = [], []
+    for j in range(len(toks) // B):
+        whole = kv_payload(ns, toks, j * B, (j + 1) * B)
+        if layer is None:
+            items.append(GetItem(key=p.block_key(j)))
+            expected.append(whole)
+        else:
+            offset, length = ns.kv.layer_range_bytes(B, layer, layer + 1)
+            items.append(GetItem(key=p.block_key(j), layer_start=layer, layer_end=layer + 1))
+            expected.append(whole[offset : offset + length])
+    return items, expected
+
+
+async def read(client: PrefixClient, items: list[GetItem], size: int, fill: int = 0xAB
+               ) -> tuple[list[int], list[np.ndarray]]:
+    outs = [np.full(size, fill, dtype=np.uint8) for _ in items]
+    return await client.read(items, outs), outs
+
+
+def metric(url: str, name: str, labels: str) -> float:
+    """One sample of the store's /metrics, e.g. metric(url, "prefixstore_transfer_bytes_total",
+    'direction="out",path="nixl"')."""
+    status, body = http_get(url + "/metrics")
+    assert status == 200
+    sample = f"{name}{{{labels}}}" if labels else name
+    m = re.search(rf"^{re.escape(sample)} (\S+)$", body.decode(), re.MULTILINE)
+    assert m, f"{sample} not in /metrics"
+    return float(m.group(1))
+
+
+Interleave = Callable[[str, dict[str, object]], Awaitable[None]]
+
+
+def interleave_after(client: PrefixClient, path: str, action: Interleave) -> None:
+    """Run ``action`` right after the store answers ``path`` and before the client acts on the
+    answer (e.g. between the descriptors of /v1/nixl/get and the READ they feed)."""
+    original = client._call
+
+    async def call(p: str, header: dict[str, object], payloads=()):  # type: ignore[no-untyped-def]
+        answer = await original(p, header, payloads)
+        if p == path:
+            await action(p, answer)
+        return answer
+
+    client._call = call  # type: ignore[method-assign]
