@@ -144,6 +144,10 @@ class StoreConfig:
         "'Authorization: Bearer TOKEN' (401 otherwise), a tenant reaches only namespaces whose tenant field "
         "is its name, and /v1/stats and /v1/admin/* need the admin token; /healthz and /metrics stay open "
         "(they carry no cache contents). Empty: open store, one trusted tenant."))
+    cluster_token_file: str = field(default="", metadata=_doc(
+        "File holding the bearer token this node presents to other nodes (replica pushes) when the cluster "
+        "has tenants; its sha256 is the tenants file's cluster_token_sha256. Empty: pushes carry no token "
+        "(fine on an open cluster; refused by nodes that have a tenants file)."))
     tls_cert_file: str = field(default="", metadata=_doc(
         "PEM certificate chain of the HTTP plane. Set together with tls_key_file: the store serves https only."))
     tls_key_file: str = field(default="", metadata=_doc("PEM private key matching tls_cert_file."))
@@ -182,6 +186,8 @@ class StoreConfig:
             raise ConfigError("tls_key_file: tls_cert_file and tls_key_file are set together or not at all")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ConfigError("tls_client_ca_file: mutual TLS needs tls_cert_file and tls_key_file too")
+        if self.cluster_token_file:
+            self.cluster_token()  # unreadable or empty: fail at start-up, naming the knob
         for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
             if getattr(self, name) and not os.path.isfile(getattr(self, name)):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not a readable file")
@@ -226,6 +232,19 @@ class StoreConfig:
                 raise ConfigError(f"tls_client_ca_file: cannot load {self.tls_client_ca_file}: {err}") from err
             context.verify_mode = ssl.CERT_REQUIRED
         return context
+
+    def cluster_token(self) -> str | None:
+        """The token of cluster_token_file (its first line), or None when the knob is unset."""
+        if not self.cluster_token_file:
+            return None
+        try:
+            with open(self.cluster_token_file, encoding="utf-8") as fh:
+                token = fh.readline().strip()
+        except OSError as err:
+            raise ConfigError(f"cluster_token_file: cannot read {self.cluster_token_file}: {err}") from err
+        if not token or " " in token or not token.isprintable():
+            raise ConfigError(f"cluster_token_file: {self.cluster_token_file} must hold one token (printable, no spaces)")
+        return token
 
     @property
     def peer_urls(self) -> list[str]:

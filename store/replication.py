@@ -28,9 +28,13 @@ anything it holds in its own right). A snapshot is pushed with its container.
 Pushes share a token bucket of ``replication_bytes_per_s`` per node; a push
 beyond it waits.
 
+In a store with tenants, pushes carry the cluster token (``cluster_token_file``;
+its sha256 is the tenants file's ``cluster_token_sha256``), which reaches
+every tenant's namespaces but only to push committed replicas (and drop
+them); without it, pushes are refused (counted as failed).
+
 Not done: replica marks live in memory, so a restarted replica node keeps
-its replicas as ordinary entries (they age out by eviction); in a store with
-tenants, pushes carry no tenant token and are refused (counted as failed).
+its replicas as ordinary entries (they age out by eviction).
 """
 
 from __future__ import annotations
@@ -106,6 +110,8 @@ class Replicator:
         self.store = store
         self.membership = membership
         self.config = store.config
+        token = self.config.cluster_token()  # checked at start-up (StoreConfig)
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.clock = clock
         self.enabled = self.config.replication_max_replicas > 1
         self.half_life_s = self.config.replication_half_life_s
@@ -256,7 +262,7 @@ class Replicator:
     async def _post(self, node: str, path: str, header: dict[str, object],
                     payloads: Sequence[bytes] = ()) -> dict[str, object]:
         body = encode_frame(header, payloads)
-        async with self._http().post(node + path, data=body, headers={"Content-Type": CONTENT_TYPE}) as resp:
+        async with self._http().post(node + path, data=body, headers={"Content-Type": CONTENT_TYPE, **self._auth}) as resp:
             raw = await resp.read()
             if resp.status != 200:
                 raise OSError(f"{node}{path} answered {resp.status}: {raw[:200]!r}")

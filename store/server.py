@@ -75,6 +75,10 @@ OPEN_TENANT = "default"  # the tenant of every request when no tenants file is c
 log = logging.getLogger(__name__)
 
 STORE = web.AppKey("store", Store)
+# The cluster token (tenants file: cluster_token_sha256) authenticates another node pushing replicas:
+# it reaches every tenant's namespaces, but only on these paths (no lookups, no reads).
+PEER = "\x00peer"  # never a tenant name: namespaces' tenant fields are printable
+PEER_PATHS = frozenset({"/v1/namespaces", "/v1/put", "/v1/replica/drop"})
 TENANT = web.RequestKey("tenant", str)  # the authenticated tenant (OPEN_TENANT on an open store)
 
 ADMIN_PATHS = ("/v1/stats", "/v1/admin/")
@@ -167,6 +171,9 @@ async def _authenticate(request: web.Request, handler: Handler) -> web.StreamRes
             return _unauthorized("this endpoint needs the admin bearer token")
         request[TENANT] = OPEN_TENANT
         return await handler(request)
+    if token is not None and request.path in PEER_PATHS and tenants.is_peer(token):
+        request[TENANT] = PEER  # another node pushing replicas: any tenant's namespace, these paths only
+        return await handler(request)
     tenant: Tenant | None = tenants.authenticate(token) if token is not None else None
     if tenant is None:
         store.metrics.auth_failures.inc()
@@ -185,7 +192,7 @@ def _owned(request: web.Request, ns_id: bytes) -> Namespace:
     """The namespace, if the caller's tenant owns it; another tenant's is answered as unknown (404)."""
     store = request.app[STORE]
     ns = store.namespace(ns_id)
-    if store.tenants is not None and ns.tenant != request[TENANT]:
+    if store.tenants is not None and ns.tenant != request[TENANT] and request[TENANT] != PEER:
         raise WireError("ns", f"unknown namespace {ns_id.hex()}; register it with POST /v1/namespaces", 404)
     return ns
 
@@ -203,7 +210,7 @@ async def register_namespace(request: web.Request) -> web.Response:
     if "namespace" not in header:
         raise WireError("namespace", "missing")
     ns = Namespace.from_wire(header["namespace"])
-    if store.tenants is not None and ns.tenant != request[TENANT]:
+    if store.tenants is not None and ns.tenant != request[TENANT] and request[TENANT] != PEER:
         raise WireError("ns", f"the namespace's tenant {ns.tenant!r} is not the tenant of this token", 403)
     ns_id = await store.register_namespace(ns)
     return _frame_response({"ns": ns_id})
@@ -245,6 +252,8 @@ async def put(request: web.Request) -> web.Response:
     _owned(request, ns_id)
     items = parse_items(header, store.limits)
     commit_now = req_bool(header, "commit", default=True)
+    if request[TENANT] == PEER and not (commit_now and req_bool(header, "replica", default=False)):
+        raise WireError("replica", "the cluster token may only push committed replicas", 403)
     payload_bytes = sum(it.size for it in items)
     if PREFIX_BYTES + header_len + payload_bytes > store.config.max_body_bytes:
         raise WireError("body", f"the header lists {payload_bytes} payload bytes, more than "

@@ -4,6 +4,7 @@ The tenants file (``StoreConfig.tenants_file``) is TOML, or JSON when its name
 ends in ``.json``::
 
     admin_token_sha256 = "<64 hex digits>"      # optional: /v1/stats, /v1/admin/*
+    cluster_token_sha256 = "<64 hex digits>"    # optional: node-to-node replica pushes
 
     [tenants.team-a]
     token_sha256 = "<64 hex digits>"            # sha256(token).hexdigest()
@@ -15,6 +16,11 @@ compared with ``hmac.compare_digest`` against every tenant's digest, never
 stopping early, so neither the comparison nor the scan leaks which prefix or
 which tenant came close. Tokens are random secrets of at least 128 bits, so
 an unsalted hash is enough (no password stretching needed).
+
+The cluster token is what nodes present to each other (``cluster_token_file``
+holds it in plain text on every node): it may register any tenant's namespace
+and push replicas into it (``/v1/namespaces``, ``/v1/put``,
+``/v1/replica/drop``), and nothing else -- no lookups, no reads.
 
 Without a tenants file the store is open: no token is asked for and every
 namespace is served whatever its ``tenant`` field says (one trusted tenant).
@@ -47,6 +53,7 @@ class Tenant:
 class Tenants:
     tenants: tuple[Tenant, ...]
     admin_token_sha256: bytes | None = None
+    cluster_token_sha256: bytes | None = None
 
     def authenticate(self, token: str) -> Tenant | None:
         """The tenant whose token this is, or None. Constant time in the token's content."""
@@ -62,6 +69,13 @@ class Tenants:
             return False
         digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
         return hmac.compare_digest(digest, self.admin_token_sha256)
+
+    def is_peer(self, token: str) -> bool:
+        """True for the cluster token (a node pushing replicas)."""
+        if self.cluster_token_sha256 is None:
+            return False
+        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        return hmac.compare_digest(digest, self.cluster_token_sha256)
 
     def quota_of(self, name: str) -> int | None:
         for t in self.tenants:
@@ -91,9 +105,10 @@ def load_tenants(path: str | Path) -> Tenants:
         raise ConfigError(f"{KNOB}: cannot read {path}: {err}") from err
     if not isinstance(raw, dict):
         raise ConfigError(f"{KNOB}: {path} must hold a table")
-    unknown = sorted(set(raw) - {"tenants", "admin_token_sha256"})
+    unknown = sorted(set(raw) - {"tenants", "admin_token_sha256", "cluster_token_sha256"})
     if unknown:
-        raise ConfigError(f"{KNOB}: {path}: unknown key(s) {unknown}; known: ['admin_token_sha256', 'tenants']")
+        raise ConfigError(f"{KNOB}: {path}: unknown key(s) {unknown}; "
+                          "known: ['admin_token_sha256', 'cluster_token_sha256', 'tenants']")
     table = raw.get("tenants")
     if not isinstance(table, dict) or not table:
         raise ConfigError(f"{KNOB}: {path} must list at least one tenant under [tenants.NAME]")
@@ -114,6 +129,8 @@ def load_tenants(path: str | Path) -> Tenants:
                               quota_bytes=quota))
     digests = [t.token_sha256 for t in tenants]
     admin = _digest(raw["admin_token_sha256"], "admin_token_sha256") if "admin_token_sha256" in raw else None
-    if len(set(digests)) != len(digests) or (admin is not None and admin in digests):
-        raise ConfigError(f"{KNOB}: {path}: two tenants (or a tenant and the admin) share a token")
-    return Tenants(tenants=tuple(tenants), admin_token_sha256=admin)
+    peer = _digest(raw["cluster_token_sha256"], "cluster_token_sha256") if "cluster_token_sha256" in raw else None
+    special = [d for d in (admin, peer) if d is not None]
+    if len(set(digests + special)) != len(digests) + len(special):
+        raise ConfigError(f"{KNOB}: {path}: two tenants (or a tenant, the admin and the cluster) share a token")
+    return Tenants(tenants=tuple(tenants), admin_token_sha256=admin, cluster_token_sha256=peer)

@@ -17,7 +17,7 @@ from ..serve_process import http_get
 
 def metric(url: str, name: str, labels: str = "") -> float:
     text = http_get(url + "/metrics")[1].decode()
-    pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)"
+    pattern = r"(?m)^" + re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)$"
     m = re.search(pattern, text)
     return float(m.group(1)) if m else 0.0
 
@@ -73,5 +73,39 @@ def test_hot_block_is_replicated_spread_and_dropped_when_cold(make_cluster) -> N
             await asyncio.sleep(0.2)
         async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls))) as client:
             assert (await client.lookup(tokens)).kv_tokens == 8
+
+    asyncio.run(run())
+
+
+def test_replicas_are_pushed_with_the_cluster_token_when_the_cluster_has_tenants(
+        make_cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Tenants on every node: pushes carry cluster_token_file's token and land in the tenant's namespace."""
+    from ..security.helpers import CLUSTER_TOKEN, TOKENS, write_tenants
+
+    tenants = write_tenants(tmp_path / "tenants.toml")
+    token_file = tmp_path / "cluster-token"
+    token_file.write_text(CLUSTER_TOKEN + "\n")
+    cluster = make_cluster(2, "--replication-threshold", "2", "--replication-max-replicas", "2",
+                           "--tenants-file", str(tenants), "--cluster-token-file", str(token_file))
+    ns = make_namespace(block_tokens=4, model="hot-tenant", tenant="alpha")
+    tokens = list(range(200, 204))
+
+    async def run() -> None:
+        config = ClientConfig(urls=tuple(cluster.urls), token=TOKENS["alpha"])
+        async with PrefixClient(ns, config) as client:
+            p = client.prompt(tokens)
+            await client.save(p, 4, lambda a, b: kv_payload(ns, tokens, a, b))
+            primary = rank(cluster.urls, level_key(p.root, p.tokens(0, 1)))[0]
+            other = next(u for u in cluster.urls if u != primary)
+            buf = bytearray(ns.kv.payload_bytes(4))
+            deadline = time.monotonic() + 20.0
+            while metric(other, "prefixstore_replicas", 'kind="kv"') < 1:
+                res = await client.lookup(tokens)
+                got = await client.read([it for it, _, _ in res.kv_reads(4)], [buf])
+                assert got == [len(buf)] and bytes(buf) == kv_payload(ns, tokens, 0, 4)
+                await client.release(res.lease_id)
+                assert time.monotonic() < deadline, "no replica arrived"
+            assert metric(primary, "prefixstore_replication_pushes_total", 'result="failed"') == 0
+            assert metric(other, "prefixstore_auth_failures_total") == 0
 
     asyncio.run(run())

@@ -31,7 +31,7 @@ FULLNAME = "ps-prefixstore"  # release "ps" + chart "prefixstore"
 Manifest = dict[str, Any]
 
 # Knobs of StoreConfig the chart sets itself; every other field is a key of .Values.config.
-CHART_MANAGED = frozenset({"host", "node_url", "peers", "peers_dns", "data_dir", "tenants_file",
+CHART_MANAGED = frozenset({"host", "node_url", "peers", "peers_dns", "data_dir", "tenants_file", "cluster_token_file",
                            "tls_cert_file", "tls_key_file", "tls_client_ca_file"})
 
 

@@ -34,7 +34,7 @@ FULL: dict[str, Any] = {
     "replicaCount": 5,
     "image": {"repository": "registry.example.com/prefixstore", "tag": "0.1.0-gpu"},
     "tls": {"enabled": True, "secretName": "ps-tls", "mutual": True},
-    "auth": {"admin_token_sha256": HEX_A,
+    "auth": {"admin_token_sha256": HEX_A, "clusterToken": "cluster-token-0123456789abcdef",
              "tenants": {"team-a": {"token_sha256": HEX_B, "quota_bytes": "8GiB"}, "team-b": {"token_sha256": HEX_C}}},
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
                 "prometheusRule": {"enabled": True}, "dashboard": {"enabled": True}},
@@ -215,12 +215,19 @@ def test_a_config_change_rolls_the_pods_and_nothing_else_does() -> None:
     assert checksums({}) == base  # deterministic
     assert checksums({"replicaCount": 7}) == base  # scaling does not restart nodes
     assert checksums({"config": {"ram_bytes": "2GiB"}})["checksum/config"] != base["checksum/config"]
-    with_tenant = checksums({"auth": {"tenants": {"t": {"token_sha256": HEX_B}}}})
+    with_tenant = checksums({"auth": {"tenants": {"t": {"token_sha256": HEX_B}}, "clusterToken": "c" * 32}})
     assert with_tenant["checksum/tenants"] != base["checksum/tenants"]
 
 
+def test_existing_secret_names_its_cluster_token_key() -> None:
+    r = render({"replicaCount": 3, "auth": {"existingSecret": "my-tenants", "existingSecretClusterTokenKey": "peer"}})
+    volumes = {v["name"]: v for v in r.one("StatefulSet")["spec"]["template"]["spec"]["volumes"]}
+    assert {"key": "peer", "path": "peer"} in volumes["tenants"]["secret"]["items"]
+    assert 'cluster_token_file = "/etc/prefixstore/tenants/peer"' in r.one("ConfigMap")["data"]["store.toml"]
+
+
 def test_existing_tenants_secret_is_mounted_and_none_is_made() -> None:
-    r = render({"auth": {"existingSecret": "my-tenants", "existingSecretKey": "tenants.json"}})
+    r = render({"replicaCount": 1, "auth": {"existingSecret": "my-tenants", "existingSecretKey": "tenants.json"}})
     validate_all(r)
     assert not r.of_kind("Secret")
     volumes = {v["name"]: v for v in r.one("StatefulSet")["spec"]["template"]["spec"]["volumes"]}
@@ -278,7 +285,8 @@ def test_schema_rejects_bad_values(values: dict[str, Any], names: str) -> None:
 @pytest.mark.parametrize(("values", "names"), [
     ({"auth": {"admin_token_sha256": HEX_A}}, "auth.admin_token_sha256"),
     ({"tls": {"mutual": True, "secretName": "x"}}, "tls.mutual"),
-], ids=["admin-without-tenants", "mutual-without-tls"])
+    ({"replicaCount": 3, "auth": {"tenants": {"t": {"token_sha256": HEX_B}}}}, "auth.clusterToken"),
+], ids=["admin-without-tenants", "mutual-without-tls", "tenants-replicating-without-cluster-token"])
 def test_templates_refuse_inconsistent_values(values: dict[str, Any], names: str) -> None:
     with pytest.raises(helm.HelmError) as err:
         render(values)

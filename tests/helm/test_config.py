@@ -59,7 +59,7 @@ def test_non_default_values_reach_the_store(tmp_path: Path) -> None:
                    "max_items": 8192, "replication_threshold": 7.5, "replication_max_replicas": 2,
                    "nixl": "off", "log_level": "debug", "owner_grace_s": 600},
         "tls": {"enabled": True, "secretName": "ps-tls", "mutual": True},
-        "auth": {"admin_token_sha256": "a" * 64,
+        "auth": {"admin_token_sha256": "a" * 64, "clusterToken": "cluster-token-0123456789abcdef",
                  "tenants": {"team-a": {"token_sha256": "b" * 64, "quota_bytes": "8GiB"},
                              "team.b": {"token_sha256": "c" * 64}}},
     }
@@ -82,12 +82,16 @@ def test_non_default_values_reach_the_store(tmp_path: Path) -> None:
     tenants = load_tenants(config.tenants_file)
     assert {t.name: t.quota_bytes for t in tenants.tenants} == {"team-a": 8 << 30, "team.b": None}
     assert tenants.admin_token_sha256 == bytes.fromhex("a" * 64)
+    # The cluster token: mounted in plain text for this node to present, its digest in the tenants file.
+    assert config.cluster_token() == "cluster-token-0123456789abcdef"
+    assert tenants.is_peer("cluster-token-0123456789abcdef") and not tenants.is_peer("team-a")
 
 
 def test_tenants_secret_authenticates_the_tokens_it_was_made_for(tmp_path: Path) -> None:
     from prefixstore.store.tenants import token_sha256
 
-    values = {"auth": {"tenants": {"alpha": {"token_sha256": token_sha256("tok-alpha-0123456789abcdef")}}}}
+    values = {"auth": {"tenants": {"alpha": {"token_sha256": token_sha256("tok-alpha-0123456789abcdef")}},
+                       "clusterToken": "cluster-token-0123456789abcdef"}}
     pod = materialize(render(values), tmp_path / "pod")
     tenants = load_tenants(load_pod_config(pod, tmp_path).tenants_file)
     alpha = tenants.authenticate("tok-alpha-0123456789abcdef")
@@ -112,8 +116,8 @@ def test_rendered_toml_names_every_field_but_the_per_pod_and_unused_ones() -> No
     assert keys <= set(FIELDS)
     # node_url comes from the pod's environment, peers (a static list) is unused, and without
     # tenants or TLS their files are unset.
-    assert set(FIELDS) - keys == {"node_url", "peers", "tenants_file", "tls_cert_file", "tls_key_file",
-                                  "tls_client_ca_file"}
+    assert set(FIELDS) - keys == {"node_url", "peers", "tenants_file", "cluster_token_file", "tls_cert_file",
+                                  "tls_key_file", "tls_client_ca_file"}
 
 
 def test_chart_defaults_are_store_config_defaults() -> None:

@@ -16,11 +16,13 @@ from prefixstore.store.tenants import token_sha256
 
 TOKENS = {"alpha": "tok-alpha-0123456789abcdef", "beta": "tok-beta-fedcba9876543210"}
 ADMIN_TOKEN = "tok-admin-00112233445566778899"
+CLUSTER_TOKEN = "tok-cluster-aabbccddeeff00112233"
 
 
 def write_tenants(path: Path, quotas: dict[str, int] | None = None) -> Path:
-    """A tenants file (TOML) for TOKENS and ADMIN_TOKEN; only digests are written."""
-    lines = [f'admin_token_sha256 = "{token_sha256(ADMIN_TOKEN)}"']
+    """A tenants file (TOML) for TOKENS, ADMIN_TOKEN and CLUSTER_TOKEN; only digests are written."""
+    lines = [f'admin_token_sha256 = "{token_sha256(ADMIN_TOKEN)}"',
+             f'cluster_token_sha256 = "{token_sha256(CLUSTER_TOKEN)}"']
     for name, token in TOKENS.items():
         lines += [f"[tenants.{name}]", f'token_sha256 = "{token_sha256(token)}"']
         if quotas and name in quotas:

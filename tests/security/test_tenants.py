@@ -10,7 +10,7 @@ import pytest
 
 from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.results import LookupResult
-from prefixstore.protocol import Namespace, make_entry_key
+from prefixstore.protocol import Kind, Namespace, make_entry_key
 from prefixstore.client.prompt import with_payload
 from prefixstore.protocol.wire import REASON_QUOTA, GetItem, encode_frame
 from prefixstore.store import StoreConfig
@@ -19,7 +19,7 @@ from prefixstore.store.tenants import load_tenants, token_sha256
 
 from ..conftest import RunningStore
 from ..factories import kv_payload, make_namespace
-from .helpers import ADMIN_TOKEN, TOKENS, raw_get, raw_post, write_tenants
+from .helpers import ADMIN_TOKEN, CLUSTER_TOKEN, TOKENS, raw_get, raw_post, write_tenants
 
 StartStore = Callable[[StoreConfig], Awaitable[RunningStore]]
 TOKENS_LIST = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 0, 11, 12, 13, 14, 15, 16, 17]  # 4 full blocks + a 2-token tail
@@ -210,3 +210,37 @@ def test_tenants_file_errors_name_the_knob(tmp_path: Path) -> None:
     tenants = load_tenants(good)
     assert tenants.authenticate("x") is not None and tenants.authenticate("y") is None
     assert tenants.quota_of("a") == 1024 and not tenants.is_admin("x")
+
+
+async def test_the_cluster_token_pushes_replicas_into_any_tenant_and_does_nothing_else(
+        start_store: StartStore, tmp_path: Path) -> None:
+    """The node-to-node credential: registers any tenant's namespace and puts committed replicas there;
+    never looks up, reads, offers, commits, or puts ordinary entries."""
+    running = await start_tenanted(start_store, tmp_path)
+    ns_a = make_namespace(tenant="alpha")
+    async with tenant_client(running, "alpha", ns_a) as a:
+        await save_all(a, TOKENS_LIST)
+        prompt = a.prompt(TOKENS_LIST)
+    assert (await raw_post(running.url, "/v1/namespaces", {"namespace": ns_a.to_wire()}, CLUSTER_TOKEN)).status == 200
+    block = [make_entry_key(Kind.BLOCK, prompt.hashes[0])]
+    refused = {
+        "/v1/lookup": {"ns": ns_a.id, "hashes": b"".join(prompt.hashes), "tokens": prompt.tokens(0, len(TOKENS_LIST))},
+        "/v1/get": {"ns": ns_a.id, "items": [[block[0], 0, None]]},
+        "/v1/offer": {"ns": ns_a.id, "items": []},
+        "/v1/commit": {"ns": ns_a.id, "keys": block},
+    }
+    for path, header in refused.items():
+        answer = await raw_post(running.url, path, header, CLUSTER_TOKEN)
+        assert answer.status == 401 and answer.body["field"] == "authorization", (path, answer)
+    for path in ("/v1/stats",):
+        assert await raw_get(running.url, path, CLUSTER_TOKEN) == 401
+    # A put that is not a committed replica push is refused before any payload is read.
+    spec = with_payload(prompt.kv_items(4)[0][0], kv_payload(ns_a, TOKENS_LIST, 0, 4))
+    for extra in ({}, {"replica": True, "commit": False}):
+        header = {"ns": ns_a.id, "items": [spec.to_wire()], **extra}
+        answer = await raw_post(running.url, "/v1/put", header, CLUSTER_TOKEN)
+        assert answer.status == 403 and answer.body["field"] == "replica", answer
+    # A tenant's own token cannot pose as a replica push into another tenant.
+    answer = await raw_post(running.url, "/v1/namespaces", {"namespace": ns_a.to_wire()}, TOKENS["beta"])
+    assert answer.status == 403
+    running.store.check()

@@ -74,6 +74,11 @@ app.kubernetes.io/part-of: prefixstore
 {{- default (printf "%s-tenants" (include "prefixstore.fullname" .)) .Values.auth.existingSecret }}
 {{- end }}
 
+{{/* The key of the auth Secret holding the cluster token (replica pushes), or nothing. */}}
+{{- define "prefixstore.clusterTokenKey" -}}
+{{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretClusterTokenKey }}{{ else if .Values.auth.clusterToken }}cluster-token{{ end }}
+{{- end }}
+
 {{- define "prefixstore.authSecretKey" -}}
 {{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey }}{{ else }}tenants.toml{{ end }}
 {{- end }}
@@ -107,6 +112,9 @@ peers_dns = {{ include "prefixstore.peersDns" . | toJson }}
 data_dir = {{ printf "%s/lmdb" (include "prefixstore.dataDir" .) | toJson }}
 {{- if include "prefixstore.authEnabled" . }}
 tenants_file = {{ printf "%s/%s" (include "prefixstore.tenantsDir" .) (include "prefixstore.authSecretKey" .) | toJson }}
+{{- with include "prefixstore.clusterTokenKey" . }}
+cluster_token_file = {{ printf "%s/%s" (include "prefixstore.tenantsDir" $) . | toJson }}
+{{- end }}
 {{- end }}
 {{- if .Values.tls.enabled }}
 tls_cert_file = {{ printf "%s/tls.crt" (include "prefixstore.tlsDir" .) | toJson }}
@@ -122,6 +130,9 @@ tls_client_ca_file = {{ printf "%s/ca.crt" (include "prefixstore.tlsDir" .) | to
 # prefixstore tenants file (store/tenants.py): sha256 digests of bearer tokens, never the tokens.
 {{- with .Values.auth.admin_token_sha256 }}
 admin_token_sha256 = {{ . | toJson }}
+{{- end }}
+{{- with .Values.auth.clusterToken }}
+cluster_token_sha256 = {{ sha256sum . | toJson }}
 {{- end }}
 {{- range $name, $spec := .Values.auth.tenants }}
 
