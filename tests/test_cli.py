@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import shutil
 import signal
@@ -52,6 +54,23 @@ def test_top_level_and_stats_help() -> None:
     assert stats.returncode == 0
     assert "--json" in stats.stdout and "URL" in stats.stdout and "--timeout" in stats.stdout
     assert run_cli([]).returncode == 2  # a command is required
+
+
+def test_every_command_explains_every_flag() -> None:
+    """`--help` of every subcommand prints, and names each of its flags with some help text."""
+    from prefixstore.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"serve", "stats", "demo", "simulate", "trace", "plan"} <= set(commands)
+    for name, sub in commands.items():
+        out = run_cli([name, "--help"])
+        assert out.returncode == 0, (name, out.stderr[-500:])
+        for action in sub._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--"):
+                    assert flag in out.stdout, (name, flag)
+            assert action.help, (name, action.dest)
 
 
 def test_console_script_is_installed() -> None:

@@ -37,7 +37,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     sim.add_argument("--model", default="mamba2-hybrid-7b", help=f"model preset: {_models_help()}")
     sim.add_argument("--policy", default=DEFAULT_POLICY,
                      help="policy or baseline, or a comma-separated list, or 'all': "
-                          + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()))
+                          + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()).replace("%", "%%"))
     sim.add_argument("--block-tokens", type=int, default=16, help="store block size in tokens")
     sim.add_argument("--out", type=Path, default=None, help="directory for simulate.json and simulate.png")
     sim.set_defaults(run=cmd_simulate)
