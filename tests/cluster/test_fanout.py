@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
-from prefixstore.client import ClientConfig, PrefixClient, SyncPrefixClient
+from prefixstore.client import ClientConfig, PrefixClient, Prompt, SyncPrefixClient
 from prefixstore.client.cluster import ClusterClient
-from prefixstore.protocol.placement import rank
+from prefixstore.protocol.placement import level_key, rank
 
 from ..factories import kv_payload, make_namespace, state_payload
 from ..serve_process import http_get
@@ -70,4 +71,9 @@ def test_fanout_spreads_a_chain_and_reads_exact_bytes(make_cluster) -> None:  # 
     with SyncPrefixClient(ns, ClientConfig(urls=(cluster.urls[2],))) as sync:
         assert sync.lookup(tokens).kv_tokens == 42
     held = [json.loads(http_get(u + "/v1/stats")[1])["entries"].get("kv/disk", 0) for u in cluster.urls]
-    assert sum(held) == 11 and all(held), held  # every node holds part of the one chain
+    # Each level (10 blocks and the tail) lives on its placement owner: parent hash and first token.
+    p = Prompt(ns, tokens)
+    parents = [p.root, *p.hashes[:10]]
+    owners = Counter(rank(cluster.urls, level_key(parents[j], p.tokens(4 * j, 4 * j + 1)))[0] for j in range(11))
+    assert held == [owners[u] for u in cluster.urls], (held, owners)
+    assert sum(1 for n in held if n) > 1  # the one chain is spread (all 11 on one node: p ~ 2e-5)
