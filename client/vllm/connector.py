@@ -611,6 +611,9 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._staging = StagingBuffer(self.settings.staging_bytes, attention[0].view.device)
         self._loop = _Loop()
         self._worker_client = PrefixClient(ns, self.settings.client)
+        # NIXL path (data_path auto/nixl, the store serving it): the staging region is registered with
+        # the client's agent once, so every load READs straight into it; a no-op over HTTP.
+        self._staging.register_with(self._worker_client)
 
         async def make_lock() -> asyncio.Lock:
             return asyncio.Lock()

@@ -32,6 +32,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from prefixstore.client.vllm.connector import PrefixStoreConnector, PrefixStoreStats  # noqa: E402
 
+from ..nixl.conftest import NEEDS_NIXL  # noqa: E402
 from ..serve_process import ServeProcess, StartServe  # noqa: E402
 
 BS = 16  # vLLM block size here; the store's block size is 16 too, but a different one is tested below
@@ -329,3 +330,25 @@ def test_prometheus_counters(engine_factory) -> None:  # type: ignore[no-untyped
     assert value("prefixstore_vllm_lookup_tokens_total", {**labels, "kind": "kv", "result": "hit"}) == 60
     assert value("prefixstore_vllm_lookup_tokens_total", {**labels, "kind": "state", "result": "miss"}) == 80
     assert value("prefixstore_vllm_events_total", {**labels, "event": "lookups"}) == 2
+
+
+@NEEDS_NIXL
+def test_save_then_load_over_nixl_into_the_registered_staging_region(
+        serve: StartServe, tmp_path: Path, engine_factory) -> None:  # type: ignore[no-untyped-def]
+    nixl_store = serve("--port", "0", "--data-dir", "none", "--state-admission", "always", "--nixl", "on")
+    e = engine_factory("nixl", url=nixl_store.url, data_path="nixl")
+    kv = random_kv(seed=7)
+    e.write([3, 7, 9], kv, 0, 40)
+    e.finish(request("n1", PROMPT + [5], computed=40), ([3, 7, 9],))
+    r = request("n2", PROMPT + [11] * 20)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, False)
+    target = [30, 31, 32]
+    e.load(r, 0, 40, (target,))
+    assert e.worker.get_block_ids_with_load_errors() == set()
+    assert same_bytes(e.blocks(target), e.expected(target, kv, 40))
+    client = e.worker._worker_client
+    assert client.data_path == "nixl" and client.path_bytes["nixl"] > 0 and client.path_bytes["http"] == 0
+    assert client.failures.total() == 0
+    # The staging region was registered once (register_kv_caches), so loads needed no per-call registration.
+    host = e.worker._staging.host.numpy()
+    assert client._nixl.path._covered(host.ctypes.data, host.ctypes.data + host.nbytes)
