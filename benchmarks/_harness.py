@@ -68,6 +68,17 @@ def add_common_args(parser: argparse.ArgumentParser, reps: str, warmup: str) -> 
     parser.add_argument("--seed", type=int, default=1234, help="Seed of the random token streams and payloads. Default: 1234.")
 
 
+def parse_size(text: str) -> int:
+    """A size flag: 65536, 64KiB, 1MiB (the store's own parser: KiB/MiB binary, KB/MB decimal)."""
+    from prefixstore.store.config import ConfigError
+    from prefixstore.store.config import parse_size as store_parse_size
+
+    try:
+        return store_parse_size(text, "size")
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 

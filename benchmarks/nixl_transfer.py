@@ -60,14 +60,6 @@ PREFIX_BLOCK_TOKENS = 256
 PREFIX_KV_HEADS = 8  # 1 attention layer x 8 KV heads x 128 x K,V x fp16 = 4 KiB a token
 
 
-def parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/nixl_transfer.py",
@@ -75,11 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "full load of a long prefix, all against one store child process in one run. Writes\n"
                     "nixl_transfer.json and nixl_transfer.png to --out. Needs nixl (pip install nixl).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--payload-sizes", type=lambda s: [parse_size(x) for x in s.split(",")],
+    p.add_argument("--payload-sizes", type=lambda s: [H.parse_size(x) for x in s.split(",")],
                    default=[1 << 20, 64 << 10], metavar="SIZES",
                    help="Comma-separated KV block payload sizes (64KiB, 1MiB, ...; multiples of 8KiB). "
                         "Default: 1MiB,64KiB.")
-    p.add_argument("--batch-bytes", type=parse_size, default=64 << 20, metavar="SIZE",
+    p.add_argument("--batch-bytes", type=H.parse_size, default=64 << 20, metavar="SIZE",
                    help="Payload bytes per GET or PUT call (one batch; batch = this / payload size) and the "
                         "size of the raw READ's region; 4MiB with --quick. Default: 64MiB.")
     p.add_argument("--prefix-tokens", type=int, default=131_072,

@@ -57,14 +57,6 @@ HEAD_DIM = 128
 OPS = ["store_get", "raw_get", "streams_get", "store_put", "raw_put", "streams_put"]
 
 
-def parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/transfer.py",
@@ -72,11 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "the same bytes in the same chunking, in the same run. Writes transfer.json and\n"
                     "transfer.png to --out.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--payload-sizes", type=lambda s: [parse_size(x) for x in s.split(",")],
+    p.add_argument("--payload-sizes", type=lambda s: [H.parse_size(x) for x in s.split(",")],
                    default=[1 << 20, 64 << 10], metavar="SIZES",
                    help="Comma-separated KV block payload sizes (64KiB, 1MiB, ...; multiples of 8KiB). "
                         "Each gets a namespace whose block_bytes is exactly that size. Default: 1MiB,64KiB.")
-    p.add_argument("--batch-bytes", type=parse_size, default=64 << 20, metavar="SIZE",
+    p.add_argument("--batch-bytes", type=H.parse_size, default=64 << 20, metavar="SIZE",
                    help="Payload bytes per GET or PUT call (one HTTP request; batch = this / payload size); "
                         "4MiB with --quick. Default: 64MiB.")
     p.add_argument("--server", choices=["inprocess", "subprocess"], default="subprocess",

@@ -143,6 +143,24 @@ def req_list(h: dict[str, object], name: str, ctx: str, max_len: int) -> list[ob
     return v
 
 
+def is_entry_key(v: object) -> bool:
+    """17 bytes whose first is a Kind (protocol/keys.py)."""
+    return isinstance(v, bytes) and len(v) == ENTRY_KEY_BYTES and v[0] in _KIND_BYTES
+
+
+def req_entry_keys(h: dict[str, object], name: str, max_len: int) -> list[bytes]:
+    """A list of entry keys (commit, replica drop, NIXL commit); a bad one is named by its index."""
+    keys: list[bytes] = []
+    for i, k in enumerate(req_list(h, name, "", max_len)):
+        if not is_entry_key(k):
+            raise WireError(f"{name}[{i}]", f"expected a {ENTRY_KEY_BYTES}-byte entry key")
+        keys.append(k)  # type: ignore[arg-type]  # is_entry_key checked it is bytes
+    return keys
+
+
+_KIND_BYTES = frozenset(int(k) for k in Kind)
+
+
 def req_map(v: object, ctx: str) -> dict[str, object]:
     if not isinstance(v, dict):
         raise WireError(ctx, f"expected a map, got {type(v).__name__}")
@@ -395,7 +413,7 @@ class GetItem:
         if not isinstance(raw, list) or len(raw) != 3:
             raise WireError(ctx, "expected [key, layer_start, layer_end]")
         key, lo, hi = raw
-        if not isinstance(key, bytes) or len(key) != ENTRY_KEY_BYTES or key[0] not in (1, 2, 3):
+        if not is_entry_key(key):
             raise WireError(f"{ctx}.key", f"expected a {ENTRY_KEY_BYTES}-byte entry key")
         if not isinstance(lo, int) or isinstance(lo, bool) or lo < 0:
             raise WireError(f"{ctx}.layer_start", "expected a non-negative integer")

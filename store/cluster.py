@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from ..protocol.hashing import BlockHash
-from ..protocol.keys import ENTRY_KEY_BYTES, Kind, make_entry_key
+from ..protocol.keys import Kind, make_entry_key
 from ..protocol.probe import LookupReport, ProbeRequest
-from ..protocol.wire import WireError, req_bin, req_list
+from ..protocol.wire import WireError, req_bin, req_entry_keys
 from .config import StoreConfig
 from .membership import DnsResolver, Membership
 from .probe import probe as probe_levels
@@ -81,12 +81,7 @@ async def replica_drop(request: web.Request) -> web.Response:
     header = await _control_header(request)
     ns_id = req_bin(header, "ns", size=8)
     _owned(request, ns_id)
-    raw = req_list(header, "keys", "", store.limits.max_items)
-    keys = []
-    for i, k in enumerate(raw):
-        if not isinstance(k, bytes) or len(k) != ENTRY_KEY_BYTES or k[0] not in (1, 2, 3):
-            raise WireError(f"keys[{i}]", f"expected a {ENTRY_KEY_BYTES}-byte entry key")
-        keys.append(k)
+    keys = req_entry_keys(header, "keys", store.limits.max_items)
     return _frame_response({"dropped": await request.app[REPLICATOR].drop(ns_id, keys)})
 
 

@@ -64,7 +64,6 @@ from typing import Any
 from aiohttp import web
 
 from ..protocol.nixl_agent import NixlUnavailable, import_nixl, make_agent
-from ..protocol.keys import ENTRY_KEY_BYTES
 from ..protocol.wire import (
     REASON_QUOTA,
     STATUS_OK,
@@ -75,6 +74,7 @@ from ..protocol.wire import (
     parse_items,
     req_bin,
     req_bool,
+    req_entry_keys,
     req_list,
 )
 from .config import StoreConfig
@@ -309,12 +309,7 @@ async def nixl_commit(request: web.Request) -> web.Response:
     header = await _control_header(request)
     ns_id = req_bin(header, "ns", size=8)
     _owned(request, ns_id)
-    raw = req_list(header, "keys", "", store.limits.max_items)
-    keys: list[bytes] = []
-    for i, k in enumerate(raw):
-        if not isinstance(k, bytes) or len(k) != ENTRY_KEY_BYTES or k[0] not in (1, 2, 3):
-            raise WireError(f"keys[{i}]", f"expected a {ENTRY_KEY_BYTES}-byte entry key")
-        keys.append(k)
+    keys = req_entry_keys(header, "keys", store.limits.max_items)
     verified, received = store.verify_pending(ns_id, keys)
     store.metrics.transfer_bytes.labels("in", "nixl").inc(received)
     results: list[ItemResult] = list(verified)

@@ -45,7 +45,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..protocol.keys import ENTRY_KEY_BYTES
 from ..protocol.namespace import Namespace, NamespaceError
 from ..protocol.stream import FrameReader
 from ..protocol.wire import (
@@ -63,6 +62,7 @@ from ..protocol.wire import (
     parse_items,
     req_bin,
     req_bool,
+    req_entry_keys,
     req_list,
 )
 from .config import StoreConfig
@@ -309,12 +309,7 @@ async def commit(request: web.Request) -> web.Response:
     header = await _control_header(request)
     ns_id = req_bin(header, "ns", size=8)
     _owned(request, ns_id)
-    raw = req_list(header, "keys", "", store.limits.max_items)
-    keys = []
-    for i, k in enumerate(raw):
-        if not isinstance(k, bytes) or len(k) != ENTRY_KEY_BYTES or k[0] not in (1, 2, 3):
-            raise WireError(f"keys[{i}]", f"expected a {ENTRY_KEY_BYTES}-byte entry key")
-        keys.append(k)
+    keys = req_entry_keys(header, "keys", store.limits.max_items)
     results = await store.commit(ns_id, keys)
     return _frame_response({"results": [r.to_wire() for r in results]})
 
