@@ -71,12 +71,16 @@ class Adaptive(SecondHit):
 
     Per origin (prompt end, generation end, junction, periodic), it also
     learns the share of *evicted* snapshots that had been reused at all; an
-    origin whose snapshots leave almost always unused (< ``dead_origin_rate``
-    over ``dead_origin_samples`` evictions: prompt ends in multi-turn chat,
-    where the next turn replays the answer too) is admitted on second sighting
+    origin whose snapshots are reused far less often than the best origin's
+    (< ``dead_origin_rate`` times its rate, over at least
+    ``dead_origin_samples`` evictions: prompt ends in multi-turn chat, where
+    the next turn replays the answer too) is admitted on second sighting
     whatever the mode, so it stops taking space without costing the origins
-    that pay. Judging at eviction, not at admission, gives every snapshot its
-    full stay to be reused first: reuse that comes late is still counted.
+    that pay. Relative, because in a small cache every origin's rate is low,
+    and an absolute floor then shuts out the one origin that earns the few
+    hits there are. Judging at eviction, not at admission, gives every
+    snapshot its full stay to be reused first: reuse that comes late is
+    still counted.
 
     Under always it moves to second-hit when reuse is heavy-tailed (F/(F+R) <
     ``enter_below``: most hits are repeat hits of a few hot prefixes) *and*
@@ -135,10 +139,24 @@ class Adaptive(SecondHit):
             self.evictions /= 2
             self.wasted /= 2
 
-    def origin_is_dead(self, origin: int) -> bool:
+    def _reuse_rate(self, origin: int) -> float | None:
+        """The share of this origin's evicted snapshots that had been reused (None: too few yet)."""
         n = self._evicted.get(origin, 0.0)
-        return (origin != 0 and n >= self.dead_origin_samples
-                and self._evicted_reused.get(origin, 0.0) < self.dead_origin_rate * n)
+        return self._evicted_reused.get(origin, 0.0) / n if n >= self.dead_origin_samples else None
+
+    def origin_is_dead(self, origin: int) -> bool:
+        """Its snapshots are reused far less often than the best origin's.
+
+        Relative, not absolute: all snapshots cost the same bytes, so an origin
+        reused 20x less often than another only displaces better ones. When
+        the cache is small, every origin's reuse rate is low (a few percent);
+        an absolute threshold would then shut out the very origin that earns
+        the few hits there are (reuse-twice at 5% of its footprint)."""
+        rate = self._reuse_rate(origin)
+        if origin == 0 or rate is None:
+            return False
+        best = max((r for o in self._evicted if (r := self._reuse_rate(o)) is not None), default=0.0)
+        return rate < self.dead_origin_rate * best
 
     def admit(self, kind: Kind, key: bytes, size: int, now: float, origin: int = 0) -> bool:
         if key in self.seen:

@@ -20,11 +20,31 @@ shorter) almost never is; when the same prompt is sent twice (retries,
 several samples) it is the other way round. V learns that on the live
 traffic and lets the never-reused class go first.
 
-w is tuned online, ARC-style: evicted entries leave a ghost (their E); when a
-lookup misses a ghost, the eviction was a mistake, and w moves towards what
-would have kept it — up if the ghost was efficient (E > 1), down if it was not
-(then its recency was what mattered). No grid search at start, and it follows
-the traffic as it changes.
+w is tuned online from two kinds of evidence, with no grid search at start,
+so it follows the traffic as it changes:
+
+- Mistakes (ARC-style ghosts). An evicted entry leaves a ghost; when a lookup
+  misses it, the eviction was a mistake, and w moves towards what would have
+  kept it: up if the ghost was more FLOP-efficient than the typical victim,
+  down if not (its recency was what mattered), by a step weighed by the
+  FLOPs the miss cost. Two corrections make the ghosts honest. (1) A chain
+  leaves from its end (leaf-first), so a lookup misses its *first* block, by
+  itself the least efficient entry of the chain; a ghost therefore carries
+  the most valuable entry (V x FLOPs per byte) evicted beneath it (a
+  long-context snapshot), and is judged as that. Without this, w fell to ~0 on long single contexts,
+  where ranking by efficiency pays most. (2) A miss counts only if some w in
+  [0, 1] could have kept the entry until now (the inflation since its
+  eviction is within what a different w adds to its priority); a session
+  evicted long ago says nothing about w. Without this, every returning
+  long session voted for w = 1 in multi-turn chat, where recency pays.
+- Uses. A repeat hit on a snapshot more efficient than what its origin
+  typically stores raises w; one on a less efficient snapshot lowers it. So
+  w follows whether efficiency predicts use on this traffic: in RAG the
+  snapshots used again and again are the short shared prefixes (system
+  prompt, first document) and w goes to 0; on long contexts they are the
+  long prefixes. First hits do not vote: which snapshots live to their first
+  use is what w itself decides, so they confirm whatever w is (measured on
+  multi-turn chat: w went to 1 and the token hit rate fell).
 """
 
 from __future__ import annotations
@@ -138,6 +158,16 @@ def flops_saved(shape: ModelShape, entry: EntryView) -> float:
     return shape.segment_flops(entry.position - entry.num_tokens, entry.position)
 
 
+def anchor_key(entry: EntryView) -> bytes | None:
+    """The entry key of what ``entry`` hangs from (a snapshot's block, a block's
+    parent block), when the entry exposes it (the store's entries do: ``container``,
+    ``parent``); None for a chain's first block or an entry that does not say."""
+    if entry.kind is Kind.STATE:
+        return getattr(entry, "container", None)
+    parent = getattr(entry, "parent", None)
+    return bytes((Kind.BLOCK,)) + parent if parent else None
+
+
 class FlopAware:
     name = "flop-aware"
 
@@ -150,11 +180,17 @@ class FlopAware:
         self.inflation = 0.0  # L
         self._mean_eff = 0.0
         self._num_eff = 0
-        # evicted key -> (its FLOPs per byte, the FLOPs a hit on it saves)
-        self._ghosts: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
+        # evicted key -> (FLOPs per byte, FLOPs a hit saves, origin or -1 for KV,
+        #                 priority when evicted, the most a different w could add to it,
+        #                 V x FLOPs per byte: what a chain's ghost is judged by)
+        self._ghosts: OrderedDict[bytes, tuple[float, float, int, float, float, float]] = OrderedDict()
+        # entry key of a parent -> the best ghost evicted beneath it, until the parent goes too
+        self._carry: OrderedDict[bytes, tuple[float, float, int, float, float, float]] = OrderedDict()
         self._ghost_flops = 0.0
         self._num_ghosts = num_ghosts
         self._victim_eff = 0.0
+        self._stored_eff: dict[int, float] = {}
+        self._stored_n: dict[int, int] = {}
         self.origins = OriginValue()
 
     def _shape(self, ns_id: bytes) -> ModelShape | None:
@@ -177,13 +213,37 @@ class FlopAware:
     def priority(self, entry: EntryView, now: float) -> float:
         return self.inflation + self.value(entry) * ((1.0 - self.weight) + self.weight * self.efficiency(entry))
 
+    def _raw_eff(self, entry: EntryView) -> float:
+        shape = self._shape(entry.namespace_id)
+        return flops_saved(shape, entry) / entry.size if shape is not None and entry.size else 0.0
+
     def on_store(self, entry: EntryView, now: float) -> None:
         if entry.kind is Kind.STATE:
             self.origins.on_store(entry.origin)
+            if self.tune:  # the efficiency typical of what this origin stores
+                eff = self._raw_eff(entry)
+                n = self._stored_n.get(entry.origin, 0) + 1
+                self._stored_n[entry.origin] = min(n, 1000)
+                m = self._stored_eff.get(entry.origin, 0.0)
+                self._stored_eff[entry.origin] = m + (eff - m) / min(n, 1000)
+
+    def _vote(self, eff: float, origin: int) -> None:
+        """A snapshot of this origin was used: if it is more efficient than what the
+        origin typically stores, efficiency predicts use (raise w), else lower w."""
+        m = self._stored_eff.get(origin)
+        if m is None:
+            return
+        delta = self.step if eff > m else -self.step
+        self.weight = min(1.0, max(0.0, self.weight + delta))
 
     def on_hit(self, entry: EntryView, now: float) -> None:
         if entry.kind is Kind.STATE and entry.num_hits == 0:
             self.origins.on_first_hit(entry.origin)
+        # Repeat uses only: which snapshots live to their *first* use is what w itself
+        # decides (a high w keeps long ones, whose first hits would then vote for a
+        # high w); a snapshot used again and again is the traffic's hot set.
+        if self.tune and entry.kind is Kind.STATE and entry.num_hits > 0:
+            self._vote(self._raw_eff(entry), entry.origin)
 
     def on_evict(self, entry: EntryView, priority: float, now: float) -> None:
         self.inflation = max(self.inflation, priority)
@@ -193,20 +253,48 @@ class FlopAware:
             # The efficiency typical of what gets evicted (the frontier), not of
             # everything stored: a ghost is judged against its fellow victims.
             self._victim_eff += (eff - self._victim_eff) / 64 if self._victim_eff else eff
-            self._ghosts[entry.key] = (eff, eff * entry.size)
+            # Eviction is leaf-first, so a chain goes from its end: its snapshot
+            # (what made the chain worth keeping), then each block as it becomes
+            # a leaf. The next lookup misses the *first* evicted block, which
+            # by itself is the least efficient entry of the chain; the mistake
+            # was evicting what hung below it. So a ghost carries the most
+            # valuable entry evicted beneath it (highest V x FLOPs per byte: a
+            # junction snapshot that was reused, not the never-reused prompt
+            # end just past it), handed up from child to parent.
+            e_norm = eff / self._mean_eff if self._mean_eff > 0 else 1.0
+            v = self.value(entry)
+            # How much a different w could have raised its priority: towards 1
+            # if it is more efficient than the mean, towards 0 if less.
+            reach = v * ((1.0 - self.weight) * (e_norm - 1.0) if e_norm > 1.0 else self.weight * (1.0 - e_norm))
+            ghost = (eff, eff * entry.size, entry.origin if entry.kind is Kind.STATE else -1, priority, reach, v * eff)
+            carried = self._carry.pop(entry.key, None)
+            if carried is not None and carried[5] > ghost[5]:
+                ghost = carried
+            self._ghosts[entry.key] = ghost
             if len(self._ghosts) > self._num_ghosts:
                 self._ghosts.popitem(last=False)
+            up = anchor_key(entry)
+            if up is not None:
+                held = self._carry.get(up)
+                if held is None or ghost[5] > held[5]:
+                    self._carry[up] = ghost
+                    self._carry.move_to_end(up)
+                    if len(self._carry) > self._num_ghosts:
+                        self._carry.popitem(last=False)
 
     def on_miss(self, kind: Kind, key: bytes, now: float) -> None:
-        """A lookup wanted an entry we evicted. Had it been more FLOP-efficient than
-        the typical victim, more weight on efficiency would have kept it: raise w.
-        Otherwise only recency could have kept it: lower w."""
+        """A lookup wanted an entry we evicted (or one evicted beneath it). Had it been
+        more FLOP-efficient than the typical victim, more weight on efficiency would
+        have kept it: raise w. Otherwise only recency could have kept it: lower w.
+        A miss no w in [0, 1] could have prevented moves nothing."""
         if not self.tune:
             return
         ghost = self._ghosts.pop(bytes((kind,)) + key, None)
         if ghost is None:
             return
-        eff, flops = ghost
+        eff, flops, _, evicted_at, reach, _ = ghost
+        if self.inflation - evicted_at > reach:
+            return  # no weight in [0, 1] would have kept it until now: no evidence either way
         # Weigh each mistake by what it cost: missing a long-prefix snapshot loses
         # far more recompute than missing one KV block.
         self._ghost_flops += (flops - self._ghost_flops) / 64 if self._ghost_flops else flops

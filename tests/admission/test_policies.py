@@ -96,6 +96,21 @@ def test_adaptive_learns_a_dead_origin_and_admits_it_on_second_sighting() -> Non
     assert p.admit(Kind.STATE, key(501), 10, 50.0, origin=Origin.GENERATION_END)
 
 
+def test_adaptive_judges_an_origin_against_the_best_one_not_an_absolute_rate() -> None:
+    """In a small cache every origin is reused rarely. The one that earns the few hits
+    there are (prompt ends when each prompt is sent twice: 3% reused before eviction)
+    stays admitted on first sight; the one never reused goes to second sighting."""
+    p = Adaptive(1 << 16)
+    for i in range(200):
+        p.admit(Kind.STATE, key(i), 10, i, origin=Origin.PROMPT_END)
+        p.on_evict(Kind.STATE, int(i % 33 == 0), i, origin=Origin.PROMPT_END)
+        p.admit(Kind.STATE, key(1000 + i), 10, i, origin=Origin.GENERATION_END)
+        p.on_evict(Kind.STATE, 0, i, origin=Origin.GENERATION_END)
+    assert not p.origin_is_dead(Origin.PROMPT_END) and p.origin_is_dead(Origin.GENERATION_END)
+    assert p.admit(Kind.STATE, key(5000), 10, 300.0, origin=Origin.PROMPT_END)
+    assert not p.admit(Kind.STATE, key(5001), 10, 300.0, origin=Origin.GENERATION_END)
+
+
 @dataclass
 class FakeEntry:
     """An EntryView: the attributes a policy may read."""
@@ -109,6 +124,8 @@ class FakeEntry:
     last_access_s: float = 0.0
     num_hits: int = 0
     origin: int = 0
+    parent: bytes | None = None  # blocks: the parent block's hash
+    container: bytes | None = None  # snapshots: the entry key of the block they hang from
 
 
 def test_flop_aware_ranks_long_prefix_snapshots_above_short_ones() -> None:
@@ -123,8 +140,9 @@ def test_flop_aware_ranks_long_prefix_snapshots_above_short_ones() -> None:
 
 def test_flop_aware_weight_moves_towards_what_would_have_kept_a_missed_entry() -> None:
     shape = get_model("mamba2-hybrid-7b")
+    block_bytes = 16 * shape.kv_bytes_per_token
     p = FlopAware(PolicyContext(shape_of=lambda ns: shape), weight=0.5)
-    blocks = [FakeEntry(key(i, Kind.BLOCK), Kind.BLOCK, 16 * shape.kv_bytes_per_token, 16 * (i + 1), 16) for i in range(50)]
+    blocks = [FakeEntry(key(i, Kind.BLOCK), Kind.BLOCK, block_bytes, 16 * (i + 1), 16) for i in range(50)]
     for b in blocks:
         p.on_evict(b, p.priority(b, 0.0), 0.0)
     snap = FakeEntry(key(999), Kind.STATE, shape.state_bytes, 30_000)
@@ -132,9 +150,78 @@ def test_flop_aware_weight_moves_towards_what_would_have_kept_a_missed_entry() -
     before = p.weight
     p.on_miss(Kind.STATE, snap.key[1:], 1.0)  # an efficient entry was missed: efficiency should weigh more
     assert p.weight > before
-    w = p.weight
-    p.on_miss(Kind.BLOCK, blocks[0].key[1:], 2.0)  # a cheap, shallow block was missed: recency should weigh more
-    assert p.weight < w
+    # A short-prefix snapshot (less efficient than the typical victim), missed just after it left:
+    # only recency would have kept it.
+    q = FlopAware(PolicyContext(shape_of=lambda ns: shape), weight=0.5)
+    for b in blocks:
+        q.priority(b, 0.0)
+        q.on_evict(b, 0.1, 0.0)
+    short = FakeEntry(key(998), Kind.STATE, shape.state_bytes, 500)
+    q.priority(short, 0.0)
+    q.on_evict(short, 0.2, 0.0)
+    q.on_miss(Kind.STATE, short.key[1:], 1.0)
+    assert q.weight < 0.5
+
+
+def test_flop_aware_ignores_a_miss_no_weight_could_have_prevented() -> None:
+    shape = get_model("mamba2-hybrid-7b")
+    p = FlopAware(PolicyContext(shape_of=lambda ns: shape), weight=0.5)
+    snap = FakeEntry(key(1), Kind.STATE, shape.state_bytes, 30_000)
+    p.priority(snap, 0.0)
+    p.on_evict(snap, 1.0, 0.0)
+    filler = FakeEntry(key(2, Kind.BLOCK), Kind.BLOCK, 16 * shape.kv_bytes_per_token, 16, 16)
+    p.priority(filler, 0.0)
+    p.on_evict(filler, 1_000.0, 1.0)  # the inflation moved far past anything w could add
+    p.on_miss(Kind.STATE, snap.key[1:], 2.0)
+    assert p.weight == 0.5
+
+
+def test_flop_aware_judges_a_missed_chain_by_the_snapshot_evicted_beneath_it() -> None:
+    """Leaf-first eviction peels a chain from its end; the lookup then misses its first
+    block, a cheap entry. The mistake was evicting the long-prefix snapshot below it."""
+    shape = get_model("mamba2-hybrid-7b")
+    block_bytes = 16 * shape.kv_bytes_per_token
+    p = FlopAware(PolicyContext(shape_of=lambda ns: shape), weight=0.5)
+    for i in range(50):  # the typical victim: a KV block
+        b = FakeEntry(key(i, Kind.BLOCK), Kind.BLOCK, block_bytes, 16 * (i + 1), 16)
+        p.priority(b, 0.0)
+        p.on_evict(b, 0.5, 0.0)
+    first, last = key(100, Kind.BLOCK), key(101, Kind.BLOCK)
+    chain = [FakeEntry(last, Kind.BLOCK, block_bytes, 30_000, 16, parent=first[1:]),
+             FakeEntry(first, Kind.BLOCK, block_bytes, 29_984, 16, parent=os.urandom(16))]
+    snap = FakeEntry(key(102), Kind.STATE, shape.state_bytes, 30_000, container=last)
+    for e in (snap, *chain):
+        p.priority(e, 0.0)
+        p.on_evict(e, 1.0, 0.0)
+    p.on_miss(Kind.BLOCK, first[1:], 1.0)
+    assert p.weight > 0.5
+    # Without the snapshot beneath it, the same block miss says the opposite.
+    q = FlopAware(PolicyContext(shape_of=lambda ns: shape), weight=0.5)
+    for i in range(50):
+        b = FakeEntry(key(i, Kind.BLOCK), Kind.BLOCK, block_bytes, 16 * (i + 1000), 16)
+        q.priority(b, 0.0)
+        q.on_evict(b, 0.5, 0.0)
+    lone = FakeEntry(key(103, Kind.BLOCK), Kind.BLOCK, block_bytes, 16, 16, parent=os.urandom(16))
+    q.priority(lone, 0.0)
+    q.on_evict(lone, 0.5, 0.0)
+    q.on_miss(Kind.BLOCK, lone.key[1:], 1.0)
+    assert q.weight < 0.5
+
+
+def test_flop_aware_hits_tell_whether_efficiency_predicts_use() -> None:
+    """Hits on the short-prefix snapshots of an origin that stores long ones too (a shared
+    system prompt) lower w; hits on its long-prefix ones raise it."""
+    shape = get_model("mamba2-hybrid-7b")
+    for hit_pos, up in ((400, False), (30_000, True)):
+        p = FlopAware(PolicyContext(shape_of=lambda ns: shape), weight=0.5)
+        for pos in (400, 30_000) * 10:
+            p.on_store(FakeEntry(key(pos), Kind.STATE, shape.state_bytes, pos, origin=Origin.JUNCTION), 0.0)
+        for _ in range(5):
+            p.on_hit(FakeEntry(key(1), Kind.STATE, shape.state_bytes, hit_pos, origin=Origin.JUNCTION, num_hits=1), 1.0)
+        assert (p.weight > 0.5) is up and p.weight != 0.5
+        w = p.weight
+        p.on_hit(FakeEntry(key(2), Kind.STATE, shape.state_bytes, hit_pos, origin=Origin.JUNCTION), 2.0)
+        assert p.weight == w  # a first use does not vote: which snapshots live to it is what w decides
 
 
 def test_policy_registries_name_the_choices() -> None:
