@@ -6,7 +6,7 @@ admission and eviction code (``prefixstore.sim``, the code behind
 footprint: the bytes an unbounded store holds at the end of the trace
 (admitting everything, evicting nothing), measured in the same run.
 
-    python benchmarks/policies.py                 # the full matrix, ~5 min on 2 cores
+    python benchmarks/policies.py                 # the full matrix, ~9-18 min on 2 cores (load-dependent)
     python benchmarks/policies.py --quick         # a smoke run
 
 Targets (issue 3): adaptive >= 0.9x the better of always / second-hit on every
