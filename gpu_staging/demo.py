@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..admission.retention import RetentionPlanner
+from ..client import RetentionPlanner
 from ..client.client import PrefixClient
 from ..client.config import ClientConfig
 from .engine import Engine, EngineConfig, RequestResult, ReuseMode

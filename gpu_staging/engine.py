@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ..admission.retention import RetentionPlanner
+from ..client import RetentionPlanner
 from ..client.client import PrefixClient
 from ..client.results import LookupResult
 from ..protocol.wire import STATUS_HAVE, STATUS_OK, WANT, ItemResult, ItemSpec
