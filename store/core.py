@@ -71,6 +71,7 @@ from .index import Entry, Index, IndexInvariantError
 from .leases import Leases
 from .lmdb_tier import LmdbTier, ReadOutcome, StoredRecord
 from .metrics import StoreMetrics
+from .tasks import stop_task
 from .tenants import Tenants, load_tenants
 
 log = logging.getLogger(__name__)
@@ -168,12 +169,7 @@ class Store:
     async def close(self) -> None:
         if self._prefault is not None:
             await self._prefault
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            try:
-                await self._sweeper
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._sweeper)
         if self.tier is not None:
             await self._flush_deletes()
             self.tier.close()

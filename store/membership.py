@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from ..protocol.placement import normalize_url, rank
 from .config import StoreConfig
+from .tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -170,13 +171,8 @@ class Membership:
                 log.exception("membership refresh failed")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     def describe(self) -> dict[str, object]:
         """What ``GET /v1/members`` answers (clients start from this)."""

@@ -80,6 +80,7 @@ from ..protocol.wire import (
 from .config import StoreConfig
 from .core import Store
 from .server import STORE, _control_header, _frame_response, _owned
+from .tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +155,8 @@ class NixlTarget:
 
     async def close(self) -> None:
         self.store.metrics.data_path.labels("nixl").set(0)
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         try:
             self.agent.deregister_memory(self._reg)
         except Exception as err:  # closing: nothing left to protect

@@ -62,6 +62,7 @@ from ..protocol.wire import (
 from .core import Store
 from .index import Entry
 from .membership import Membership
+from .tasks import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -163,13 +164,8 @@ class Replicator:
             self._task = asyncio.create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         if self._session is not None:
             await self._session.close()
             self._session = None
