@@ -3,7 +3,9 @@
 Hypothesis draws bodies of three shapes -- raw bytes, well-framed msgpack
 headers whose fields are random values under the endpoint's own field names,
 and byte-level mutations (flips, cuts, splices) of a valid request -- and
-POSTs them to a real in-process store. Every answer must be 2xx or 4xx, never
+POSTs them to a real in-process store: the core endpoints, the cluster ones
+(probe, lookup report, replica drop) and, where nixl is installed, the NIXL ones
+against a store serving NIXL. Every answer must be 2xx or 4xx, never
 5xx (the middleware's ``prefixstore_requests_total{status="5xx"}`` must stay
 0 too, so a 500 swallowed by a client would still fail the test), and
 afterwards the store must keep serving: what was stored before reads back
@@ -16,6 +18,7 @@ runs in CI in a few seconds; it is a regression net, not a campaign.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -26,9 +29,13 @@ from hypothesis import strategies as st
 from prefixstore.client import PrefixClient
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import make_entry_key, pack_tokens
+from prefixstore.protocol.probe import LookupReport, ProbeLevel, ProbeRequest
 from prefixstore.protocol.wire import CONTENT_TYPE, MAGIC, PREFIX, WIRE_VERSION, encode_frame
 
+from prefixstore.store import StoreConfig
+
 from ..conftest import RunningStore
+from ..nixl.conftest import NEEDS_NIXL
 from ..factories import kv_payload, make_namespace, state_payload
 from ..store.test_bad_input import SEED_SNAPSHOT, Seeded, fresh_tokens, num_5xx, read_back, seed
 
@@ -44,10 +51,22 @@ FIELDS = {
     "/v1/commit": ["ns", "keys"],
     "/v1/get": ["ns", "items"],
     "/v1/release": ["lease"],
+    # cluster (store/cluster.py): served by every node
+    "/v1/probe": ["ns", "levels", "lease"],
+    "/v1/lookup_report": ["ns", "num_tokens", "kv_tokens", "state_tokens", "junction", "missing"],
+    "/v1/replica/drop": ["ns", "keys"],
+}
+# NIXL (store/nixl_target.py): fuzzed against a store serving it, where nixl is installed.
+NIXL_FIELDS = {
+    "/v1/nixl/metadata": ["x"],
+    "/v1/nixl/get": ["ns", "items"],
+    "/v1/nixl/reserve": ["ns", "items"],
+    "/v1/nixl/commit": ["ns", "keys", "commit"],
 }
 ITEM_FIELDS = ["kind", "hash", "size", "parent", "tokens", "extra", "container", "boundary", "checksum", "origin"]
 NS_FIELDS = ["model", "kv", "state", "block_tokens", "tp_rank", "tp_size", "tenant", "scheme"]
 ENDPOINTS = list(FIELDS)
+FIELDS.update(NIXL_FIELDS)
 
 
 def _valid_bodies() -> dict[str, bytes]:
@@ -73,6 +92,17 @@ def _valid_bodies() -> dict[str, bytes]:
         "/v1/commit": encode_frame({"ns": NS.id, "keys": keys}),
         "/v1/get": encode_frame({"ns": NS.id, "items": [[k, 0, None] for k in keys] + [[keys[0], 1, 2]]}),
         "/v1/release": encode_frame({"lease": b"\x00" * 16}),
+        "/v1/probe": encode_frame(ProbeRequest(namespace_id=NS.id, levels=tuple(
+            ProbeLevel(level=j, parent=parent, next=p.hashes[j] if j < 2 else b"",
+                       tokens=pack_tokens(toks[j * 4 : j * 4 + 4])) for j, parent in enumerate([p.root, *p.hashes[:2]])
+        )).to_header()),
+        "/v1/lookup_report": encode_frame(LookupReport(namespace_id=NS.id, num_tokens=10, kv_tokens=8, state_tokens=7,
+                                                       junction=p.prefix_hash(8), missing_block=None).to_header()),
+        "/v1/replica/drop": encode_frame({"ns": NS.id, "keys": keys}),
+        "/v1/nixl/metadata": encode_frame({}),
+        "/v1/nixl/get": encode_frame({"ns": NS.id, "items": [[k, 0, None] for k in keys]}),
+        "/v1/nixl/reserve": encode_frame({"ns": NS.id, "items": items}),
+        "/v1/nixl/commit": encode_frame({"ns": NS.id, "keys": keys, "commit": True}),
     }
 
 
@@ -183,6 +213,21 @@ async def fuzz_client(running: RunningStore) -> AsyncIterator[PrefixClient]:
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 async def test_fuzzed_frames_never_answer_5xx(running: RunningStore, session: aiohttp.ClientSession,
                                               fuzz_client: PrefixClient, endpoint: str) -> None:
+    await fuzz(running, session, fuzz_client, endpoint)
+
+
+@NEEDS_NIXL
+@pytest.mark.parametrize("endpoint", list(NIXL_FIELDS))
+async def test_fuzzed_nixl_frames_never_answer_5xx(start_store, store_config: StoreConfig,  # type: ignore[no-untyped-def]
+                                                   endpoint: str) -> None:
+    running = await start_store(dataclasses.replace(store_config, nixl="on"))
+    async with aiohttp.ClientSession(base_url=running.url, timeout=aiohttp.ClientTimeout(total=10)) as session:
+        async with running.client(NS, data_path="http") as client:
+            await fuzz(running, session, client, endpoint)
+
+
+async def fuzz(running: RunningStore, session: aiohttp.ClientSession, fuzz_client: PrefixClient,
+               endpoint: str) -> None:
     seeded = await seed(fuzz_client)
     statuses: dict[int, int] = {}
 
