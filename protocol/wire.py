@@ -422,6 +422,12 @@ class GetItem:
         return cls(key=key, layer_start=lo, layer_end=hi)
 
 
+def parse_get_items(h: dict[str, object], limits: Limits) -> list[GetItem]:
+    """The ``items`` of a get (HTTP or NIXL): entry keys with optional layer ranges."""
+    raw = req_list(h, "items", "", limits.max_items)
+    return [GetItem.from_wire(x, f"items[{i}]") for i, x in enumerate(raw)]
+
+
 #: Per-item status in put, commit and get answers.
 STATUS_OK: Final = "ok"
 STATUS_HAVE: Final = "have"

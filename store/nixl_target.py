@@ -68,14 +68,13 @@ from ..protocol.wire import (
     REASON_QUOTA,
     STATUS_OK,
     STATUS_PENDING,
-    GetItem,
     ItemResult,
     WireError,
+    parse_get_items,
     parse_items,
     req_bin,
     req_bool,
     req_entry_keys,
-    req_list,
 )
 from .config import StoreConfig
 from .core import Store
@@ -244,8 +243,7 @@ async def nixl_get(request: web.Request) -> web.Response:
     header = await _control_header(request)
     ns_id = req_bin(header, "ns", size=8)
     _owned(request, ns_id)
-    raw = req_list(header, "items", "", store.limits.max_items)
-    items = [GetItem.from_wire(x, f"items[{i}]") for i, x in enumerate(raw)]
+    items = parse_get_items(header, store.limits)
     plan = await store.prepare_get(ns_id, items)
     try:
         out: list[list[object]] = []

@@ -52,18 +52,17 @@ from ..protocol.wire import (
     PREFIX_BYTES,
     REASON_QUOTA,
     STATUS_OK,
-    GetItem,
     GetResult,
     LookupRequest,
     WireError,
     decode_frame,
     encode_frame,
     encode_header,
+    parse_get_items,
     parse_items,
     req_bin,
     req_bool,
     req_entry_keys,
-    req_list,
 )
 from .config import StoreConfig
 from .core import Store
@@ -319,8 +318,7 @@ async def get(request: web.Request) -> web.StreamResponse:
     header = await _control_header(request)
     ns_id = req_bin(header, "ns", size=8)
     _owned(request, ns_id)
-    raw = req_list(header, "items", "", store.limits.max_items)
-    items = [GetItem.from_wire(x, f"items[{i}]") for i, x in enumerate(raw)]
+    items = parse_get_items(header, store.limits)
     plan = await store.prepare_get(ns_id, items)
     try:
         results = [GetResult(s.status, s.length, s.checksum) if s.status == STATUS_OK else GetResult(s.status)
