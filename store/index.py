@@ -275,33 +275,50 @@ class Index:
         if self.snapshots_per_ns.get(namespace_id):
             snaps_under = self.snaps_under
             for j in range(m, -1, -1):
-                snaps = snaps_under.get(h(j) if j else root)  # probe before slicing: most levels have none
-                if not snaps:
+                parent = h(j) if j else root
+                if not snaps_under.get(parent):  # probe before slicing: most levels have none
                     continue
-                seg = tokens[j * B * TB : (j + 1) * B * TB]
-                agree: dict[bytes, int] = {}
-                for n, sk in enumerate(reversed(snaps)):
-                    if n >= max_child_scan:
-                        break
-                    s = entries[sk]
-                    assert s.container is not None
-                    known = agree.get(s.container)
-                    if known is None:
-                        c = entries[s.container]
-                        if j < m and c.kind is Kind.BLOCK and c.hash == h(j + 1):
-                            known = B  # the prompt's own matched block
-                        elif c.extra != extra_at(j, b""):
-                            known = 0  # stored under another LoRA / image: not this prompt's
-                        else:
-                            known = lcp_tokens(c.tokens, seg)
-                        agree[s.container] = known
-                    a = known
-                    b = s.boundary
-                    if b - j * B <= a and b <= kv_tokens and b > state_tokens:
-                        snapshot, state_tokens = s, b
+                snapshot = self.best_snapshot_under(
+                    parent, tokens[j * B * TB : (j + 1) * B * TB], j * B, B,
+                    own_next=h(j + 1) if j < m else None, extra=extra_at(j, b""), limit=kv_tokens,
+                    scan=max_child_scan)
                 if snapshot is not None:
+                    state_tokens = snapshot.boundary
                     break
         return Match(m, last, child, usable, kv_tokens, snapshot, state_tokens)
+
+    def best_snapshot_under(self, parent: bytes, seg: bytes, start: int, block_tokens: int, *,
+                            own_next: bytes | None, extra: bytes, limit: int, scan: int) -> Entry | None:
+        """The snapshot registered under ``parent`` (level start ``start``) with the largest
+        boundary <= ``limit`` whose container agrees with the prompt's tokens ``seg`` (packed,
+        from ``start``) at least up to that boundary; None if there is none.
+
+        ``own_next`` is the prompt's own next block hash: a container that is that block agrees
+        for the whole block. A container stored under other extra keys (LoRA, image) never
+        agrees. The ``scan`` most recent snapshots are compared. Used by lookups (``match``)
+        and by cluster probes (store/probe.py)."""
+        entries = self.entries
+        best: Entry | None = None
+        agree: dict[bytes, int] = {}
+        for n, sk in enumerate(reversed(self.snaps_under.get(parent, ()))):
+            if n >= scan:
+                break
+            s = entries[sk]
+            assert s.container is not None
+            known = agree.get(s.container)
+            if known is None:
+                c = entries[s.container]
+                if own_next is not None and c.kind is Kind.BLOCK and c.hash == own_next:
+                    known = block_tokens  # the prompt's own block
+                elif c.extra != extra:
+                    known = 0  # stored under another LoRA / image: not this prompt's
+                else:
+                    known = lcp_tokens(c.tokens, seg)
+                agree[s.container] = known
+            b = s.boundary
+            if b - start <= known and b <= limit and (best is None or b > best.boundary):
+                best = s
+        return best
 
     # ------------------------------------------------------------ verification
 

@@ -37,7 +37,7 @@ def probe(store: Store, req: ProbeRequest, replicas_of: dict[bytes, tuple[str, .
     ns = store.namespace(req.namespace_id)
     B = ns.block_tokens
     entries = store.index.entries
-    children, snaps_under = store.index.children, store.index.snaps_under
+    children = store.index.children
     scan = store.config.max_child_scan
     now = store.clock()
     store.leases.expire(now)
@@ -66,29 +66,8 @@ def probe(store: Store, req: ProbeRequest, replicas_of: dict[bytes, tuple[str, .
                     if a > usable:
                         child, usable = c, a
             limit = j * B + usable
-        snapshot: Entry | None = None
-        best = 0
-        snaps = snaps_under.get(parent)
-        if snaps:
-            agree: dict[bytes, int] = {}
-            for n, sk in enumerate(reversed(snaps)):
-                if n >= scan:
-                    break
-                s = entries[sk]
-                assert s.container is not None
-                known = agree.get(s.container)
-                if known is None:
-                    c = entries[s.container]
-                    if held and c.kind is Kind.BLOCK and c.hash == lv.next:
-                        known = B  # the prompt's own next block
-                    elif c.extra != lv.extra or c.namespace_id != req.namespace_id:
-                        known = 0
-                    else:
-                        known = lcp_tokens(c.tokens, seg)
-                    agree[s.container] = known
-                b = s.boundary
-                if b - j * B <= known and b <= limit and b > best:
-                    snapshot, best = s, b
+        snapshot = store.index.best_snapshot_under(
+            parent, seg, j * B, B, own_next=lv.next if held else None, extra=lv.extra, limit=limit, scan=scan)
         if child is not None:
             held_entries.append(child)
         if snapshot is not None:
@@ -98,7 +77,7 @@ def probe(store: Store, req: ProbeRequest, replicas_of: dict[bytes, tuple[str, .
                 held_entries.append(container)
         answers.append(LevelAnswer(level=j, held=held,
                                    child=_ref(child, usable) if child is not None else None,
-                                   snapshot=_ref(snapshot, best) if snapshot is not None else None))
+                                   snapshot=_ref(snapshot, snapshot.boundary) if snapshot is not None else None))
     lease_id = None
     if req.lease and held_entries:
         unique: dict[bytes, Entry] = {e.key: e for e in held_entries}
