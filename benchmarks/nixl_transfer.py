@@ -158,9 +158,13 @@ def _raw_target(conn: Connection, region_bytes: int) -> None:
 
 
 class RawNixl:
-    """This process's bare agent READing the child's region: NIXL and nothing else."""
+    """This process's bare agent READing the child's region: NIXL and nothing else.
 
-    def __init__(self, region_bytes: int) -> None:
+    ``device``: a CUDA device whose memory the READ lands in (registered as VRAM), for
+    benchmarks/nixl_gpu.py; default host memory."""
+
+    def __init__(self, region_bytes: int, device: int | None = None) -> None:
+        from prefixstore.client.device import DeviceBuffer
         from prefixstore.client.nixl_path import NixlPath
 
         ctx = mp.get_context("spawn")
@@ -170,17 +174,26 @@ class RawNixl:
         name, metadata, self.remote_addr = self.conn.recv()
         self.path = NixlPath()
         self.path.connect(name, metadata)
-        self.dest = np.zeros(region_bytes, dtype=np.uint8)
-        self.dest[:] = 1
-        self.path.register(self.dest.data.cast("B"))
         self.size = region_bytes
+        self.memory, self.device = "DRAM", 0
+        if device is None:
+            self.dest = np.ones(region_bytes, dtype=np.uint8)
+            self.dest_addr = int(self.dest.ctypes.data)
+            self.path.register(self.dest.data.cast("B"))
+        else:
+            import torch
+
+            self.dest = torch.ones(region_bytes, dtype=torch.uint8, device=f"cuda:{device}")
+            self.dest_addr = int(self.dest.data_ptr())
+            self.memory, self.device = "VRAM", device
+            self.path.register(DeviceBuffer.of(self.dest))
 
     async def read(self) -> float:
-        local = np.array([[self.dest.ctypes.data, self.size, 0]], dtype=np.uint64)
+        local = np.array([[self.dest_addr, self.size, self.device]], dtype=np.uint64)
         remote = np.array([[self.remote_addr, self.size, 0]], dtype=np.uint64)
         self.conn.send("serve")
         t = time.perf_counter()
-        await self.path.transfer("READ", local, remote, [], timeout_s=60)
+        await self.path.transfer("READ", local, remote, [], timeout_s=60, memory=self.memory, device=self.device)
         elapsed = time.perf_counter() - t
         self.conn.send("done")
         self.conn.recv()
@@ -299,8 +312,7 @@ async def bench_prefix(url: str, args: argparse.Namespace) -> dict[str, object]:
                 looked = await client.lookup(tokens)
                 reads = looked.kv_reads(looked.kv_tokens)
                 slots = buf.carve([ns.block_bytes] * len(reads))
-                got = await client.read([r[0] for r in reads], [buf.host_view(s) for s in slots])
-                filled = buf.land(slots, got)
+                filled = await buf.receive(client, [r[0] for r in reads], slots)
                 await client.release(looked.lease_id)
                 elapsed = time.perf_counter() - t
                 if looked.kv_tokens != args.prefix_tokens or not all(filled):

@@ -41,7 +41,8 @@ from ..protocol.wire import (
 )
 from .bulk import BulkError, BulkPool, post_control, read_get
 from .config import ClientConfig
-from .nixl_path import NixlChannel, NixlPath, NixlUnavailable, TransferFailed, fetch_metadata
+from .device import DeviceBuffer
+from .nixl_path import Dest, NixlChannel, NixlPath, NixlUnavailable, TransferFailed, fetch_metadata
 from .prompt import Prompt, with_payload
 from .results import LookupResult, SaveResult
 
@@ -107,7 +108,7 @@ class PrefixClient:
         self._nixl_off: str | None = None  # why NIXL is not used (None: not decided, or in use)
         self._nixl_retry_s = 0.0  # after a transient failure, when to try NIXL again
         self._path_logged: str | None = None
-        self._pending_buffers: list[memoryview] = []  # registered once an agent exists
+        self._pending_buffers: list[Dest] = []  # registered once an agent exists
 
     async def __aenter__(self) -> PrefixClient:
         return self
@@ -208,21 +209,22 @@ class PrefixClient:
             return "http"
         return "undecided"
 
-    def register_buffer(self, buf: Buffer) -> bool:
+    def register_buffer(self, buf: Buffer | DeviceBuffer) -> bool:
         """Register a buffer the client will read into or send from (a staging region) with the
         NIXL agent, once, so transfers into it need no per-call registration. True when the NIXL
         path will use it; a no-op (False) on the HTTP path. The buffer must outlive the client or
-        be passed to :meth:`unregister_buffer`."""
+        be passed to :meth:`unregister_buffer`. A :class:`DeviceBuffer` (GPU memory) is
+        registered as such, for :meth:`read_device`."""
         if self.config.data_path == "http":
             return False
-        view = _view(buf)
+        view = buf if isinstance(buf, DeviceBuffer) else _view(buf)
         if self._nixl is None:
             self._pending_buffers.append(view)
             return True
         return self._nixl.path.register(view) or True
 
-    def unregister_buffer(self, buf: Buffer) -> bool:
-        view = _view(buf)
+    def unregister_buffer(self, buf: Buffer | DeviceBuffer) -> bool:
+        view = buf if isinstance(buf, DeviceBuffer) else _view(buf)
         self._pending_buffers = [v for v in self._pending_buffers if v is not view]
         return self._nixl.path.unregister(view) if self._nixl is not None else False
 
@@ -338,6 +340,59 @@ class PrefixClient:
         if batch:
             await self._read_batch(items, views, batch, done)
         return done
+
+    @property
+    def reads_device(self) -> bool:
+        """Whether :meth:`read_device` may deliver anything: False on the HTTP path (configured,
+        or NIXL found unusable for good), so callers skip straight to host reads."""
+        return self.config.data_path != "http" and self._nixl_off is None
+
+    async def read_device(self, items: Sequence[GetItem], outs: Sequence[DeviceBuffer]) -> list[int]:
+        """READ payloads over NIXL straight into device memory (a GPU staging region).
+
+        Per item: bytes written and proven, or -1 for anything not delivered -- a miss, a failed
+        or unproven transfer, a payload the store serves over HTTP only, or no NIXL path at all
+        (the HTTP path cannot write device memory). Read the -1 items again with :meth:`read`
+        into host memory to tell a miss from those. The bytes of a -1 item's buffer are
+        undefined: zero them before anything else reads them (client/device.py says why, and
+        how delivered bytes are proven without hashing them)."""
+        if len(items) != len(outs):
+            raise ValueError("read_device: one output buffer per item")
+        if not all(isinstance(o, DeviceBuffer) for o in outs):
+            raise TypeError("read_device: outputs must be DeviceBuffer (DeviceBuffer.of(tensor))")
+        done: list[int] = [-1] * len(items)
+        batch: list[int] = []
+        budget = 0
+        for i, o in enumerate(outs):
+            if batch and (budget + o.nbytes > self.config.max_get_bytes or len(batch) >= self.config.max_items):
+                await self._read_device_batch(items, outs, batch, done)
+                batch, budget = [], 0
+            batch.append(i)
+            budget += o.nbytes
+        if batch:
+            await self._read_device_batch(items, outs, batch, done)
+        return done
+
+    async def _read_device_batch(self, items: Sequence[GetItem], outs: Sequence[DeviceBuffer], batch: list[int],
+                                 done: list[int]) -> None:
+        channel = await self._nixl_ready() if self.reads_device else None
+        if channel is None:
+            return
+        try:
+            got = await channel.read(self._call, self.namespace.id, [items[i] for i in batch],
+                                     [outs[i] for i in batch], self.config.verify_checksums, self.config.timeout_s)
+        except StoreUnavailable as err:
+            if _nixl_refused(err):
+                self._nixl_disable(f"the store stopped serving NIXL: {err}", permanent=True)
+            else:
+                self._fail("read", err)
+            return
+        for i, size in zip(batch, got.sizes):
+            done[i] = size
+        self.path_bytes["nixl"] += got.nixl_bytes
+        self._nixl_problems(got.problems)
+        if any(kind == "nixl" for kind, _ in got.problems):
+            self._use_path("http", "a NIXL transfer failed; HTTP until the agent is reloaded")
 
     def _bulk(self) -> BulkPool:
         if self._pool is None or self._pool.closed:

@@ -45,8 +45,9 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -59,6 +60,7 @@ from ..protocol.probe import LevelAnswer, LookupReport, ProbeAnswer, ProbeLevel,
 from ..protocol.wire import WANT, EntryRef, GetItem, ItemResult, ItemSpec, WireError
 from .client import Buffer, PrefixClient, StoreUnavailable, _view
 from .config import ClientConfig
+from .device import DeviceBuffer
 from .prompt import Prompt
 from .results import LookupResult, SaveResult
 
@@ -69,6 +71,9 @@ MAX_KNOWN_KEYS = 1 << 18
 REPLICA_TTL_S = 5.0
 """How long a replica set learned from an answer is used to spread probes and reads."""
 MAX_FOLLOW_UPS = 3
+
+Reader = Callable[[PrefixClient, list[GetItem], list[Any]], Awaitable[list[int]]]
+"""PrefixClient.read or PrefixClient.read_device, as one node's client runs it."""
 
 
 @dataclass(slots=True)
@@ -101,7 +106,7 @@ class ClusterClient(PrefixClient):
         self._level_of: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # container key -> level key
         self._leases: dict[bytes, tuple[float, list[tuple[str, bytes]]]] = {}
         self._background: set[asyncio.Task[None]] = set()
-        self._buffers: list[Buffer] = []  # staging buffers registered by the engine (NIXL)
+        self._buffers: list[Buffer | DeviceBuffer] = []  # staging buffers registered by the engine (NIXL)
 
     # ------------------------------------------------------------ failures: own plus every node's
 
@@ -136,7 +141,7 @@ class ClusterClient(PrefixClient):
         paths = {node.client.data_path for node in self._nodes.values()}
         return "nixl" if "nixl" in paths else "http" if "http" in paths else "undecided"
 
-    def register_buffer(self, buf: Buffer) -> bool:
+    def register_buffer(self, buf: Buffer | DeviceBuffer) -> bool:
         """Register a staging buffer with every node's data path, now and for nodes met later."""
         if self.config.data_path == "http":
             return False
@@ -145,7 +150,7 @@ class ClusterClient(PrefixClient):
             node.client.register_buffer(buf)
         return True
 
-    def unregister_buffer(self, buf: Buffer) -> bool:
+    def unregister_buffer(self, buf: Buffer | DeviceBuffer) -> bool:
         self._buffers = [b for b in self._buffers if b is not buf]
         return any([node.client.unregister_buffer(buf) for node in self._nodes.values()])
 
@@ -446,6 +451,22 @@ class ClusterClient(PrefixClient):
         views = [_view(o) for o in outs]
         if any(v.readonly for v in views):
             raise ValueError("read: output buffers must be writable")
+        return await self._read_routed(items, views, PrefixClient.read)
+
+    @property
+    def reads_device(self) -> bool:
+        return self.config.data_path != "http" and (not self._nodes or any(
+            node.client.reads_device for node in self._nodes.values()))
+
+    async def read_device(self, items: Sequence[GetItem], outs: Sequence[DeviceBuffer]) -> list[int]:
+        """:meth:`PrefixClient.read_device` from the holders of each entry, routed as :meth:`read`."""
+        if len(items) != len(outs):
+            raise ValueError("read_device: one output buffer per item")
+        if not all(isinstance(o, DeviceBuffer) for o in outs):
+            raise TypeError("read_device: outputs must be DeviceBuffer (DeviceBuffer.of(tensor))")
+        return await self._read_routed(items, outs, PrefixClient.read_device)
+
+    async def _read_routed(self, items: Sequence[GetItem], views: Sequence[Any], reader: Reader) -> list[int]:
         done = [-1] * len(items)
         now = time.monotonic()
         plan: dict[str, list[int]] = collections.defaultdict(list)
@@ -457,7 +478,7 @@ class ClusterClient(PrefixClient):
             url = self._pick([home, *self._replicas_of(item.key, now)], now)
             if url is not None:
                 plan[url].append(i)
-        await self._read_from(plan, items, views, done)
+        await self._read_from(plan, items, views, done, reader)
         retry: dict[str, list[int]] = collections.defaultdict(list)
         now = time.monotonic()
         for url, idx in plan.items():
@@ -466,18 +487,18 @@ class ClusterClient(PrefixClient):
                 if done[i] < 0 and home is not None and home != url and self._usable(home, now):
                     retry[home].append(i)
         if retry:
-            await self._read_from(retry, items, views, done)
+            await self._read_from(retry, items, views, done, reader)
         return done
 
-    async def _read_from(self, plan: Mapping[str, list[int]], items: Sequence[GetItem], views: list[memoryview],
-                         done: list[int]) -> None:
+    async def _read_from(self, plan: Mapping[str, list[int]], items: Sequence[GetItem], views: Sequence[Any],
+                         done: list[int], reader: Reader) -> None:
         async def one(url: str, idx: list[int]) -> None:
             node = self._node(url)
             before = sum(node.client.failures.values())
             node.inflight += 1
             started = time.monotonic()
             try:
-                got = await node.client.read([items[i] for i in idx], [views[i] for i in idx])
+                got = await reader(node.client, [items[i] for i in idx], [views[i] for i in idx])
             finally:
                 node.inflight -= 1
             if sum(node.client.failures.values()) > before and all(g < 0 for g in got):

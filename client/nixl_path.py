@@ -37,6 +37,7 @@ import xxhash
 from ..protocol.keys import make_entry_key
 from ..protocol.nixl_agent import NixlUnavailable, make_agent
 from ..protocol.wire import STATUS_OK, STATUS_PENDING, GetItem, ItemResult, ItemSpec
+from .device import DeviceBuffer
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,28 @@ class TransferFailed(RuntimeError):
     """A READ or WRITE did not complete (error, remote gone, deadline)."""
 
 
-def address_of(view: memoryview) -> int:
+Dest = memoryview | DeviceBuffer
+"""Where a READ lands: host bytes (verified by xxh3 here) or a :class:`DeviceBuffer` (GPU
+memory, proven by the lease; client/device.py)."""
+
+
+def address_of(view: memoryview | DeviceBuffer) -> int:
     """The address of a buffer's first byte (read-only buffers too: they are WRITE sources).
     ctypes first: a fifth of numpy's cost, which counts at a thousand payloads a batch."""
+    if isinstance(view, DeviceBuffer):
+        return view.address
     if view.nbytes and not view.readonly:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def memory_of(views: Sequence[Dest]) -> tuple[str, int]:
+    """The NIXL memory type and device of one transfer's local buffers, which must all agree:
+    one transfer has one local descriptor list of one memory type."""
+    kinds = {(v.memory, v.device) if isinstance(v, DeviceBuffer) else ("DRAM", 0) for v in views}
+    if len(kinds) > 1:
+        raise ValueError(f"one transfer's buffers must share a memory type and device, got {sorted(kinds)}")
+    return kinds.pop() if kinds else ("DRAM", 0)
 
 
 @dataclass(slots=True)
@@ -60,9 +77,11 @@ class _Region:
     start: int
     end: int
     handle: Any
+    memory: str = "DRAM"
+    device: int = 0
 
 
-def descriptor_lists(raws: Sequence[object], sizes: Sequence[int], addrs: Sequence[int]
+def descriptor_lists(raws: Sequence[object], sizes: Sequence[int], addrs: Sequence[int], device: int = 0
                      ) -> tuple[np.ndarray, np.ndarray]:
     """The two Nx3 (address, length, device) lists of one transfer, built in a few numpy ops.
 
@@ -73,7 +92,9 @@ def descriptor_lists(raws: Sequence[object], sizes: Sequence[int], addrs: Sequen
         remote: | a0 len 40K | a7 len 24K | b3 len 64K |      (payload 0 in two runs, payload 1 in one)
         local:  | x  len 40K | x+40K 24K  | y  len 64K |
 
-    Raises ValueError naming the payload whose descriptors are malformed."""
+    The local list's third column is ``device`` (the CUDA device of GPU buffers), the remote's
+    is 0 (the store's arena is host memory). Raises ValueError naming the payload whose
+    descriptors are malformed."""
     counts = np.empty(len(raws), dtype=np.int64)
     for i, raw in enumerate(raws):
         if not isinstance(raw, bytes) or not raw or len(raw) % 16:
@@ -92,7 +113,8 @@ def descriptor_lists(raws: Sequence[object], sizes: Sequence[int], addrs: Sequen
     item = np.repeat(np.arange(len(raws)), counts)
     local_addr = np.asarray(addrs, dtype=np.uint64)[item] + (before - before[first][item])
     zeros = np.zeros(len(lengths), dtype=np.uint64)
-    return (np.column_stack([local_addr, lengths, zeros]).astype(np.uint64),
+    devices = np.full(len(lengths), device, dtype=np.uint64)
+    return (np.column_stack([local_addr, lengths, devices]).astype(np.uint64),
             np.column_stack([runs[:, 0], lengths, zeros]).astype(np.uint64))
 
 
@@ -102,17 +124,22 @@ class NixlPath:
     def __init__(self) -> None:
         self.agent, self.name = make_agent(f"prefixstore-client-{os.getpid()}")
         self.remote: str | None = None  # the store agent's name, once its metadata is loaded
+        self.remote_gen = 0  # the generation of that metadata (/v1/nixl/metadata's meta_gen)
         self._regions: list[_Region] = []  # registered until close() or unregister()
         self.closed = False
 
     # ------------------------------------------------------------ the store's agent
 
-    def knows(self, agent_name: str) -> bool:
-        return self.remote is not None and self.remote == agent_name
+    def knows(self, agent_name: str, meta_gen: object = None) -> bool:
+        """Whether the loaded metadata is that of agent ``agent_name`` and, when the answer gave
+        one, of metadata generation ``meta_gen`` (the store bumps it when LMDB's map moves)."""
+        return self.remote is not None and self.remote == agent_name and \
+            (not isinstance(meta_gen, int) or meta_gen == self.remote_gen)
 
-    def connect(self, agent_name: str, metadata: bytes) -> None:
-        """Load the store agent's metadata (replacing an earlier incarnation's)."""
+    def connect(self, agent_name: str, metadata: bytes, meta_gen: int = 0) -> None:
+        """Load the store agent's metadata (replacing an earlier incarnation's or generation's)."""
         self.forget()
+        self.remote_gen = meta_gen
         try:
             loaded = self.agent.add_remote_agent(metadata)
         except Exception as err:  # nixl's errors derive from Exception only
@@ -133,24 +160,28 @@ class NixlPath:
 
     # ------------------------------------------------------------ registration
 
-    def register(self, view: memoryview) -> bool:
-        """Register a buffer until :meth:`unregister` or :meth:`close`; False if it already is."""
+    def register(self, view: memoryview | DeviceBuffer) -> bool:
+        """Register a buffer until :meth:`unregister` or :meth:`close`; False if it already is.
+        Host memory registers as ``DRAM``, a :class:`DeviceBuffer` as its own memory type."""
         start = address_of(view)
         end = start + view.nbytes
-        if view.nbytes == 0 or self._covered(start, end):
+        memory, device = memory_of([view])
+        if view.nbytes == 0 or self._covered(start, end, memory, device):
             return False
         try:
-            handle = self.agent.register_memory([(start, view.nbytes, 0, "")], "DRAM")
+            handle = self.agent.register_memory([(start, view.nbytes, device, "")], memory)
         except Exception as err:  # then each call registers it for itself, or fails over to HTTP
-            log.warning("NIXL: registering a %d-byte buffer failed: %s: %s", view.nbytes, type(err).__name__, err)
+            log.warning("NIXL: registering a %d-byte %s buffer failed: %s: %s", view.nbytes, memory,
+                        type(err).__name__, err)
             return False
-        self._regions.append(_Region(start, end, handle))
+        self._regions.append(_Region(start, end, handle, memory, device))
         return True
 
-    def unregister(self, view: memoryview) -> bool:
+    def unregister(self, view: memoryview | DeviceBuffer) -> bool:
         start = address_of(view)
+        memory, device = memory_of([view])
         for i, r in enumerate(self._regions):
-            if r.start == start and r.end == start + view.nbytes:
+            if r.start == start and r.end == start + view.nbytes and (r.memory, r.device) == (memory, device):
                 del self._regions[i]
                 try:
                     self.agent.deregister_memory(r.handle)
@@ -159,12 +190,14 @@ class NixlPath:
                 return True
         return False
 
-    def _covered(self, start: int, end: int) -> bool:
-        return any(r.start <= start and end <= r.end for r in self._regions)
+    def _covered(self, start: int, end: int, memory: str = "DRAM", device: int = 0) -> bool:
+        return any(r.start <= start and end <= r.end and r.memory == memory and r.device == device
+                   for r in self._regions)
 
-    def _register_for_call(self, spans: Sequence[tuple[int, int]]) -> list[Any]:
+    def _register_for_call(self, spans: Sequence[tuple[int, int]], memory: str = "DRAM", device: int = 0
+                           ) -> list[Any]:
         """Registrations for the spans no registered region covers, merged into contiguous runs."""
-        todo = sorted((a, a + n) for a, n in spans if n and not self._covered(a, a + n))
+        todo = sorted((a, a + n) for a, n in spans if n and not self._covered(a, a + n, memory, device))
         merged: list[list[int]] = []
         for a, b in todo:
             if merged and a <= merged[-1][1]:
@@ -174,7 +207,7 @@ class NixlPath:
         made: list[Any] = []
         try:
             for a, b in merged:
-                made.append(self.agent.register_memory([(a, b - a, 0, "")], "DRAM"))
+                made.append(self.agent.register_memory([(a, b - a, device, "")], memory))
         except BaseException:
             for reg in made:
                 self.agent.deregister_memory(reg)
@@ -184,8 +217,11 @@ class NixlPath:
     # ------------------------------------------------------------ transfers
 
     async def transfer(self, op: str, local: np.ndarray, remote: np.ndarray,
-                       spans: Sequence[tuple[int, int]], timeout_s: float) -> None:
+                       spans: Sequence[tuple[int, int]], timeout_s: float, memory: str = "DRAM",
+                       device: int = 0) -> None:
         """One READ (remote -> local) or WRITE (local -> remote) of matching Nx3 descriptor lists.
+        ``memory``/``device``: where the local side lives (``VRAM``: GPU memory of that device);
+        the remote side is always the store's host memory.
 
         Polls the transfer from the event loop, yielding between polls (the store's target, when
         it runs in this loop, progresses in between). Raises :class:`TransferFailed`."""
@@ -194,14 +230,14 @@ class NixlPath:
         if not len(local):
             return
         try:
-            temporary = self._register_for_call(spans)
+            temporary = self._register_for_call(spans, memory, device)
         except Exception as err:
             raise TransferFailed(f"registering the call's buffers: {type(err).__name__}: {err}") from err
         handle = None
         settled = True  # False while a transfer may still touch the buffers
         try:
             try:
-                handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(local, "DRAM"),
+                handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(local, memory),
                                                     self.agent.get_xfer_descs(remote, "DRAM"), self.remote, b"")
                 state = self.agent.transfer(handle)
                 deadline = time.monotonic() + timeout_s
@@ -245,6 +281,13 @@ class NixlPath:
 
 # ---------------------------------------------------------------- the protocol over the store's HTTP plane
 
+
+def _zero(view: Dest, size: int) -> None:
+    """Zero a payload this side failed to deliver; device memory is left to the caller, which
+    cannot use bytes reported as not delivered anyway (client/device.py)."""
+    if isinstance(view, memoryview):
+        view[:size] = bytes(size)
+
 Call = Callable[[str, dict[str, object]], Awaitable[dict[str, object]]]
 """PrefixClient._call: POST a control frame to the store, return the answer's header (raises the
 client's StoreUnavailable, which the client handles)."""
@@ -252,12 +295,15 @@ client's StoreUnavailable, which the client handles)."""
 STATUS_HTTP = "http"  # a /v1/nixl/get item the store serves over HTTP only (not in its arena)
 
 
-async def fetch_metadata(call: Call) -> tuple[str, bytes]:
-    """The store agent's name and metadata, over the store's authenticated HTTP plane."""
+async def fetch_metadata(call: Call, gen: list[int] | None = None) -> tuple[str, bytes]:
+    """The store agent's name and metadata, over the store's authenticated HTTP plane; appends
+    the metadata's generation (``meta_gen``, 0 from a store that sends none) to ``gen``."""
     answer = await call("/v1/nixl/metadata", {})
-    agent, metadata = answer.get("agent"), answer.get("metadata")
-    if not isinstance(agent, str) or not isinstance(metadata, bytes):
-        raise TransferFailed("/v1/nixl/metadata: expected {agent: str, metadata: bin}")
+    agent, metadata, meta_gen = answer.get("agent"), answer.get("metadata"), answer.get("meta_gen", 0)
+    if not isinstance(agent, str) or not isinstance(metadata, bytes) or not isinstance(meta_gen, int):
+        raise TransferFailed("/v1/nixl/metadata: expected {agent: str, metadata: bin, meta_gen: int}")
+    if gen is not None:
+        gen.append(meta_gen)
     return agent, metadata
 
 
@@ -281,25 +327,34 @@ class NixlChannel:
 
     async def connect(self, call: Call) -> None:
         """Fetch the store agent's metadata over the HTTP plane and load it."""
-        self.path.connect(*await fetch_metadata(call))  # call: PrefixClient._post (no namespace needed)
+        gen: list[int] = []
+        agent, metadata = await fetch_metadata(call, gen)  # call: PrefixClient._post (no namespace needed)
+        self.path.connect(agent, metadata, gen[0])
 
-    async def _same_store(self, call: Call, agent: object) -> None:
-        """The answer came from agent ``agent``; load its metadata if it is another incarnation."""
+    async def _same_store(self, call: Call, agent: object, meta_gen: object = None) -> None:
+        """The answer came from agent ``agent`` with metadata generation ``meta_gen``; load its
+        metadata if it is another incarnation, or the same one whose registrations changed
+        (LMDB's map moved: the metadata loaded earlier does not describe the new map)."""
         if not isinstance(agent, str):
             raise TransferFailed("answer names no agent")
-        if not self.path.knows(agent):
-            await self.connect(call)  # the store restarted (new agent) or this is the first call
+        if not self.path.knows(agent, meta_gen):
+            await self.connect(call)  # the store restarted (new agent), its map moved, or this is the first call
             if not self.path.knows(agent):
                 raise TransferFailed(f"the store's agent changed again (now {self.path.remote}, answered {agent})")
 
-    async def read(self, call: Call, ns_id: bytes, items: Sequence[GetItem], views: Sequence[memoryview],
+    async def read(self, call: Call, ns_id: bytes, items: Sequence[GetItem], views: Sequence[Dest],
                    verify: bool, timeout_s: float) -> ReadOutcome:
         """One batch: descriptors under a lease, one READ into ``views``, verify, release.
 
-        A payload is counted only once its bytes are verified (its xxh3, when ``verify``) and the
-        lease is known to have held or the xxh3 proves the bytes; a payload that fails is zeroed,
-        so no mixed bytes are ever left looking like a result."""
+        A payload is counted only once its bytes are proven: by its xxh3 (host buffers, when
+        ``verify``) or by the lease having held until after the READ (buffers that cannot be
+        hashed here: :class:`DeviceBuffer`, or ``verify`` off). A host payload that fails is
+        zeroed, so no mixed bytes are ever left looking like a result; a device payload that
+        fails is reported -1 and left to the caller to zero (client/device.py)."""
         out = ReadOutcome(sizes=[-1] * len(items))
+        memory, device = memory_of(views)
+        on_device = any(isinstance(v, DeviceBuffer) for v in views)
+        hashed = verify and not on_device
         answer = await call("/v1/nixl/get", {"ns": ns_id, "items": [it.to_wire() for it in items]})
         lease = answer.get("lease")
         raw = answer.get("items")
@@ -327,22 +382,24 @@ class NixlChannel:
                 try:
                     sizes = [size for _, size, _ in ok]
                     addrs = [address_of(views[i]) for i, _, _ in ok]
-                    local, remote = descriptor_lists(descs, sizes, addrs)
+                    local, remote = descriptor_lists(descs, sizes, addrs, device)
                 except ValueError as err:
                     raise TransferFailed(f"/v1/nixl/get: items{err}") from err
                 await self._same_store(call, answer.get("agent"))
                 try:
-                    await self.path.transfer("READ", local, remote, list(zip(addrs, sizes)), timeout_s)
+                    await self.path.transfer("READ", local, remote, list(zip(addrs, sizes)), timeout_s,
+                                             memory, device)
                 except TransferFailed as err:
                     for i, size, _ in ok:
-                        views[i][:size] = bytes(size)
+                        _zero(views[i], size)
                     out.problems.append(("nixl", str(err)))
                     out.http.extend(i for i, _, _ in ok)  # the HTTP path tries them again
                     self.path.forget()  # reload the metadata next time: the store may have restarted
                     ok = []
             for i, size, checksum in ok:
-                if verify and xxhash.xxh3_64_intdigest(views[i][:size]) != checksum:
-                    views[i][:size] = bytes(size)
+                view = views[i]
+                if hashed and isinstance(view, memoryview) and xxhash.xxh3_64_intdigest(view[:size]) != checksum:
+                    view[:size] = bytes(size)
                     out.problems.append(("checksum", f"items[{i}]: NIXL READ does not match its checksum "
                                                      "(its lease expired mid-transfer?); zeroed"))
                 else:
@@ -358,11 +415,11 @@ class NixlChannel:
                     held = bool((await call("/v1/release", {"lease": lease})).get("released"))
                 except Exception as err:  # the store is gone: the READ's bytes stand on their checksums
                     out.problems.append(("release", f"{type(err).__name__}: {err}"))
-        if not verify and not held:
+        if not hashed and not held:
             # Without checksums only a lease that held until after the READ proves the bytes.
             for i, size, _ in ok:
                 if out.sizes[i] >= 0:
-                    views[i][:size] = bytes(size)
+                    _zero(views[i], size)
                     out.sizes[i] = -1
                     out.problems.append(("read", f"items[{i}]: the lease expired before the READ was confirmed"))
         out.nixl_bytes = sum(s for s in out.sizes if s > 0)
@@ -425,5 +482,5 @@ class NixlChannel:
         return results, problems, written
 
 
-__all__ = ["NixlChannel", "NixlPath", "NixlUnavailable", "ReadOutcome", "TransferFailed", "address_of",
-           "descriptor_lists", "fetch_metadata"]
+__all__ = ["Dest", "NixlChannel", "NixlPath", "NixlUnavailable", "ReadOutcome", "TransferFailed", "address_of",
+           "descriptor_lists", "fetch_metadata", "memory_of"]

@@ -128,8 +128,7 @@ class LayerwiseLoad:
         if item is None:
             raise LoadFailed("the lookup named no snapshot")
         [slot] = self.staging.carve([self.state.num_bytes])
-        got = await self.client.read([item], [self.staging.host_view(slot)])
-        if not self.staging.land([slot], got)[0]:
+        if not (await self.staging.receive(self.client, [item], [slot]))[0]:
             raise LoadFailed(f"snapshot at {self.lookup.state_tokens} could not be read")
         self.state.load_payload_(self.staging.region[slot.offset : slot.end])
         self.loaded_bytes += slot.nbytes
@@ -148,8 +147,7 @@ class LayerwiseLoad:
         cache = self.seq.cache
         for batch in self.staging.rounds(sizes):
             slots = self.staging.carve([sizes[i] for i in batch])
-            got = await self.client.read([reads[i][0] for i in batch], [self.staging.host_view(s) for s in slots])
-            filled = self.staging.land(slots, got)
+            filled = await self.staging.receive(self.client, [reads[i][0] for i in batch], slots)
             if not all(filled):
                 raise LoadFailed(f"KV layer {kv_layer}: {filled.count(False)} of {len(filled)} payloads "
                                  "could not be read")

@@ -17,6 +17,12 @@ request A can reach request B (DESIGN §9).
 Memory: on a machine with a GPU the region is device memory (what a NIXL
 agent registers and one-sided READs land in) plus a pinned host mirror that
 the HTTP path fills; on CPU machines the host region is the region.
+
+A load round on a GPU (:meth:`StagingBuffer.receive`)::
+
+    NIXL READ -> device slots            (no host copy; proven by the lease, client/device.py)
+    what it did not deliver -> host slots (HTTP or NIXL) -> copied up, slot by slot
+    what nothing delivered  -> zeroed on the host and on the device
 """
 
 from __future__ import annotations
@@ -29,8 +35,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..client.device import DeviceBuffer
+
 if TYPE_CHECKING:
     from ..client.client import PrefixClient
+    from ..protocol.wire import GetItem
 
 class StagingFull(ValueError):
     """A round asked for more bytes than the region holds; the message names the knob."""
@@ -66,17 +75,20 @@ class StagingBuffer:
         """Bytes zeroed by :meth:`land` so far (a transfer that did not cover its slot)."""
         self._registered_with: set[int] = set()
 
-    def register_with(self, client: PrefixClient) -> bool:
-        """Register the host region with ``client``'s NIXL agent, once per client, so every NIXL
-        READ of a load lands in it without a per-call registration (a no-op on the HTTP path).
+    @property
+    def on_gpu(self) -> bool:
+        return self.region is not self.host
 
-        It is the host region because the client reads into and sends from host views
-        (:meth:`host_view`); on a GPU machine the device region is the better target (one READ
-        straight into device memory, no host copy in :meth:`land`), which needs the client to
-        accept device buffers -- not built yet, see docs/nixl.md."""
+    def register_with(self, client: PrefixClient) -> bool:
+        """Register the regions with ``client``'s NIXL agent, once per client, so no READ of a
+        load needs a per-call registration (a no-op on the HTTP path): the device region, which
+        NIXL READs land in (:meth:`receive`), and the host region, which saves send from and
+        reads the device path did not deliver land in."""
         if id(client) in self._registered_with:
             return False
         self._registered_with.add(id(client))
+        if self.on_gpu:
+            client.register_buffer(DeviceBuffer.of(self.region))
         return client.register_buffer(self.host.numpy())
 
     # ------------------------------------------------------------ carving
@@ -117,32 +129,73 @@ class StagingBuffer:
         """The slot's host bytes as a numpy array (what the client reads into or sends)."""
         return self.host[slot.offset : slot.end].numpy()
 
+    def device_buffer(self, slot: Slot) -> DeviceBuffer:
+        """The slot's device bytes, as a NIXL READ destination (GPU regions only)."""
+        if not self.on_gpu:
+            raise ValueError("device_buffer: this staging region lives in host memory")
+        return DeviceBuffer.of(self.region).slice(slot.offset, slot.nbytes)
+
     def rows(self, first: Slot, last: Slot, row_elems: int, dtype: torch.dtype) -> Tensor:
         """Slots first..last (back to back) as a device tensor of rows of ``row_elems`` elements."""
         return self.region[first.offset : last.end].view(dtype).view(-1, row_elems)
 
     # ------------------------------------------------------------ transfers
 
-    def land(self, slots: Sequence[Slot], received: Sequence[int]) -> list[bool]:
-        """Finish a round into the host region: zero what the transfer did not cover, then make the
-        round visible on the device. ``received[i]`` is the bytes written into slot i (-1: none).
+    async def receive(self, client: PrefixClient, items: Sequence[GetItem], slots: Sequence[Slot]) -> list[bool]:
+        """Read one round (item i into slot i) and :meth:`land` it; per slot, whether it was filled.
+
+        On a GPU region the client first READs over NIXL straight into the device slots
+        (``read_device``); whatever that did not deliver -- no NIXL path, a payload the store
+        serves over HTTP, a failed or unproven transfer -- is read into the host slots and copied
+        up. Either way a slot nothing filled is zero on both sides afterwards."""
+        if len(items) != len(slots):
+            raise ValueError("receive: one slot per item")
+        received = [-1] * len(slots)
+        on_device = [False] * len(slots)
+        if self.on_gpu and client.reads_device:
+            got = await client.read_device(items, [self.device_buffer(s) for s in slots])
+            for i, size in enumerate(got):
+                if size >= 0:
+                    received[i], on_device[i] = size, True
+        rest = [i for i, size in enumerate(received) if size < 0]
+        if rest:
+            got = await client.read([items[i] for i in rest], [self.host_view(slots[i]) for i in rest])
+            for i, size in zip(rest, got):
+                received[i] = size
+        return self.land(slots, received, on_device)
+
+    def land(self, slots: Sequence[Slot], received: Sequence[int], on_device: Sequence[bool] | None = None
+             ) -> list[bool]:
+        """Finish a round: zero what the transfer did not cover, then make the round visible on
+        the device. ``received[i]`` is the bytes written into slot i (-1: none); ``on_device[i]``
+        says they were written straight into the device region (default: into the host region).
 
         Returns, per slot, whether the transfer filled it exactly. A slot
-        that was not filled is all zeros afterwards: partly written bytes are
-        not trusted either (a payload that failed its checksum was written
-        before it was checked)."""
+        that was not filled is all zeros afterwards, on the host and on the
+        device: partly written bytes are not trusted either (a payload that
+        failed its checksum was written before it was checked, and a READ
+        into device memory that was not proven may have landed in part)."""
         if len(slots) != len(received):
             raise ValueError("land: one received count per slot")
+        device_side = list(on_device) if on_device is not None else [False] * len(slots)
+        if len(device_side) != len(slots):
+            raise ValueError("land: one on_device flag per slot")
         full: list[bool] = []
         for slot, got in zip(slots, received):
             ok = got == slot.nbytes
             if not ok:
                 self._zero(slot.offset, slot.end)
             full.append(ok)
-        if slots and self.region is not self.host:
+        if not slots or not self.on_gpu:
+            return full
+        if not any(device_side):
             span = slice(slots[0].offset, slots[-1].end)
             # Blocking: the next round overwrites the host bytes this copy reads.
             self.region[span].copy_(self.host[span])
+            return full
+        for slot, ok, direct in zip(slots, full, device_side):
+            if not direct or not ok:  # host-delivered, or failed: the host slot (zeroed if failed) goes up
+                self.region[slot.offset : slot.end].copy_(self.host[slot.offset : slot.end])
         return full
 
     def to_host(self, slots: Sequence[Slot]) -> None:

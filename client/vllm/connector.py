@@ -780,9 +780,8 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
         sizes = [n * self._kv.layer_token_bytes for n in payload_tokens]
         for batch in self._staging.rounds(sizes):
             slots = self._staging.carve([sizes[i] for i in batch])
-            got = await self._worker_client.read([reads[i][0] for i in batch],
-                                                 [self._staging.host_view(s) for s in slots])
-            filled = self._staging.land(slots, got)  # zeroes whatever the transfer did not cover
+            # NIXL READs land in the device slots; the rest through the host. Zeroes what nothing covered.
+            filled = await self._staging.receive(self._worker_client, [reads[i][0] for i in batch], slots)
             if not all(filled):
                 raise _LoadFailed(f"KV layer {layer}: {filled.count(False)} of {len(filled)} payloads missing")
             for i, slot in zip(batch, slots):
@@ -800,8 +799,7 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if plan.state_index < 0 or any(plan.block_ids[g][plan.state_index] == 0 for g, _, _ in self.groups.mamba):
             raise _LoadFailed("no state block allocated at the boundary")
         [slot] = self._staging.carve([self._kv.snapshot_bytes])
-        got = await self._worker_client.read([item], [self._staging.host_view(slot)])
-        if not self._staging.land([slot], got)[0]:
+        if not (await self._staging.receive(self._worker_client, [item], [slot]))[0]:
             raise _LoadFailed(f"snapshot at {plan.end} could not be read")
         self._kv.scatter_state(self._staging.region[slot.offset : slot.end], plan.block_ids, plan.state_index)
         self._count("loaded_bytes", slot.nbytes)

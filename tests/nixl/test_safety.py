@@ -4,52 +4,19 @@ mid-transfer, corrupt WRITEs, staging zeroing, fallback to HTTP, authentication,
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestServer
 
 import prefixstore.protocol.nixl_agent as nixl_agent
 from prefixstore.client import ClientConfig, PrefixClient
-from prefixstore.store import STORE, Store, StoreConfig, create_app
 
 from ..security.helpers import TOKENS, raw_post, write_tenants
-from .conftest import NEEDS_NIXL
+from .conftest import NEEDS_NIXL, Clock, Start
 from .helpers import block_reads, interleave_after, namespace, read, save, tokens
 
 pytestmark = NEEDS_NIXL
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-Start = Callable[..., Awaitable[tuple[str, Store]]]
-
-
-@pytest.fixture
-async def start(tmp_path: Path) -> AsyncIterator[Start]:
-    servers: list[TestServer] = []
-
-    async def go(clock: Clock | None = None, **knobs: object) -> tuple[str, Store]:
-        values: dict[str, object] = dict(port=0, data_dir="none", ram_bytes=256 << 10, page_bytes=4096,
-                                         lease_ttl_s=5.0, nixl="on")
-        values.update(knobs)
-        config = StoreConfig(**values)  # type: ignore[arg-type]
-        server = TestServer(create_app(config, clock or Clock()), host="127.0.0.1")
-        await server.start_server()
-        servers.append(server)
-        return str(server.make_url("")).rstrip("/"), server.app[STORE]
-
-    yield go
-    for s in servers:
-        await s.close()
 
 
 @pytest.mark.parametrize("verify", [True, False])
