@@ -17,8 +17,9 @@ raw READ -> host  the same into host memory (the CPU benchmark's baseline)
 ================  ======================================================================
 
 Then the full load of a ``--prefix-tokens`` prefix into a GPU staging region
-(``StagingBuffer.receive``: lookup, READ into the device slots, release) over NIXL and over HTTP
-(read into the pinned host mirror, copied up), in milliseconds. Every path's bytes are checked
+(``StagingBuffer.receive``: lookup, reads, release) three ways: NIXL READs into the device slots
+(``device_reads=True``), NIXL READs into the pinned host mirror plus one copy up (the default),
+and HTTP into the mirror plus the copy, in milliseconds. Every path's bytes are checked
 against what was stored before timing starts. Writes nixl_gpu.json and nixl_gpu.png to --out.
 """
 
@@ -62,7 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-tokens", type=int, default=131_072,
                    help=f"Tokens of the prefix whose load into GPU staging is timed (4 KiB a token, blocks of "
                         f"{NT.PREFIX_BLOCK_TOKENS}); 8,192 with --quick; 0 skips it. Default: 131072.")
-    p.add_argument("--device", type=int, default=0, help="CUDA device index. Default: 0.")
+    p.add_argument("--device", default="0",
+                   help="CUDA device index, or 'cpu': host memory stands in for GPU memory (the same calls, "
+                        "DeviceBuffer(memory='DRAM'); checks the script on machines without a GPU, figures "
+                        "meaningless). Default: 0.")
     H.add_common_args(p, reps="9 (2 with --quick)", warmup="1")
     args = p.parse_args(argv)
     if args.quick:
@@ -75,14 +79,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--payload-sizes: {size} must be a multiple of 8KiB dividing --batch-bytes={args.batch_bytes}")
     if args.prefix_tokens % NT.PREFIX_BLOCK_TOKENS:
         p.error(f"--prefix-tokens: must be a multiple of {NT.PREFIX_BLOCK_TOKENS}")
+    if args.device != "cpu" and not args.device.isdigit():
+        p.error(f"--device: a CUDA device index or 'cpu', got {args.device!r}")
     return args
+
+
+class Device:
+    """The GPU under test, or host memory standing in for it (--device cpu)."""
+
+    def __init__(self, arg: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.cuda = arg != "cpu"
+        self.index = int(arg) if self.cuda else None
+        self.dev = torch.device(f"cuda:{arg}" if self.cuda else "cpu")
+
+    def buffer(self, tensor) -> DeviceBuffer:  # type: ignore[no-untyped-def]
+        if self.cuda:
+            return DeviceBuffer.of(tensor)
+        return DeviceBuffer(int(tensor.data_ptr()), tensor.numel() * tensor.element_size(), memory="DRAM")
+
+    def host(self, nbytes: int):  # type: ignore[no-untyped-def]
+        return self.torch.zeros(nbytes, dtype=self.torch.uint8, pin_memory=self.cuda)
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.dev)
+
+    def name(self) -> str:
+        return self.torch.cuda.get_device_name(self.dev) if self.cuda else "cpu (host memory standing in)"
 
 
 async def bench_size(url: str, size: int, args: argparse.Namespace, raw_vram: NT.RawNixl,
                      raw_host: NT.RawNixl) -> dict[str, object]:
     import torch
 
-    dev = torch.device(f"cuda:{args.device}")
+    device = Device(args.device)
+    dev = device.dev
     ns = NT.make_namespace(size)
     n = args.batch_bytes // size
     total = n * size
@@ -95,8 +129,8 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw_vram: NT
             raise SystemExit(f"{size}: set-up put failed ({dict(http.failures)})")
         items = [GetItem(key=make_entry_key(Kind.BLOCK, spec.hash)) for spec, _ in get_set]
         gpu = torch.zeros(total, dtype=torch.uint8, device=dev)
-        host = torch.zeros(total, dtype=torch.uint8, pin_memory=True)
-        whole = DeviceBuffer.of(gpu)
+        host = device.host(total)
+        whole = device.buffer(gpu)
         nixl.register_buffer(whole)
         nixl.register_buffer(host.numpy())
         dev_outs = [whole.slice(j * size, size) for j in range(n)]
@@ -123,10 +157,10 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw_vram: NT
             times: dict[str, float] = {}
             for op, call in (("vram_get", vram), ("host_get_h2d", lambda: via_host(nixl)),
                              ("http_get_h2d", lambda: via_host(http))):
-                torch.cuda.synchronize(dev)
+                device.sync()
                 t = clock()
                 got = await call()
-                torch.cuda.synchronize(dev)
+                device.sync()
                 times[op] = clock() - t
                 if got != [size] * n:
                     raise SystemExit(f"{size}: {op} failed ({dict(nixl.failures)} {dict(http.failures)})")
@@ -155,46 +189,52 @@ async def bench_prefix(url: str, args: argparse.Namespace) -> dict[str, object]:
 
     from prefixstore.gpu_staging.staging import StagingBuffer
 
-    dev = torch.device(f"cuda:{args.device}")
+    device = Device(args.device)
+    dev = device.dev
     ns = NT.prefix_namespace()
     num_blocks = args.prefix_tokens // NT.PREFIX_BLOCK_TOKENS
     total = num_blocks * ns.block_bytes
     H.progress(f"prefix: {args.prefix_tokens} tokens = {num_blocks} blocks = {total / 2**20:.0f} MiB into GPU staging")
     result: dict[str, object] = {"tokens": args.prefix_tokens, "blocks": num_blocks, "bytes": total}
-    async with PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl")) as nixl, \
+    async with PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl", device_reads=True)) as vram, \
+            PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl")) as nixl, \
             PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="http")) as http:
         chains = NT.Chains(http, num_blocks, ns.block_bytes, args.seed + 1, NT.PREFIX_BLOCK_TOKENS)
         tokens, stored = chains.fresh()
         if any(r.status != "ok" for r in await http.put(stored)):
             raise SystemExit(f"prefix: set-up put failed ({dict(http.failures)})")
         source = torch.from_numpy(chains.source)
-        staging = {c.config.data_path: StagingBuffer(total, device=dev) for c in (nixl, http)}
-        samples = {"nixl": H.Samples("nixl"), "http": H.Samples("http")}
+        clients = {"vram": vram, "nixl": nixl, "http": http}
+        staging = {name: StagingBuffer(total, device=dev) for name in clients}
+        samples = {name: H.Samples(name) for name in clients}
         for rep in range(args.warmup + args.reps):
-            for client in (nixl, http):
-                buf = staging[client.config.data_path]
+            for name, client in clients.items():
+                buf = staging[name]
                 buf.register_with(client)
-                torch.cuda.synchronize(dev)
+                device.sync()
                 t = time.perf_counter()
                 looked = await client.lookup(tokens)
                 reads = looked.kv_reads(looked.kv_tokens)
                 slots = buf.carve([ns.block_bytes] * len(reads))
                 filled = await buf.receive(client, [r[0] for r in reads], slots)
                 await client.release(looked.lease_id)
-                torch.cuda.synchronize(dev)
+                device.sync()
                 elapsed = time.perf_counter() - t
                 if looked.kv_tokens != args.prefix_tokens or not all(filled):
-                    raise SystemExit(f"prefix: {client.config.data_path} load incomplete ({dict(client.failures)})")
+                    raise SystemExit(f"prefix: {name} load incomplete ({dict(client.failures)})")
                 if rep == 0 and not torch.equal(buf.region.cpu(), source):
-                    raise SystemExit(f"prefix: {client.config.data_path} loaded other bytes")
+                    raise SystemExit(f"prefix: {name} loaded other bytes")
                 if rep >= args.warmup:
-                    samples[client.config.data_path].add(elapsed)
-            H.progress(f"prefix rep {rep + 1}/{args.warmup + args.reps}")
-        if nixl.path_bytes["http"]:
-            raise SystemExit(f"prefix: the NIXL client read {nixl.path_bytes['http']} bytes over HTTP")
+                    samples[name].add(elapsed)
+            H.progress(f"prefix rep {rep + 1}/{args.warmup + args.reps}: "
+                       + ", ".join(f"{n} {s.values[-1] * 1e3:.0f} ms" for n, s in samples.items() if s.values))
+        for name in ("vram", "nixl"):
+            if clients[name].path_bytes["http"]:
+                raise SystemExit(f"prefix: the {name} client read {clients[name].path_bytes['http']} bytes over HTTP")
     for path, s in samples.items():
         result[path] = {**s.summary_ms(), "gbps": total / s.median / 1e9}
     result["speedup"] = samples["http"].median / samples["nixl"].median
+    result["vram_speedup"] = samples["http"].median / samples["vram"].median
     return result
 
 
@@ -224,11 +264,11 @@ def plot(results: list[dict[str, object]], prefix: dict[str, object] | None, pat
     ax.legend(fontsize=7)
     if prefix:
         ax = axes[0][1]
-        ms = [prefix["nixl"]["median_ms"], prefix["http"]["median_ms"]]  # type: ignore[index]
-        ax.bar([0, 1], ms, color=[colors["vram_get"], colors["http_get_h2d"]])
-        for x, v in zip([0, 1], ms):
+        ms = [prefix[p]["median_ms"] for p in ("vram", "nixl", "http")]  # type: ignore[index]
+        ax.bar([0, 1, 2], ms, color=[colors["vram_get"], colors["host_get_h2d"], colors["http_get_h2d"]])
+        for x, v in zip([0, 1, 2], ms):
             ax.text(x, v, f"{v:.0f} ms", ha="center", va="bottom", fontsize=8, fontweight="bold")
-        ax.set_xticks([0, 1], ["NIXL -> VRAM", "HTTP -> host -> VRAM"])
+        ax.set_xticks([0, 1, 2], ["NIXL -> VRAM", "NIXL -> host -> VRAM", "HTTP -> host -> VRAM"], fontsize=8)
         ax.set_ylabel("ms (median)")
         ax.set_title(f"load of a {int(prefix['tokens']):,}-token prefix into GPU staging\n"  # type: ignore[call-overload]
                      f"({int(prefix['bytes']) / 2**20:.0f} MiB, lookup included)", fontsize=9)  # type: ignore[call-overload]
@@ -244,14 +284,15 @@ async def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("UCX_MODULES", "^ib")
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/nixl_gpu.py needs a CUDA device (torch.cuda.is_available() is False); "
+    if args.device != "cpu" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/nixl_gpu.py needs a CUDA device (torch.cuda.is_available() is False; "
+                         "--device cpu checks the script without one); "
                          "benchmarks/nixl_transfer.py measures the host path")
-    gpu = torch.cuda.get_device_name(args.device)
+    gpu = Device(args.device).name()
     note = {**H.machine_note(), "gpu": gpu, "torch": torch.__version__}
     H.progress(f"machine: {note}")
     ram = NT.ram_bytes_for(args)
-    raw_vram = NT.RawNixl(args.batch_bytes, device=args.device)
+    raw_vram = NT.RawNixl(args.batch_bytes, device=None if args.device == "cpu" else int(args.device))
     raw_host = NT.RawNixl(args.batch_bytes)
     results: list[dict[str, object]] = []
     prefix = None
@@ -278,7 +319,7 @@ async def main(argv: list[str] | None = None) -> int:
         H.print_table(f"full load of a {prefix['tokens']:,}-token prefix into GPU staging, ms",
                       ["path", "median", "p10", "p90", "GB/s"],
                       [[p, prefix[p]["median_ms"], prefix[p]["p10_ms"], prefix[p]["p90_ms"], prefix[p]["gbps"]]  # type: ignore[index]
-                       for p in ("nixl", "http")])
+                       for p in ("vram", "nixl", "http")])
     out = Path(args.out)
     H.write_json(out, "nixl_gpu", {"args": {k: v for k, v in vars(args).items() if k != "out"}, "machine": note,
                                    "results": results, "prefix": prefix})

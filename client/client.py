@@ -343,8 +343,12 @@ class PrefixClient:
 
     @property
     def reads_device(self) -> bool:
-        """Whether :meth:`read_device` may deliver anything: False on the HTTP path (configured,
-        or NIXL found unusable for good), so callers skip straight to host reads."""
+        """Whether GPU staging should READ into device memory: ``device_reads`` is on and NIXL is
+        not ruled out (configured off, or found unusable for good). When False callers go straight
+        to host reads; :meth:`read_device` itself works whenever NIXL does."""
+        return self.config.device_reads and self._nixl_usable()
+
+    def _nixl_usable(self) -> bool:
         return self.config.data_path != "http" and self._nixl_off is None
 
     async def read_device(self, items: Sequence[GetItem], outs: Sequence[DeviceBuffer]) -> list[int]:
@@ -375,7 +379,7 @@ class PrefixClient:
 
     async def _read_device_batch(self, items: Sequence[GetItem], outs: Sequence[DeviceBuffer], batch: list[int],
                                  done: list[int]) -> None:
-        channel = await self._nixl_ready() if self.reads_device else None
+        channel = await self._nixl_ready() if self._nixl_usable() else None
         if channel is None:
             return
         try:

@@ -455,7 +455,7 @@ class ClusterClient(PrefixClient):
 
     @property
     def reads_device(self) -> bool:
-        return self.config.data_path != "http" and (not self._nodes or any(
+        return self.config.device_reads and self.config.data_path != "http" and (not self._nodes or any(
             node.client.reads_device for node in self._nodes.values()))
 
     async def read_device(self, items: Sequence[GetItem], outs: Sequence[DeviceBuffer]) -> list[int]:

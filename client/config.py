@@ -53,6 +53,12 @@ class ClientConfig:
     here and the store serves it, HTTP otherwise), 'nixl' (the same, but not getting NIXL is
     counted as a failure and warned about), 'http' (never NIXL). Either way the API and results
     are the same, and any NIXL failure falls back to HTTP; one log line says which path is in use."""
+    device_reads: bool = False
+    """GPU staging regions: NIXL READs land straight in GPU memory (``read_device``) instead of
+    the pinned host mirror plus one copy up. Pays where UCX reaches GPU memory directly (an RDMA
+    fabric with GPUDirect: enable UCX's ib transports by setting UCX_MODULES yourself). Without
+    that, UCX stages such a READ through host memory in small pieces: on an H200 over TCP and
+    shared memory it measured 3x slower than the host READ plus copy (docs/benchmarks.md), hence off."""
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):

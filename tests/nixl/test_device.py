@@ -65,6 +65,9 @@ async def test_read_device_delivers_the_bytes_and_misses(start: Start) -> None:
         assert await save(client, toks) == 4
         items, expected = block_reads(client, toks)
         missing, _ = block_reads(client, tokens(22, 1))
+        # Staging chooses device READs only when asked (device_reads); read_device works regardless.
+        assert not client.reads_device
+        assert PrefixClient(ns, ClientConfig(url=url, device_reads=True)).reads_device
         region, outs = host_buffers(5, ns.block_bytes)
         before = client.path_bytes["nixl"]  # the save went over NIXL too
         got = await client.read_device(items + missing, outs)
@@ -162,7 +165,7 @@ async def test_gpu_staging_reads_into_device_and_zeroes_what_missed(start: Start
     url, _ = await start(ram_bytes=4 << 20)
     ns = namespace()
     toks = tokens(32, 3)
-    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client:
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl", device_reads=True)) as client:
         assert await save(client, toks) == 3
         staging = StagingBuffer(8 * ns.block_bytes, device="cuda")
         staging.region.fill_(0xAB)  # an earlier request's bytes
@@ -187,7 +190,7 @@ async def test_gpu_staging_lease_lost_mid_read_leaves_zeros_on_the_device(start:
     url, store = await start(clock, ram_bytes=4 << 20)
     ns = namespace()
     toks = tokens(34, 2)
-    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client, \
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl", device_reads=True)) as client, \
             PrefixClient(ns, ClientConfig(url=url, data_path="http")) as other:
         assert await save(client, toks) == 2
         items, expected = block_reads(client, toks)
