@@ -82,8 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tier", choices=["ram", "lmdb"], default="ram",
                    help="ram: RAM only, so a PUT measures the data path; lmdb: LMDB tier in a temp dir "
                         "(commits write through to disk on both paths alike). Default: ram.")
+    p.add_argument("--hash-chunk", type=H.parse_size, default=None, metavar="SIZE",
+                   help="Bytes READ per chunk by the client when it hashes payloads: chunk k is hashed on a "
+                        "worker thread while chunk k+1 is READ; 0 = one READ per batch, hashed after it. "
+                        "Default: the client's own (client/nixl_path.py, HASH_CHUNK_BYTES).")
     H.add_common_args(p, reps="9 (2 with --quick)", warmup="1")
     args = p.parse_args(argv)
+    if args.hash_chunk is not None:
+        import prefixstore.client.nixl_path as nixl_path
+
+        nixl_path.HASH_CHUNK_BYTES = args.hash_chunk
     if args.quick:
         args.batch_bytes = min(args.batch_bytes, 4 << 20)
         args.prefix_tokens = min(args.prefix_tokens, 8192)

@@ -19,11 +19,17 @@ from .helpers import block_reads, interleave_after, namespace, read, save, token
 pytestmark = NEEDS_NIXL
 
 
-@pytest.mark.parametrize("verify", [True, False])
-async def test_lease_expiring_mid_transfer_fails_the_read_cleanly(start: Start, verify: bool) -> None:
+@pytest.mark.parametrize(("verify", "chunk_bytes"), [(True, None), (True, 8192), (False, None)])
+async def test_lease_expiring_mid_transfer_fails_the_read_cleanly(start: Start, verify: bool, chunk_bytes: int | None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Between the descriptors and the READ the lease expires, the entries go and another chain
     takes their pages. The READ then copies the other chain's bytes: caught by the checksum (or,
-    without checksums, by the lease no longer being held at release), zeroed, counted a miss."""
+    without checksums, by the lease no longer being held at release), zeroed, counted a miss.
+    ``chunk_bytes``: READ and hashed in chunks of two blocks (client/nixl_path.py)."""
+    if chunk_bytes is not None:
+        import prefixstore.client.nixl_path as nixl_path
+
+        monkeypatch.setattr(nixl_path, "HASH_CHUNK_BYTES", chunk_bytes)
     clock = Clock()
     url, store = await start(clock)
     ns = namespace()
@@ -159,3 +165,39 @@ async def test_nixl_endpoints_need_the_tenant_token_and_name_bad_fields(start: S
         assert (answer.status, answer.body.get("field")) == (400, field), (path, answer)
     other = namespace(tenant="beta")  # another tenant's namespace is unknown to alpha
     assert (await raw_post(url, "/v1/nixl/get", {"ns": other.id, "items": []}, token)).status == 404
+
+
+async def test_chunked_read_keeps_verified_chunks_and_retries_the_rest_over_http(
+        start: Start, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hashed READs go in chunks (chunk k hashed while k+1 transfers). A transfer that fails at the
+    third chunk keeps the two verified chunks and hands the rest to HTTP: every byte right."""
+    import prefixstore.client.nixl_path as nixl_path
+
+    monkeypatch.setattr(nixl_path, "HASH_CHUNK_BYTES", 2 * 4096)  # two 4 KiB blocks a chunk
+    url, store = await start(ram_bytes=1 << 20)
+    ns = namespace()
+    toks = tokens(11, 8)
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client:
+        assert await save(client, toks) == 8
+        items, expected = block_reads(client, toks)
+        got, outs = await read(client, items, ns.block_bytes)
+        assert got == [ns.block_bytes] * 8 and [o.tobytes() for o in outs] == expected
+        assert client._nixl is not None
+        path = client._nixl.path
+        real = path.transfer
+        calls: list[int] = []
+
+        async def third_fails(op, local, remote, spans, *rest):  # type: ignore[no-untyped-def]
+            calls.append(len(spans))
+            if len(calls) == 3:
+                raise nixl_path.TransferFailed("the remote agent went away (test)")
+            return await real(op, local, remote, spans, *rest)
+
+        monkeypatch.setattr(path, "transfer", third_fails)
+        before = dict(client.path_bytes)
+        got, outs = await read(client, items, ns.block_bytes)
+        assert calls == [2, 2, 2]  # chunks of two payloads; the failure stopped the rest
+        assert got == [ns.block_bytes] * 8 and [o.tobytes() for o in outs] == expected
+        assert client.path_bytes["nixl"] - before["nixl"] == 4 * ns.block_bytes
+        assert client.path_bytes["http"] - before.get("http", 0) == 4 * ns.block_bytes
+        store.check()
