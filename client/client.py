@@ -42,7 +42,7 @@ from ..protocol.wire import (
 from .bulk import BulkError, BulkPool, post_control, read_get
 from .config import ClientConfig
 from .device import DeviceBuffer
-from .nixl_path import Dest, NixlChannel, NixlPath, NixlUnavailable, TransferFailed, fetch_metadata
+from .nixl_path import Described, Dest, LookupRuns, NixlChannel, NixlPath, NixlUnavailable, TransferFailed, fetch_metadata
 from .prompt import Prompt, with_payload
 from .results import LookupResult, SaveResult
 
@@ -109,6 +109,7 @@ class PrefixClient:
         self._nixl_retry_s = 0.0  # after a transient failure, when to try NIXL again
         self._path_logged: str | None = None
         self._pending_buffers: list[Dest] = []  # registered once an agent exists
+        self._described = LookupRuns()  # payloads recent lookups placed in the store's arena (NIXL)
 
     async def __aenter__(self) -> PrefixClient:
         return self
@@ -257,7 +258,8 @@ class PrefixClient:
             self._nixl_disable("nixl is not installed here (pip install nixl)", permanent=True)
             return None
         try:
-            agent, metadata = await fetch_metadata(self._post)  # before making an agent: is NIXL served?
+            gen: list[int] = []
+            agent, metadata = await fetch_metadata(self._post, gen)  # before making an agent: is NIXL served?
             if self._nixl is None:
                 try:
                     path = NixlPath()
@@ -268,7 +270,7 @@ class PrefixClient:
                 for view in self._pending_buffers:
                     path.register(view)
                 self._pending_buffers = []
-            self._nixl.path.connect(agent, metadata)
+            self._nixl.path.connect(agent, metadata, gen[0] if gen else None)
         except StoreUnavailable as err:
             refused = _nixl_refused(err)
             self._nixl_disable(f"the store does not serve NIXL: {err}" if refused
@@ -291,14 +293,21 @@ class PrefixClient:
     async def lookup(self, prompt: Prompt | Sequence[int] | np.ndarray, lease: bool | None = None) -> LookupResult:
         """One round trip: the reusable KV and state lengths, and a lease on them."""
         p = prompt if isinstance(prompt, Prompt) else self.prompt(prompt)
+        leased = self.config.lease if lease is None else lease
+        # On the NIXL path the answer also places the matched payloads (store/nixl_lookup.py):
+        # reads of them then go straight to one READ, without /v1/nixl/get.
+        on_nixl = leased and self._nixl is not None and self._nixl.path.remote is not None
         req = LookupRequest(namespace_id=self.namespace.id, hashes=b"".join(p.hashes), tokens=p.packed,
-                            lease=self.config.lease if lease is None else lease,
-                            extras=tuple((j, x) for j, x in enumerate(p.extra_keys) if x))
+                            lease=leased, extras=tuple((j, x) for j, x in enumerate(p.extra_keys) if x),
+                            nixl=on_nixl)
+        sent_at = time.monotonic()
         try:
             answer = LookupAnswer.from_header(await self._call("/v1/lookup", req.to_header()))
         except (StoreUnavailable, WireError) as err:
             self._fail("lookup", err)
             return LookupResult(prompt=p, ok=False)
+        if answer.nixl is not None and answer.lease_id is not None:
+            self._described.add(answer.nixl, answer.lease_id, sent_at)
         return LookupResult(prompt=p, kv_tokens=answer.kv_tokens, state_tokens=answer.state_tokens,
                             checkpoint_hint=answer.checkpoint_hint, matched_blocks=answer.matched_blocks,
                             child=answer.child, snapshot=answer.snapshot, lease_id=answer.lease_id)
@@ -306,6 +315,7 @@ class PrefixClient:
     async def release(self, lease_id: bytes | None) -> bool:
         if lease_id is None:
             return False
+        self._described.forget_lease(lease_id)  # before: its runs must not be READ once it may end
         try:
             answer = await self._call("/v1/release", {"lease": lease_id})
         except StoreUnavailable as err:
@@ -382,6 +392,10 @@ class PrefixClient:
         channel = await self._nixl_ready() if self._nixl_usable() else None
         if channel is None:
             return
+        if len(self._described):
+            batch = await self._read_described(channel, items, outs, batch, done)
+            if not batch:
+                return
         try:
             got = await channel.read(self._call, self.namespace.id, [items[i] for i in batch],
                                      [outs[i] for i in batch], self.config.verify_checksums, self.config.timeout_s)
@@ -410,6 +424,10 @@ class PrefixClient:
         """NIXL when it is usable (one READ for the batch), HTTP for everything it did not deliver
         and could not prove missing."""
         channel = await self._nixl_ready()
+        if channel is not None and len(self._described):
+            batch = await self._read_described(channel, items, views, batch, done)
+            if not batch:
+                return
         if channel is not None:
             try:
                 got = await channel.read(self._call, self.namespace.id, [items[i] for i in batch],
@@ -430,6 +448,42 @@ class PrefixClient:
                 if not batch:
                     return
         await self._http_read_batch(items, views, batch, done)
+
+    async def _read_described(self, channel: NixlChannel, items: Sequence[GetItem], views: Sequence[Dest],
+                              batch: list[int], done: list[int]) -> list[int]:
+        """READ the batch's payloads that a recent lookup placed (no /v1/nixl/get); returns the
+        items left for the usual path."""
+        now = time.monotonic()
+        ns = self.namespace
+        found: list[tuple[Described, int, int]] = []
+        which: list[int] = []
+        rest: list[int] = []
+        for i in batch:
+            item = items[i]
+            d = self._described.get(item.key, now)
+            if d is None:
+                rest.append(i)
+                continue
+            is_state = item.key[0] == Kind.STATE
+            tokens = 0 if is_state or not ns.kv.token_bytes else d.size // ns.kv.token_bytes
+            try:
+                offset, length = ns.payload_range(is_state, tokens, item.layer_start, item.layer_end)
+            except ValueError:
+                rest.append(i)
+                continue
+            found.append((d, offset, length))
+            which.append(i)
+        if not found:
+            return batch
+        got = await channel.read_described([views[i] for i in which], found, self.config.verify_checksums,
+                                           self.config.timeout_s)
+        for i, size in zip(which, got.sizes):
+            done[i] = size
+        self.path_bytes["nixl"] += got.nixl_bytes
+        self._nixl_problems(got.problems)
+        if any(kind == "nixl" for kind, _ in got.problems):
+            self._described.clear()  # the agent is reloaded: its runs may name another incarnation
+        return sorted(rest + [which[j] for j in got.http])
 
     async def _http_read_batch(self, items: Sequence[GetItem], views: list[memoryview], batch: list[int],
                                done: list[int]) -> None:

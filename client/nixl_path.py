@@ -124,7 +124,7 @@ class NixlPath:
     def __init__(self) -> None:
         self.agent, self.name = make_agent(f"prefixstore-client-{os.getpid()}")
         self.remote: str | None = None  # the store agent's name, once its metadata is loaded
-        self.remote_gen = 0  # the generation of that metadata (/v1/nixl/metadata's meta_gen)
+        self.remote_gen: int | None = None  # the generation of that metadata (/v1/nixl/metadata's meta_gen)
         self._regions: list[_Region] = []  # registered until close() or unregister()
         self.closed = False
 
@@ -136,8 +136,9 @@ class NixlPath:
         return self.remote is not None and self.remote == agent_name and \
             (not isinstance(meta_gen, int) or meta_gen == self.remote_gen)
 
-    def connect(self, agent_name: str, metadata: bytes, meta_gen: int = 0) -> None:
-        """Load the store agent's metadata (replacing an earlier incarnation's or generation's)."""
+    def connect(self, agent_name: str, metadata: bytes, meta_gen: int | None = None) -> None:
+        """Load the store agent's metadata (replacing an earlier incarnation's or generation's).
+        ``meta_gen`` None: its generation is unknown, so the first answer naming one reloads it."""
         self.forget()
         self.remote_gen = meta_gen
         try:
@@ -282,6 +283,34 @@ class NixlPath:
 # ---------------------------------------------------------------- the protocol over the store's HTTP plane
 
 
+HASH_CHUNK_BYTES = 8 << 20
+"""Payload bytes READ per chunk when payloads are hashed: chunk k is hashed while chunk k+1 is READ.
+Each chunk costs one transfer's set-up (tens of microseconds), so chunks stay megabytes."""
+
+
+def _chunk_bounds(sizes: Sequence[int], chunk_bytes: int) -> list[tuple[int, int]]:
+    """Consecutive [a, b) ranges of payloads of about ``chunk_bytes`` each (0: one range)."""
+    if not chunk_bytes:
+        return [(0, len(sizes))]
+    bounds: list[tuple[int, int]] = []
+    a = 0
+    total = 0
+    for j, size in enumerate(sizes):
+        total += size
+        if total >= chunk_bytes:
+            bounds.append((a, j + 1))
+            a, total = j + 1, 0
+    if a < len(sizes):
+        bounds.append((a, len(sizes)))
+    return bounds
+
+
+def _verify_payloads(chunk: Sequence[tuple[Dest, int, int]]) -> list[bool]:
+    """Per payload, whether its bytes match its xxh3 (run on a worker thread)."""
+    return [isinstance(view, memoryview) and xxhash.xxh3_64_intdigest(view[:size]) == checksum
+            for view, size, checksum in chunk]
+
+
 def _zero(view: Dest, size: int) -> None:
     """Zero a payload this side failed to deliver; device memory is left to the caller, which
     cannot use bytes reported as not delivered anyway (client/device.py)."""
@@ -315,6 +344,100 @@ class ReadOutcome:
     http: list[int] = field(default_factory=list)
     problems: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) for the client's counters
     nixl_bytes: int = 0
+
+
+def slice_runs(runs: bytes, offset: int, length: int) -> bytes:
+    """The (address, length) runs covering bytes [offset, offset + length) of a payload whose
+    runs, in order, are ``runs`` (uint64 little-endian pairs). ValueError past their end."""
+    pairs = np.frombuffer(runs, dtype=DESC).reshape(-1, 2)
+    out: list[int] = []
+    pos = 0
+    end = offset + length
+    for addr, n in pairs.tolist():
+        lo, hi = max(offset, pos), min(end, pos + n)
+        if lo < hi:
+            out += (addr + lo - pos, hi - lo)
+        pos += n
+        if pos >= end:
+            break
+    if pos < end or length <= 0:
+        raise ValueError(f"bytes [{offset}, {end}) are not inside a {pos}-byte payload")
+    return np.asarray(out, dtype=DESC).tobytes()
+
+
+@dataclass(frozen=True, slots=True)
+class Described:
+    """One payload a lookup answer placed in the store's arena (store/nixl_lookup.py)."""
+
+    lease: bytes
+    deadline: float  # time.monotonic() before which the lease certainly still pins it
+    agent: str
+    meta_gen: int | None
+    size: int
+    checksum: int
+    runs: bytes
+
+
+LEASE_MARGIN_S = 1.0
+"""Subtracted (at least; a quarter of the lease's lifetime on short leases) from a lookup lease's
+lifetime, measured from before the lookup was sent, to get the time until which this client
+trusts that the store still pins what the lookup described."""
+
+
+class LookupRuns:
+    """Where the payloads named by recent lookups lie in the store's arena, while their leases last.
+
+    Filled from ``nixl`` parts of lookup answers; a read of a described payload then needs no
+    /v1/nixl/get: one READ, checked by its xxh3 where the whole payload lands in host memory,
+    and otherwise by time -- the READ completed before the lease's deadline, which this client
+    measures from before it sent the lookup, so the store (whose lease started later) certainly
+    still pinned the pages. The lookup's lease is released by its owner as after any lookup;
+    releasing it here forgets its payloads first."""
+
+    def __init__(self, max_entries: int = 1 << 16) -> None:
+        self.max_entries = max_entries
+        self._by_key: dict[bytes, Described] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def add(self, part: dict[str, object], lease: bytes, sent_at: float) -> int:
+        """Remember a lookup answer's ``nixl`` part; returns how many payloads it described.
+        A malformed part is ignored whole (those reads then ask /v1/nixl/get)."""
+        agent, gen, ttl, entries = part.get("agent"), part.get("meta_gen"), part.get("lease_ttl_s"), part.get("entries")
+        if not isinstance(agent, str) or not isinstance(ttl, (int, float)) or not isinstance(entries, list):
+            return 0
+        deadline = sent_at + float(ttl) - max(LEASE_MARGIN_S, float(ttl) / 4)
+        if deadline <= time.monotonic():
+            return 0
+        parsed: list[tuple[bytes, Described]] = []
+        for raw in entries:
+            if (not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[0], bytes)
+                    or not isinstance(raw[1], int) or not isinstance(raw[2], int) or not isinstance(raw[3], bytes)
+                    or not raw[3] or len(raw[3]) % 16):
+                return 0
+            parsed.append((raw[0], Described(lease, deadline, agent, gen if isinstance(gen, int) else None,
+                                             raw[1], raw[2], raw[3])))
+        for key, described in parsed:
+            self._by_key.pop(key, None)  # newest last: the oldest go first when full
+            self._by_key[key] = described
+        while len(self._by_key) > self.max_entries:
+            del self._by_key[next(iter(self._by_key))]
+        return len(parsed)
+
+    def get(self, key: bytes, now: float) -> Described | None:
+        d = self._by_key.get(key)
+        if d is not None and d.deadline <= now:
+            del self._by_key[key]
+            return None
+        return d
+
+    def forget_lease(self, lease: bytes) -> None:
+        for key in [k for k, d in self._by_key.items() if d.lease == lease]:
+            del self._by_key[key]
+
+    def clear(self) -> None:
+        self._by_key.clear()
 
 
 class NixlChannel:
@@ -379,31 +502,8 @@ class NixlChannel:
                 elif status == "corrupt":
                     out.problems.append(("read", f"items[{i}]: the store found the payload corrupt"))
             if ok:
-                try:
-                    sizes = [size for _, size, _ in ok]
-                    addrs = [address_of(views[i]) for i, _, _ in ok]
-                    local, remote = descriptor_lists(descs, sizes, addrs, device)
-                except ValueError as err:
-                    raise TransferFailed(f"/v1/nixl/get: items{err}") from err
-                await self._same_store(call, answer.get("agent"))
-                try:
-                    await self.path.transfer("READ", local, remote, list(zip(addrs, sizes)), timeout_s,
-                                             memory, device)
-                except TransferFailed as err:
-                    for i, size, _ in ok:
-                        _zero(views[i], size)
-                    out.problems.append(("nixl", str(err)))
-                    out.http.extend(i for i, _, _ in ok)  # the HTTP path tries them again
-                    self.path.forget()  # reload the metadata next time: the store may have restarted
-                    ok = []
-            for i, size, checksum in ok:
-                view = views[i]
-                if hashed and isinstance(view, memoryview) and xxhash.xxh3_64_intdigest(view[:size]) != checksum:
-                    view[:size] = bytes(size)
-                    out.problems.append(("checksum", f"items[{i}]: NIXL READ does not match its checksum "
-                                                     "(its lease expired mid-transfer?); zeroed"))
-                else:
-                    out.sizes[i] = size
+                await self._same_store(call, answer.get("agent"), answer.get("meta_gen"))
+                ok = await self._read_chunks(ok, descs, views, out, hashed, memory, device, timeout_s)
         except TransferFailed as err:
             out.problems.append(("nixl", str(err)))
             out.http.extend(i for i, _, _ in ok)
@@ -424,6 +524,104 @@ class NixlChannel:
                     out.problems.append(("read", f"items[{i}]: the lease expired before the READ was confirmed"))
         out.nixl_bytes = sum(s for s in out.sizes if s > 0)
         return out
+
+    async def read_described(self, views: Sequence[Dest], found: Sequence[tuple[Described, int, int]],
+                             verify: bool, timeout_s: float) -> ReadOutcome:
+        """A batch whose payloads a lookup described: (payload, offset, length) per view. One READ
+        from the lookup's runs; no /v1/nixl/get and no release (the lookup's lease is its owner's).
+        Whole payloads landing in host memory are checked by xxh3 (``verify``), the rest by the
+        lease's deadline (:class:`LookupRuns`). ``out.http`` lists the items to read the usual way
+        (a failed or unproven READ, another agent or generation, a range outside the payload)."""
+        out = ReadOutcome(sizes=[-1] * len(views))
+        memory, device = memory_of(views)
+        on_device = any(isinstance(v, DeviceBuffer) for v in views)
+        groups: dict[bool, tuple[list[tuple[int, int, int]], list[object]]] = {True: ([], []), False: ([], [])}
+        for i, (d, offset, length) in enumerate(found):
+            if length > views[i].nbytes or not self.path.knows(d.agent, d.meta_gen):
+                out.http.append(i)
+                continue
+            whole = offset == 0 and length == d.size
+            try:
+                runs = d.runs if whole else slice_runs(d.runs, offset, length)
+            except ValueError:
+                out.http.append(i)
+                continue
+            hashed = verify and whole and not on_device
+            groups[hashed][0].append((i, length, d.checksum))
+            groups[hashed][1].append(runs)
+        for hashed, (group, descs) in groups.items():
+            if not group:
+                continue
+            try:
+                landed = await self._read_chunks(group, descs, views, out, hashed, memory, device, timeout_s)
+            except TransferFailed as err:
+                out.problems.append(("nixl", str(err)))
+                out.http.extend(i for i, _, _ in group)
+                continue
+            if hashed:
+                continue
+            now = time.monotonic()  # the READs completed before this
+            for i, size, _ in landed:
+                if now >= found[i][0].deadline:
+                    _zero(views[i], size)
+                    out.sizes[i] = -1
+                    out.http.append(i)
+                    out.problems.append(("read", f"items[{i}]: READ completed past its lookup lease's deadline"))
+        out.nixl_bytes = sum(size for size in out.sizes if size > 0)
+        return out
+
+    async def _read_chunks(self, ok: list[tuple[int, int, int]], descs: list[object], views: Sequence[Dest],
+                           out: ReadOutcome, hashed: bool, memory: str, device: int, timeout_s: float
+                           ) -> list[tuple[int, int, int]]:
+        """READ the payloads ``ok`` names (item, size, checksum), checking each as it lands;
+        returns the ones READ (their ``out.sizes`` set once verified, when ``hashed``).
+
+        With hashing, the batch is READ in chunks of about :data:`HASH_CHUNK_BYTES` and chunk k is
+        hashed on a worker thread while chunk k+1 is READ (xxhash releases the GIL; over
+        loopback UCX copies in this thread), so the check costs about one chunk's hashing, not
+        the batch's. A chunk that fails to transfer is zeroed and handed to HTTP with every
+        chunk after it; chunks before it keep their verified bytes."""
+        try:
+            sizes = [size for _, size, _ in ok]
+            addrs = [address_of(views[i]) for i, _, _ in ok]
+            local, remote = descriptor_lists(descs, sizes, addrs, device)
+        except ValueError as err:
+            raise TransferFailed(f"/v1/nixl/get: items{err}") from err
+        runs = np.fromiter((len(d) // 16 for d in descs), dtype=np.int64, count=len(descs))  # type: ignore[arg-type]
+        first_run = np.concatenate([[0], np.cumsum(runs)])
+        bounds = _chunk_bounds(sizes, HASH_CHUNK_BYTES if hashed else 0)
+        loop = asyncio.get_running_loop()
+        checks: list[asyncio.Future[list[bool]]] = []
+        done = len(ok)
+        for a, b in bounds:
+            lo, hi = int(first_run[a]), int(first_run[b])
+            try:
+                await self.path.transfer("READ", local[lo:hi], remote[lo:hi], list(zip(addrs[a:b], sizes[a:b])),
+                                         timeout_s, memory, device)
+            except TransferFailed as err:
+                for i, size, _ in ok[a:]:
+                    _zero(views[i], size)
+                out.problems.append(("nixl", str(err)))
+                out.http.extend(i for i, _, _ in ok[a:])  # the HTTP path tries them again
+                self.path.forget()  # reload the metadata next time: the store may have restarted
+                done = a
+                break
+            if hashed:
+                chunk = [(views[i], size, checksum) for i, size, checksum in ok[a:b]]
+                checks.append(loop.run_in_executor(None, _verify_payloads, chunk))
+        if not hashed:
+            for i, size, _ in ok[:done]:
+                out.sizes[i] = size  # proven, or withdrawn, by the lease at release
+            return ok[:done]
+        verdicts = [v for check in await asyncio.gather(*checks) for v in check]
+        for (i, size, _), good in zip(ok[:done], verdicts):
+            if good:
+                out.sizes[i] = size
+            else:
+                _zero(views[i], size)
+                out.problems.append(("checksum", f"items[{i}]: NIXL READ does not match its checksum "
+                                                 "(its lease expired mid-transfer?); zeroed"))
+        return ok[:done]
 
     async def write(self, call: Call, ns_id: bytes, specs: Sequence[ItemSpec], views: Sequence[memoryview],
                     commit: bool, timeout_s: float) -> tuple[list[ItemResult], list[tuple[str, str]], int]:
@@ -482,5 +680,5 @@ class NixlChannel:
         return results, problems, written
 
 
-__all__ = ["Dest", "NixlChannel", "NixlPath", "NixlUnavailable", "ReadOutcome", "TransferFailed", "address_of",
-           "descriptor_lists", "fetch_metadata", "memory_of"]
+__all__ = ["Dest", "Described", "LookupRuns", "NixlChannel", "NixlPath", "NixlUnavailable", "ReadOutcome", "TransferFailed", "address_of",
+           "descriptor_lists", "fetch_metadata", "memory_of", "slice_runs"]

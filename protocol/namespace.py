@@ -269,3 +269,19 @@ class Namespace:
     def block_bytes(self) -> int:
         """Payload bytes of one full KV block."""
         return self.kv.payload_bytes(self.block_tokens)
+
+    def payload_range(self, is_state: bool, num_tokens: int, layer_start: int, layer_end: int | None
+                      ) -> tuple[int, int]:
+        """Byte offset and length of layers [layer_start, layer_end) (None: through the last) of a
+        snapshot (``is_state``) or of a KV payload of ``num_tokens`` tokens; (0, whole) for all
+        layers. The store serves and clients cut reads by this one rule. ValueError says which
+        layers do not exist."""
+        if layer_start == 0 and layer_end is None:
+            return 0, self.state.snapshot_bytes if is_state else self.kv.payload_bytes(num_tokens)
+        what, num_layers = ("state", self.state.num_layers) if is_state else ("KV", self.kv.num_layers)
+        hi = num_layers if layer_end is None else layer_end
+        if hi > num_layers or layer_start >= hi:
+            raise ValueError(f"the {what} has {num_layers} layers, asked for [{layer_start}, {hi})")
+        if is_state:
+            return self.state.layer_range_bytes(layer_start, hi)
+        return self.kv.layer_range_bytes(num_tokens, layer_start, hi)

@@ -205,6 +205,7 @@ class LookupRequest:
     lease: bool = True
     locations: bool = False
     extras: tuple[tuple[int, bytes], ...] = ()  # (0-based block index, extra keys) where non-empty
+    nixl: bool = False  # also answer where the matched payloads lie in the store's registered memory
 
     @property
     def num_blocks(self) -> int:
@@ -217,6 +218,8 @@ class LookupRequest:
     def to_header(self) -> dict[str, object]:
         d: dict[str, object] = {"ns": self.namespace_id, "hashes": self.hashes, "tokens": self.tokens,
                                 "lease": self.lease, "locations": self.locations}
+        if self.nixl:
+            d["nixl"] = True
         if self.extras:
             d["extras"] = [[i, x] for i, x in self.extras]
         return d
@@ -244,7 +247,8 @@ class LookupRequest:
                     raise WireError(f"extras[{i}]", f"expected [block index in [0, {limit}), binary extra keys]")
                 extras.append((pair[0], pair[1]))
         return cls(namespace_id=ns, hashes=hashes, tokens=tokens, extras=tuple(extras),
-                   lease=req_bool(h, "lease", default=True), locations=req_bool(h, "locations", default=False))
+                   lease=req_bool(h, "lease", default=True), locations=req_bool(h, "locations", default=False),
+                   nixl=req_bool(h, "nixl", default=False))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -295,9 +299,14 @@ class LookupAnswer:
     lease_id: bytes | None = None
     lease_ttl_s: float = 0.0
     block_tiers: bytes | None = None  # one byte per matched block: 0 ram, 1 disk
+    nixl: dict[str, object] | None = None
+    """Asked with ``nixl``, from a store serving NIXL: where the matched payloads lie in its
+    registered memory, pinned by the lease (store/nixl_lookup.py says what; client/nixl_path.py
+    ``LookupRuns`` reads it)."""
 
     def to_header(self) -> dict[str, object]:
         return {
+            "nixl": self.nixl,
             "num_tokens": self.num_tokens, "matched_blocks": self.matched_blocks,
             "kv_tokens": self.kv_tokens, "state_tokens": self.state_tokens,
             "checkpoint_hint": self.checkpoint_hint, "block_bytes": self.block_bytes,
@@ -318,6 +327,7 @@ class LookupAnswer:
             snapshot=EntryRef.from_wire(snap, "snapshot") if snap is not None else None,
             lease_id=opt_bin(h, "lease"), lease_ttl_s=float(ttl) if isinstance(ttl, (int, float)) else 0.0,
             block_tiers=opt_bin(h, "block_tiers"),
+            nixl=nixl if isinstance(nixl := h.get("nixl"), dict) else None,
         )
 
 

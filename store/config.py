@@ -114,6 +114,11 @@ class StoreConfig:
     nixl: str = field(default="auto", metadata=_doc(
         "GPU-direct data path: 'auto' (serve NIXL READs/WRITEs of the arena when the nixl package imports, "
         "HTTP only otherwise), 'on' (refuse to start without nixl), 'off' (HTTP only)."))
+    nixl_map_txns: int = field(default=64, metadata=_doc(
+        "Most LMDB read transactions the NIXL path holds open to let clients READ LMDB-resident entries "
+        "straight from LMDB's memory map (one per /v1/nixl/get that asks for disk entries, until its lease "
+        "ends); beyond it disk entries are promoted into the RAM arena first. 0: always promote. At most 192 "
+        "(LMDB's reader table has 256 slots)."))
     node_url: str = field(default="", metadata=_doc(
         "URL that clients and other nodes reach this node at; it is the node's identity in placement. "
         "Empty: http(s)://host:port of this process (a wildcard host is replaced by the host name)."))
@@ -195,6 +200,8 @@ class StoreConfig:
             self.ssl_context()  # a certificate that does not load fails at start-up, naming the knob
         if self.nixl not in ("auto", "on", "off"):
             raise ConfigError(f"nixl: {self.nixl!r} is not one of 'auto', 'on', 'off'")
+        if not 0 <= self.nixl_map_txns <= 192:
+            raise ConfigError(f"nixl_map_txns: {self.nixl_map_txns!r} is not between 0 and 192")
         if self.replication_threshold <= 0:
             raise ConfigError(f"replication_threshold: must be positive reads per second, got {self.replication_threshold!r}")
         if self.peers and self.peers_dns:

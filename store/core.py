@@ -33,7 +33,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
@@ -98,6 +98,7 @@ class GetSlot:
     length: int = 0
     buffer: bytearray | None = None  # when the payload could not be promoted into RAM
     checksum: int = 0
+    address: int = 0  # set by prepare_get's map_disk: where the range lies in LMDB's map (pinned)
 
 
 @dataclass(slots=True)
@@ -156,7 +157,8 @@ class Store:
     async def start(self) -> None:
         path = self.config.lmdb_path
         if path is not None:
-            self.tier = LmdbTier(path, self.config.disk_bytes, sync=self.config.lmdb_sync)
+            self.tier = LmdbTier(path, self.config.disk_bytes, sync=self.config.lmdb_sync,
+                                 max_pins=self.config.nixl_map_txns)
             try:
                 await self._load_from_disk()
             except BaseException:
@@ -687,20 +689,20 @@ class Store:
     def _byte_range(self, ns: Namespace, e: Entry, item: GetItem, ctx: str) -> tuple[int, int]:
         if item.layer_start == 0 and item.layer_end is None:
             return 0, e.size
-        if e.kind is Kind.STATE:
-            num_layers = ns.state.num_layers
-            hi = num_layers if item.layer_end is None else item.layer_end
-            if hi > num_layers or item.layer_start >= hi:
-                raise WireError(f"{ctx}.layer_end", f"the state has {num_layers} layers, asked for [{item.layer_start}, {hi})")
-            return ns.state.layer_range_bytes(item.layer_start, hi)
-        num_layers = ns.kv.num_layers
-        hi = num_layers if item.layer_end is None else item.layer_end
-        if hi > num_layers or item.layer_start >= hi:
-            raise WireError(f"{ctx}.layer_end", f"the KV has {num_layers} layers, asked for [{item.layer_start}, {hi})")
-        return ns.kv.layer_range_bytes(e.num_tokens, item.layer_start, hi)
+        try:
+            return ns.payload_range(e.kind is Kind.STATE, e.num_tokens, item.layer_start, item.layer_end)
+        except ValueError as err:
+            raise WireError(f"{ctx}.layer_end", str(err)) from None
 
-    async def prepare_get(self, ns_id: bytes, items: Sequence[GetItem]) -> GetPlan:
+    async def prepare_get(self, ns_id: bytes, items: Sequence[GetItem],
+                          map_disk: Callable[[list[GetSlot]], Awaitable[list[str | None]]] | None = None
+                          ) -> GetPlan:
         """Pin every requested entry and bring disk-only ones into RAM (checksum verified).
+
+        ``map_disk`` (the NIXL map READ, store/nixl_target.py) is first offered the disk-only
+        slots; per slot it answers a ReadOutcome (OK: it set ``slot.address`` and
+        ``slot.checksum`` and keeps the value readable in place; MISSING / CORRUPT: handled like
+        a failed promotion) or None (promote it as usual).
 
         The caller streams the plan and must call :meth:`finish_get`."""
         ns = self.namespace(ns_id)
@@ -722,9 +724,26 @@ class Store:
         except BaseException:
             self.finish_get(plan)
             raise
+        disk: list[GetSlot] = []
         for slot in plan.slots:
             e = slot.entry
             if e is None or e.pages is not None:
+                continue
+            if e.dead:
+                slot.status = STATUS_MISSING
+                continue
+            disk.append(slot)
+        mapped: list[str | None] = list(await map_disk(disk)) if map_disk is not None and disk else []
+        mapped += [None] * (len(disk) - len(mapped))
+        for slot, outcome in zip(disk, mapped):
+            e = slot.entry
+            assert e is not None
+            if outcome == ReadOutcome.OK:
+                continue
+            if outcome is not None:
+                slot.status = await self._read_failed(e, outcome)
+                continue
+            if e.pages is not None:  # promoted by a concurrent read meanwhile
                 continue
             if e.dead:
                 slot.status = STATUS_MISSING
@@ -736,7 +755,9 @@ class Store:
             e = slot.entry
             if slot.status != STATUS_OK or e is None:
                 continue
-            if slot.offset == 0 and slot.length == e.size:
+            if slot.address:
+                pass  # map_disk set its checksum
+            elif slot.offset == 0 and slot.length == e.size:
                 slot.checksum = e.checksum
             elif slot.buffer is not None:
                 slot.checksum = xxhash.xxh3_64_intdigest(memoryview(slot.buffer)[slot.offset : slot.offset + slot.length])
@@ -777,13 +798,7 @@ class Store:
         if outcome != ReadOutcome.OK:
             if pages is not None:
                 self.arena.free(pages)
-            if outcome == ReadOutcome.CORRUPT:
-                self.metrics.checksum_failures.labels("disk").inc()
-                log.warning("checksum mismatch reading %s from LMDB; deleting it", e.key.hex())
-            if not e.dead:
-                self._delete(e, "corrupt")
-                await self._flush_deletes()
-            return (STATUS_CORRUPT if outcome == ReadOutcome.CORRUPT else STATUS_MISSING), None
+            return await self._read_failed(e, outcome), None
         if pages is None:
             return STATUS_OK, buffer
         if e.dead or e.pages is not None:  # deleted, or promoted by a concurrent read meanwhile
@@ -794,6 +809,16 @@ class Store:
             return STATUS_OK, None
         self.index.set_tier(e, pages, True)
         return STATUS_OK, None
+
+    async def _read_failed(self, e: Entry, outcome: str) -> str:
+        """An LMDB read of ``e`` found it missing or corrupt: delete it (and its dependants)."""
+        if outcome == ReadOutcome.CORRUPT:
+            self.metrics.checksum_failures.labels("disk").inc()
+            log.warning("checksum mismatch reading %s from LMDB; deleting it", e.key.hex())
+        if not e.dead:
+            self._delete(e, "corrupt")
+            await self._flush_deletes()
+        return STATUS_CORRUPT if outcome == ReadOutcome.CORRUPT else STATUS_MISSING
 
     # ------------------------------------------------------------ space
 
@@ -889,6 +914,7 @@ class Store:
             "prefixstore_arena_free_bytes": self.arena.num_free * self.arena.page_bytes,
             "prefixstore_leases": len(self.leases),
             "prefixstore_pending_entries": len(self.pending),
+            "prefixstore_lmdb_read_txns": self.tier.pinned if self.tier is not None else 0,
         }
 
     def stats(self) -> dict[str, object]:

@@ -44,6 +44,7 @@ _GAUGE_HELP = {
     "prefixstore_arena_free_bytes": "Free bytes in the RAM arena.",
     "prefixstore_leases": "Leases currently held.",
     "prefixstore_pending_entries": "Entries put but not yet committed.",
+    "prefixstore_lmdb_read_txns": "LMDB read transactions held open for NIXL READs out of LMDB's map.",
 }
 
 
@@ -85,6 +86,15 @@ class StoreMetrics:
             registry=r)
         # Data paths: 1 for each path this node serves (http always; nixl when its agent is up).
         self.data_path = Gauge("prefixstore_data_path", "Data paths this node serves (1: served).", ["path"], registry=r)
+        self.nixl_disk_reads = Counter(
+            "prefixstore_nixl_disk_reads", "LMDB-resident payloads asked for over NIXL, by how they were offered "
+            "(map: READ straight from LMDB's memory map; promoted: copied into the RAM arena first).",
+            ["how"], registry=r)
+        self.nixl_map_revoked = Counter(
+            "prefixstore_nixl_map_revoked", "NIXL leases ended early because LMDB's map grew (moved) under them.",
+            registry=r)
+        for how in ("map", "promoted"):
+            self.nixl_disk_reads.labels(how)
         # Cluster: membership and hot-prefix replication.
         self.members = Gauge("prefixstore_members", "Cluster members this node currently sees (itself included).",
                              registry=r)

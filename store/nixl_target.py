@@ -5,7 +5,8 @@
     client                                   store (this file)
     POST /v1/nixl/metadata  ---------------> agent metadata (the arena, registered once)
     add_remote_agent(metadata)
-    POST /v1/nixl/get {ns, items} ---------> prepare_get (pin, promote from LMDB, checksums)
+    POST /v1/nixl/get {ns, items} ---------> prepare_get (pin; LMDB values pinned in LMDB's map or
+                                             promoted; checksums)
                             <--------------- per item: status, size, xxh3, descriptors; a lease
     READ descriptors -> registered buffers   (one-sided: the store's Python does nothing)
     verify xxh3 of every payload
@@ -18,10 +19,13 @@
 
 Decisions:
 
-- **One registration.** The arena is one mmap region (store/arena.py); it is
-  registered once at start and its metadata never changes, so clients fetch
-  it once per store incarnation. A store restart makes a new agent with a new
-  name; a client seeing another name in an answer fetches the metadata again.
+- **Two registrations, one generation counter.** The arena is one mmap region
+  (store/arena.py), registered once at start. LMDB's memory map is the second
+  (found in /proc/self/maps: py-lmdb's ``map_addr`` is 0 unless the map is
+  fixed), registered at start when ``nixl_map_txns > 0``. The map moves when
+  LMDB grows it, so it is then registered again and ``meta_gen`` (in the
+  metadata and /v1/nixl/get answers) goes up; a client seeing a new generation
+  or another agent name (a store restart) fetches the metadata again.
 - **Metadata travels over the store's own HTTP plane** (``/v1/nixl/metadata``,
   behind the tenant token like every /v1 call). NIXL's listener thread is
   never started: it binds every interface and authenticates nothing. The store
@@ -38,13 +42,32 @@ Decisions:
   expires. Past expiry the pages may be reused; the client verifies each
   payload's xxh3 after the READ, so a transfer that outlived its lease fails
   (zeroed, counted as a miss) instead of handing out mixed bytes.
-- **LMDB-resident entries are promoted into the arena first** (prepare_get
-  already does this, with checksum verification). A READ straight out of
-  LMDB's map would need a read transaction held open across a client's
-  transfer (LMDB's rule: short read transactions) and a registration of the
-  map, which moves when LMDB grows it; one copy into RAM is the simpler and
-  safe choice. An entry that cannot be promoted (RAM full of pinned entries)
-  is answered ``http``: the client reads it over HTTP.
+- **LMDB-resident entries are READ straight out of LMDB's map** (no copy into
+  the arena): one read transaction per /v1/nixl/get (``LmdbTier.pin``, on the
+  tier's reader pool) pins every LMDB-resident value of the request; each
+  value's xxh3 is verified against its record once, before any descriptor is
+  handed out (a client READing into GPU memory cannot hash; a corrupt value is
+  answered ``corrupt`` and deleted, as a failed promotion is). The lease owns
+  the transaction and ends it on release or expiry; expiry is otherwise lazy,
+  so the progress task expires leases while any holds one, and
+  ``prefixstore_lmdb_read_txns`` counts the open ones. py-lmdb opens every
+  environment ``MDB_NOTLS``: a read transaction begun on a pool thread may be
+  aborted on the loop (a lock per pin keeps the two apart). Long read
+  transactions keep LMDB from reusing the pages freed after they began; a
+  lease is short (``lease_ttl_s``) and at most ``nixl_map_txns`` (default 64
+  of LMDB's 256 reader slots) are open. Beyond the cap, with the knob at 0,
+  without a store-side map registration, or while the map is growing, values
+  are promoted into the arena as before (``prefixstore_nixl_disk_reads_total``
+  says which); one that cannot be promoted (RAM full of pinned entries) is
+  answered ``http``. LMDB maps its file read-only, so a client WRITE into the
+  map fails and changes nothing.
+- **The map grows only with no transaction open** (LMDB's rule for
+  ``set_mapsize``). On MapFullError the tier stops new reads, these hooks end
+  every lease holding a pinned transaction (its READs then fail cleanly: the
+  client's xxh3 for host buffers; for buffers it cannot hash, /v1/release
+  answers that the lease did not hold) and deregister the map, the tier ends
+  any pin left, waits for short reads in flight, grows the map, and the hooks
+  register the new one and bump ``meta_gen``, all before the next answer.
 - **WRITEs are one-sided too**, so the store cannot stop a client that writes
   after its reservation expired (pending_ttl_s) into pages that were reused.
   The client never starts a WRITE after half the reservation's lifetime, and
@@ -69,6 +92,8 @@ from ..protocol.wire import (
     STATUS_OK,
     STATUS_PENDING,
     ItemResult,
+    LookupAnswer,
+    LookupRequest,
     WireError,
     parse_get_items,
     parse_items,
@@ -77,8 +102,10 @@ from ..protocol.wire import (
     req_entry_keys,
 )
 from .config import StoreConfig
-from .core import Store
-from .server import STORE, _control_header, _frame_response, _owned
+from .core import GetSlot, Store
+from .lmdb_tier import MapPin, ReadOutcome
+from . import nixl_lookup
+from .server import LOOKUP_NIXL, STORE, _control_header, _frame_response, _owned
 from .tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -140,6 +167,73 @@ class NixlTarget:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.progress_errors = 0
+        # LMDB's map, registered as a second region while map READs are on (nixl_map_txns > 0).
+        self.meta_gen = 0  # bumped whenever the metadata changes (the map moved); in every answer
+        self._map_reg: Any = None
+        self._map_leases: set[bytes] = set()  # leases holding a pinned LMDB read transaction
+        tier = store.tier
+        if tier is not None and tier.max_pins > 0:
+            self._register_map()
+            tier.before_grow.append(self._before_grow)
+            tier.after_grow.append(self._after_grow)
+
+    # ------------------------------------------------------------ LMDB's map
+
+    def _register_map(self) -> None:
+        tier = self.store.tier
+        region = tier.map_region() if tier is not None else None
+        if region is None:
+            log.warning("NIXL: LMDB's map cannot be located; LMDB-resident entries are promoted into RAM first")
+            return
+        try:
+            self._map_reg = self.agent.register_memory([(region[0], region[1], 0, "prefixstore-lmdb")], "DRAM")
+        except Exception as err:  # then promotion serves them, as with nixl_map_txns = 0
+            log.warning("NIXL: registering LMDB's map failed (%s: %s); LMDB-resident entries are promoted "
+                        "into RAM first", type(err).__name__, err)
+            return
+        self.metadata = self.agent.get_agent_metadata()  # it now describes the map too
+
+    def _deregister_map(self) -> None:
+        reg, self._map_reg = self._map_reg, None
+        if reg is not None:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as err:
+                log.warning("NIXL: deregistering LMDB's map failed: %s", err)
+            self.metadata = self.agent.get_agent_metadata()
+
+    def _before_grow(self) -> None:
+        """LMDB's map is about to move: end every lease that holds a pinned read transaction (its
+        READs fail cleanly: the release answer says the lease did not hold; xxh3 catches the rest)."""
+        revoked = list(self._map_leases)
+        for lease in revoked:
+            self.store.leases.release(lease)
+        self.store.metrics.nixl_map_revoked.inc(len(revoked))
+        if revoked:
+            log.info("NIXL: LMDB's map grows; ended %d leases reading from it", len(revoked))
+        self._deregister_map()
+
+    def _after_grow(self) -> None:
+        self._register_map()
+        self.meta_gen += 1  # clients seeing the new generation fetch the metadata again
+
+    @property
+    def map_reads(self) -> bool:
+        return self._map_reg is not None
+
+    def lease_pin(self, pin: MapPin, entries: list[Any]) -> bytes:
+        """A lease over ``entries`` that also ends ``pin`` when it ends (release, expiry, growth)."""
+        box: list[bytes] = []
+
+        def on_end() -> None:
+            pin.end()
+            if box:
+                self._map_leases.discard(box[0])
+
+        lease = self.store.leases.grant(entries, self.store.clock(), self.store.config.lease_ttl_s, on_end=on_end)
+        box.append(lease)
+        self._map_leases.add(lease)
+        return lease
 
     @classmethod
     def start(cls, store: Store) -> NixlTarget:
@@ -156,6 +250,14 @@ class NixlTarget:
         self.store.metrics.data_path.labels("nixl").set(0)
         await stop_task(self._task)
         self._task = None
+        tier = self.store.tier
+        if tier is not None:
+            for hooks, hook in ((tier.before_grow, self._before_grow), (tier.after_grow, self._after_grow)):
+                if hook in hooks:
+                    hooks.remove(hook)
+        for lease in list(self._map_leases):  # their transactions end before the map is deregistered
+            self.store.leases.release(lease)
+        self._deregister_map()
         try:
             self.agent.deregister_memory(self._reg)
         except Exception as err:  # closing: nothing left to protect
@@ -191,6 +293,8 @@ class NixlTarget:
     async def _progress_forever(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if self._map_leases:  # expiry is lazy elsewhere; a pinned read transaction must end on time
+                self.store.leases.expire(self.store.clock())
             try:
                 self.agent.get_new_notifs()
             except Exception as err:  # the agent must keep serving; count and go on
@@ -233,7 +337,7 @@ async def nixl_metadata(request: web.Request) -> web.Response:
     target = _target(request)
     await _control_header(request)  # an empty map; read so a body cannot linger on the connection
     return _frame_response({"agent": target.name, "metadata": target.metadata,
-                            "region": [target.base, target.size]})
+                            "region": [target.base, target.size], "meta_gen": target.meta_gen})
 
 
 async def nixl_get(request: web.Request) -> web.Response:
@@ -244,30 +348,77 @@ async def nixl_get(request: web.Request) -> web.Response:
     ns_id = req_bin(header, "ns", size=8)
     _owned(request, ns_id)
     items = parse_get_items(header, store.limits)
-    plan = await store.prepare_get(ns_id, items)
+    pins: list[MapPin] = []  # the one read transaction of this request's LMDB-resident payloads
+
+    async def map_disk(slots: list[GetSlot]) -> list[str | None]:
+        """Offer LMDB-resident payloads straight from LMDB's map, verified, in one read txn."""
+        assert store.tier is not None
+        if not target.map_reads:  # nixl_map_txns = 0, or the map could not be registered
+            store.metrics.nixl_disk_reads.labels("promoted").inc(len(slots))
+            return []
+        entries = [s.entry for s in slots]
+        pin, found = await store.tier.pin([(e.key, e.size, e.checksum, s.offset, s.length)
+                                           for s, e in zip(slots, entries) if e is not None])
+        if pin is not None:
+            pins.append(pin)
+        if not found:  # refused before looking (cap reached, map growing): all promoted
+            store.metrics.nixl_disk_reads.labels("promoted").inc(len(slots))
+            return []
+        outcomes: list[str | None] = []
+        for slot, f in zip(slots, found):
+            if f.outcome == ReadOutcome.OK and pin is not None:
+                slot.address, slot.checksum = f.address, f.checksum
+            outcomes.append(f.outcome if pin is not None or f.outcome != ReadOutcome.OK else None)
+        mapped = sum(o == ReadOutcome.OK for o in outcomes)
+        store.metrics.nixl_disk_reads.labels("map").inc(mapped)
+        store.metrics.nixl_disk_reads.labels("promoted").inc(sum(o is None for o in outcomes))
+        return outcomes
+
+    lease = None
     try:
-        out: list[list[object]] = []
-        leased = []
-        offered = 0
-        for slot in plan.slots:
-            e = slot.entry
-            if slot.status != STATUS_OK or e is None:
-                out.append([slot.status, 0, 0, b""])
-            elif slot.buffer is not None or e.pages is None:
-                out.append([STATUS_HTTP, slot.length, slot.checksum, b""])
-            else:
-                out.append([STATUS_OK, slot.length, slot.checksum, target.descriptors(e.pages, slot.offset, slot.length)])
-                leased.append(e)
-                offered += slot.length
-        # The lease pins what the descriptors point into; prepare_get's own pins drop below.
-        lease = store.leases.grant(leased, store.clock(), store.config.lease_ttl_s) if leased else None
+        plan = await store.prepare_get(ns_id, items, map_disk)
+        pin = pins[0] if pins else None
+        try:
+            out: list[list[object]] = []
+            leased = []
+            offered = 0
+            in_map = False
+            for slot in plan.slots:
+                e = slot.entry
+                if slot.status != STATUS_OK or e is None:
+                    out.append([slot.status, 0, 0, b""])
+                elif slot.address:
+                    if pin is None or pin.ended:  # the map moved meanwhile: this one goes over HTTP
+                        out.append([STATUS_HTTP, slot.length, slot.checksum, b""])
+                        continue
+                    out.append([STATUS_OK, slot.length, slot.checksum, struct.pack("<2Q", slot.address, slot.length)])
+                    leased.append(e)
+                    offered += slot.length
+                    in_map = True
+                elif slot.buffer is not None or e.pages is None:
+                    out.append([STATUS_HTTP, slot.length, slot.checksum, b""])
+                else:
+                    out.append([STATUS_OK, slot.length, slot.checksum,
+                                target.descriptors(e.pages, slot.offset, slot.length)])
+                    leased.append(e)
+                    offered += slot.length
+            # The lease pins what the descriptors point into (and holds the read transaction of
+            # those in LMDB's map); prepare_get's own pins drop below.
+            if leased and in_map and pin is not None:
+                lease = target.lease_pin(pin, leased)
+                pins.clear()  # the lease ends it now
+            elif leased:
+                lease = store.leases.grant(leased, store.clock(), store.config.lease_ttl_s)
+        finally:
+            store.finish_get(plan)
     finally:
-        store.finish_get(plan)
+        for unused in pins:  # not handed to a lease (nothing in the map was offered, or an error)
+            unused.end()
     if lease is not None:
         target.expect_traffic(lease)
         store.metrics.transfer_bytes.labels("out", "nixl").inc(offered)
     return _frame_response({"agent": target.name, "items": out, "lease": lease,
-                            "lease_ttl_s": store.config.lease_ttl_s if lease else 0.0})
+                            "lease_ttl_s": store.config.lease_ttl_s if lease else 0.0, "meta_gen": target.meta_gen})
 
 
 async def nixl_reserve(request: web.Request) -> web.Response:
@@ -321,6 +472,18 @@ def install(app: web.Application, config: StoreConfig) -> None:
     ``nixl = auto`` serves NIXL when the package imports and an agent can be made (HTTP only
     otherwise, said once in the log); ``on`` refuses to start without it; ``off`` never tries."""
     slot = app[NIXL] = NixlSlot()
+
+    def describe_lookup(req: LookupRequest, answer: LookupAnswer) -> dict[str, object] | None:
+        """A lookup asking for it also gets where its payloads lie (store/nixl_lookup.py)."""
+        target = slot.target
+        if target is None:
+            return None
+        out = nixl_lookup.describe(app[STORE], target.descriptors, req, answer, target.name, target.meta_gen)
+        if out is not None and answer.lease_id is not None:
+            target.expect_traffic(answer.lease_id)
+        return out
+
+    app[LOOKUP_NIXL] = describe_lookup
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         target: NixlTarget | None = None

@@ -39,9 +39,11 @@ intermediate Python objects on the server.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -53,6 +55,7 @@ from ..protocol.wire import (
     REASON_QUOTA,
     STATUS_OK,
     GetResult,
+    LookupAnswer,
     LookupRequest,
     WireError,
     decode_frame,
@@ -74,6 +77,9 @@ OPEN_TENANT = "default"  # the tenant of every request when no tenants file is c
 log = logging.getLogger(__name__)
 
 STORE = web.AppKey("store", Store)
+LookupExtension = Callable[[LookupRequest, LookupAnswer], dict[str, object] | None]
+LOOKUP_NIXL: web.AppKey[LookupExtension] = web.AppKey("lookup_nixl")
+"""Set by store/nixl_target.py where NIXL is served: the ``nixl`` part of a lookup that asks for it."""
 # The cluster token (tenants file: cluster_token_sha256) authenticates another node pushing replicas:
 # it reaches every tenant's namespaces, but only on these paths (no lookups, no reads).
 PEER = "\x00peer"  # never a tenant name: namespaces' tenant fields are printable
@@ -219,7 +225,10 @@ async def lookup(request: web.Request) -> web.Response:
     store = request.app[STORE]
     header = await _control_header(request)
     req = LookupRequest.from_header(header, store.limits, lambda ns_id: _owned(request, ns_id).block_tokens)
-    return _frame_response(store.lookup(req).to_header())
+    answer = store.lookup(req)
+    if req.nixl and (extension := request.app.get(LOOKUP_NIXL)) is not None:
+        answer = dataclasses.replace(answer, nixl=extension(req, answer))
+    return _frame_response(answer.to_header())
 
 
 async def offer(request: web.Request) -> web.Response:

@@ -1,0 +1,58 @@
+"""Lookups that also say where the matched payloads lie (the NIXL path's one round trip).
+
+A client on the NIXL path asks ``/v1/lookup`` with ``nixl: true``. Besides the match, the
+answer then carries, for every matched payload that is in the RAM arena (each matched block,
+the child, the snapshot), its size, its xxh3 and the (address, length) runs of the arena pages
+that hold it::
+
+    "nixl": {"agent": name, "meta_gen": g, "lease_ttl_s": t,
+             "entries": [[entry_key, size, xxh3, runs], ...]}
+
+and every entry listed is pinned by the lookup's lease (Leases.extend), so the client can READ
+them straight away -- no /v1/nixl/get -- and releases the lease when it is done, as after any
+lookup. Entries only on disk are left out: the client asks /v1/nixl/get for those, which
+serves them from LMDB's map or promotes them.
+
+Invariants, and where they are kept:
+- Runs are only handed out under the lease that pins their entries: the lease exists (the
+  lookup granted it in the same event-loop step) and is extended before the answer is sent.
+- A pinned entry is never evicted, demoted or overwritten, so the runs keep their bytes until
+  the lease is released or expires (store/core.py); how a client proves its READ happened
+  before that is in client/nixl_path.py (LookupRuns).
+"""
+
+from __future__ import annotations
+
+from ..protocol.hashing import HASH_BYTES
+from ..protocol.wire import LookupAnswer, LookupRequest, split_hashes
+from .core import Store
+from .index import Entry
+
+
+def describe(store: Store, descriptors: object, req: LookupRequest, answer: LookupAnswer,
+             agent: str, meta_gen: int) -> dict[str, object] | None:
+    """The ``nixl`` part of a lookup answer (None when there is no lease to pin anything by).
+
+    ``descriptors(pages, offset, length) -> bytes`` is the target's run encoder."""
+    if answer.lease_id is None or not store.leases.holds(answer.lease_id):
+        return None
+    entries: list[Entry] = []
+    seen: set[bytes] = set()
+    for h in split_hashes(req.hashes[: answer.matched_blocks * HASH_BYTES]):
+        e = store.index.get_block(h)
+        if e is not None and e.pages is not None and not e.dead and e.key not in seen:
+            entries.append(e)
+            seen.add(e.key)
+    for ref in (answer.child, answer.snapshot):
+        e = store.index.get(ref.key) if ref is not None else None
+        if e is not None and e.pages is not None and not e.dead and e.key not in seen:
+            entries.append(e)
+            seen.add(e.key)
+    assert answer.lease_id is not None
+    store.leases.extend(answer.lease_id, entries)
+    encode = descriptors  # Callable[[list[int], int, int], bytes]
+    listed = [[e.key, e.size, e.checksum, encode(e.pages, 0, e.size)] for e in entries]  # type: ignore[operator]
+    return {"agent": agent, "meta_gen": meta_gen, "lease_ttl_s": store.config.lease_ttl_s, "entries": listed}
+
+
+__all__ = ["describe"]

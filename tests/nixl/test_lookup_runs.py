@@ -1,0 +1,181 @@
+"""Lookups that place their payloads (store/nixl_lookup.py): reads with one READ, no /v1/nixl/get."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from prefixstore.client import ClientConfig, PrefixClient
+from prefixstore.client.device import DeviceBuffer
+from prefixstore.client.nixl_path import LookupRuns, slice_runs
+from prefixstore.protocol.wire import GetItem
+
+from ..factories import kv_payload
+from .conftest import NEEDS_NIXL, Clock, Start
+from .helpers import block_reads, namespace, save, tokens
+
+pytestmark = NEEDS_NIXL
+
+
+def runs(*pairs: int) -> bytes:
+    return struct.pack(f"<{len(pairs)}Q", *pairs)
+
+
+def test_slice_runs_cuts_at_run_boundaries() -> None:
+    r = runs(1000, 40, 5000, 24, 9000, 64)  # a 128-byte payload in three runs
+    assert slice_runs(r, 0, 128) == r
+    assert slice_runs(r, 10, 20) == runs(1010, 20)
+    assert slice_runs(r, 30, 40) == runs(1030, 10, 5000, 24, 9000, 6)
+    assert slice_runs(r, 64, 64) == runs(9000, 64)
+    with pytest.raises(ValueError, match="not inside"):
+        slice_runs(r, 100, 29)
+    with pytest.raises(ValueError, match="not inside"):
+        slice_runs(r, 0, 0)
+
+
+def test_lookup_runs_ignore_malformed_parts_and_expire() -> None:
+    cache = LookupRuns(max_entries=2)
+    now = time.monotonic()
+    good = {"agent": "a", "meta_gen": 1, "lease_ttl_s": 30.0,
+            "entries": [[b"k1", 8, 7, runs(4096, 8)], [b"k2", 8, 7, runs(8192, 8)]]}
+    assert cache.add({**good, "entries": [[b"k1", 8, 7, b"\x00" * 15]]}, b"L", now) == 0  # not 16-byte pairs
+    assert cache.add({**good, "agent": None}, b"L", now) == 0
+    assert cache.add({**good, "lease_ttl_s": 0.5}, b"L", now) == 0  # no time left to trust it
+    assert cache.add(good, b"L1", now) == 2
+    d = cache.get(b"k1", now)
+    assert d is not None and d.deadline == pytest.approx(now + 30.0 - 7.5)  # a quarter of 30 s kept back
+    assert cache.get(b"k1", d.deadline) is None  # past its deadline: gone
+    cache.add({**good, "entries": [[b"k3", 8, 7, runs(1, 8)]]}, b"L2", now)
+    assert len(cache) == 2 and cache.get(b"k3", now) is not None  # bounded: oldest out
+    cache.forget_lease(b"L2")
+    assert cache.get(b"k3", now) is None and cache.get(b"k2", now) is not None
+
+
+def record_paths(client: PrefixClient) -> list[str]:
+    paths: list[str] = []
+    original = client._call
+
+    async def call(p: str, header: dict[str, object], payloads=()):  # type: ignore[no-untyped-def]
+        paths.append(p)
+        return await original(p, header, payloads)
+
+    client._call = call  # type: ignore[method-assign]
+    return paths
+
+
+async def test_reads_after_a_nixl_lookup_need_no_get_call(start: Start) -> None:
+    """Whole blocks (checked by xxh3) and single layers (checked by the lease's deadline) of a
+    looked-up prefix come in one READ each batch, straight from the lookup's runs."""
+    url, store = await start(ram_bytes=1 << 20)
+    ns = namespace()
+    toks = tokens(41, 6)
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client:
+        assert await save(client, toks) == 6  # also loads the store's agent: later lookups ask for runs
+        paths = record_paths(client)
+        looked = await client.lookup(toks)
+        assert looked.kv_tokens == len(toks) and len(client._described) == 6
+        items, expected = block_reads(client, toks)
+        outs = [np.zeros(ns.block_bytes, dtype=np.uint8) for _ in items]
+        assert await client.read(items, outs) == [ns.block_bytes] * 6
+        assert [o.tobytes() for o in outs] == expected
+        layer_items, layer_expected = block_reads(client, toks, layer=1)
+        louts = [np.zeros(len(e), dtype=np.uint8) for e in layer_expected]
+        assert await client.read(layer_items, louts) == [len(e) for e in layer_expected]
+        assert [o.tobytes() for o in louts] == layer_expected
+        region = np.zeros(6 * ns.block_bytes, dtype=np.uint8)  # unhashable destinations: deadline-checked
+        dev = [DeviceBuffer(region.ctypes.data + j * ns.block_bytes, ns.block_bytes, memory="DRAM") for j in range(6)]
+        assert await client.read_device(items, dev) == [ns.block_bytes] * 6
+        assert region.tobytes() == b"".join(expected)
+        assert paths == ["/v1/lookup"]  # no /v1/nixl/get, no release yet
+        assert client.path_bytes["http"] == 0
+        assert await client.release(looked.lease_id)
+        assert len(client._described) == 0
+        assert await client.read(items[:1], outs[:1]) == [ns.block_bytes]
+        assert "/v1/nixl/get" in paths  # after the release: the usual way
+        store.check()
+
+
+async def test_described_payloads_stay_pinned_under_eviction_pressure(start: Start) -> None:
+    """The lookup's lease pins every payload it placed, not only the chain's last block: a flood
+    of other chains cannot take their pages before the READ."""
+    url, store = await start(ram_bytes=64 << 10)  # 16 pages of 4 KiB
+    ns = namespace()
+    toks = tokens(42, 6)
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client, \
+            PrefixClient(ns, ClientConfig(url=url, data_path="http")) as flood:
+        assert await save(client, toks) == 6
+        looked = await client.lookup(toks)
+        assert len(client._described) == 6
+        for seed in range(43, 49):  # many times the arena's room
+            await save(flood, tokens(seed, 6))
+        items, expected = block_reads(client, toks)
+        paths = record_paths(client)
+        outs = [np.zeros(ns.block_bytes, np.uint8) for _ in items]
+        assert await client.read(items, outs) == [ns.block_bytes] * 6
+        assert [o.tobytes() for o in outs] == expected and paths == []
+        await client.release(looked.lease_id)
+        store.check()
+
+
+async def test_a_lease_lost_under_a_described_read_is_caught_by_the_checksum(start: Start) -> None:
+    """The store expires the lookup's lease early (its clock jumps) and gives the pages to another
+    chain: whole-block reads fail their xxh3, are zeroed, and are asked again the usual way, which
+    finds them gone -- misses, never the intruder's bytes."""
+    clock = Clock()
+    url, store = await start(clock, ram_bytes=32 << 10)  # 8 pages: the intruder reuses them
+    ns = namespace()
+    toks = tokens(51, 4)
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client, \
+            PrefixClient(ns, ClientConfig(url=url, data_path="http")) as other:
+        assert await save(client, toks) == 4
+        await client.lookup(toks)
+        assert len(client._described) == 4
+        clock.now += 100.0
+        store.sweep()
+        store.flush()
+        assert await save(other, tokens(52, 8)) == 8
+        items, _ = block_reads(client, toks)
+        outs = [np.full(ns.block_bytes, 0xAB, dtype=np.uint8) for _ in items]
+        assert await client.read(items, outs) == [-1] * 4
+        assert all(not o.any() for o in outs)
+        assert client.failures["checksum"] >= 1
+        store.check()
+
+
+async def test_described_runs_are_not_used_past_the_lease_deadline(start: Start) -> None:
+    """With a short lease the client's own deadline passes first: the read goes the usual way."""
+    url, _ = await start(lease_ttl_s=1.5)  # trusted for 1.5 - 1.0 = 0.5 s after sending
+    ns = namespace()
+    toks = tokens(53, 2)
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client:
+        assert await save(client, toks) == 2
+        await client.lookup(toks)
+        assert len(client._described) == 2
+        await asyncio.sleep(0.6)
+        paths = record_paths(client)
+        items, expected = block_reads(client, toks, layer=0)
+        outs = [np.zeros(len(e), dtype=np.uint8) for e in expected]
+        assert await client.read(items, outs) == [len(e) for e in expected]
+        assert [o.tobytes() for o in outs] == expected
+        assert paths[0] == "/v1/nixl/get"
+
+
+async def test_store_without_nixl_lookup_part_and_http_clients_see_the_same_answer(start: Start) -> None:
+    url, _ = await start()
+    ns = namespace()
+    toks = tokens(54, 3)
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as nixl, \
+            PrefixClient(ns, ClientConfig(url=url, data_path="http")) as http:
+        assert await save(nixl, toks) == 3
+        a, b = await nixl.lookup(toks), await http.lookup(toks)
+        assert (a.kv_tokens, a.matched_blocks) == (b.kv_tokens, b.matched_blocks) == (len(toks), 3)
+        assert len(nixl._described) == 3 and len(http._described) == 0
+        item = GetItem(key=nixl.prompt(toks).block_key(0))
+        out = np.zeros(ns.block_bytes, dtype=np.uint8)
+        assert await http.read([item], [out]) == [ns.block_bytes]
+        assert out.tobytes() == kv_payload(ns, toks, 0, ns.block_tokens)
+
