@@ -30,5 +30,9 @@ timeout 180 python3 -m pytest -q -p no:cacheprovider -ra tests/nixl tests/gpu_st
 echo "tests rc=$?"
 timeout 150 python3 benchmarks/nixl_gpu.py --reps 7 --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 echo "bench rc=$?"
-timeout 120 python3 benchmarks/nixl_transfer.py --reps 5 --prefix-tokens 0 --out "$OUT" 2>&1 | tee "$OUT/host_bench.log"
-echo "host bench rc=$?"
+for chunk in 8MiB 0; do  # hashed READs in 8 MiB chunks overlapping the hashing (default), or one READ then hash
+  mkdir -p "$OUT/host_chunk_$chunk"
+  timeout 120 python3 benchmarks/nixl_transfer.py --reps 5 --prefix-tokens 0 --hash-chunk "$chunk" \
+    --out "$OUT/host_chunk_$chunk" 2>&1 | tee "$OUT/host_chunk_$chunk/bench.log"
+  echo "host bench (hash chunk $chunk) rc=$?"
+done
