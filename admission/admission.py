@@ -78,9 +78,15 @@ class Adaptive(SecondHit):
     whatever the mode, so it stops taking space without costing the origins
     that pay. Relative, because in a small cache every origin's rate is low,
     and an absolute floor then shuts out the one origin that earns the few
-    hits there are. Judging at eviction, not at admission, gives every
-    snapshot its full stay to be reused first: reuse that comes late is
-    still counted.
+    hits there are. A snapshot is judged once its outcome is known: reused at
+    its first hit, unreused when it is evicted without one. Judging at
+    eviction, not at admission, gives every snapshot its full stay to be
+    reused first (reuse that comes late is still counted); judging a reused
+    one at its first hit tells early what the *best* origin is worth. Before,
+    that waited for reused snapshots to be evicted too, and on long contexts
+    the junction snapshots that pay stay for dozens of requests: meanwhile
+    the one-off question and answer snapshots kept being admitted (66 of
+    each at 15% capacity, seed 0).
 
     Under always it moves to second-hit when reuse is heavy-tailed (F/(F+R) <
     ``enter_below``: most hits are repeat hits of a few hot prefixes) *and*
@@ -100,6 +106,7 @@ class Adaptive(SecondHit):
         super().__init__(filter_bytes)
         self._evicted: dict[int, float] = {}
         self._evicted_reused: dict[int, float] = {}
+        self._live_reused: dict[int, float] = {}  # reused at least once, not evicted yet
         self.dead_origin_rate = dead_origin_rate
         self.dead_origin_samples = dead_origin_samples
         self.min_events = min_events
@@ -140,9 +147,12 @@ class Adaptive(SecondHit):
             self.wasted /= 2
 
     def _reuse_rate(self, origin: int) -> float | None:
-        """The share of this origin's evicted snapshots that had been reused (None: too few yet)."""
-        n = self._evicted.get(origin, 0.0)
-        return self._evicted_reused.get(origin, 0.0) / n if n >= self.dead_origin_samples else None
+        """The share of this origin's judged snapshots that were reused (None: too few yet).
+
+        Judged: evicted, or still held and already reused (its outcome is known)."""
+        live = self._live_reused.get(origin, 0.0)
+        n = self._evicted.get(origin, 0.0) + live
+        return (self._evicted_reused.get(origin, 0.0) + live) / n if n >= self.dead_origin_samples else None
 
     def origin_is_dead(self, origin: int) -> bool:
         """Its snapshots are reused far less often than the best origin's.
@@ -155,7 +165,8 @@ class Adaptive(SecondHit):
         rate = self._reuse_rate(origin)
         if origin == 0 or rate is None:
             return False
-        best = max((r for o in self._evicted if (r := self._reuse_rate(o)) is not None), default=0.0)
+        origins = self._evicted.keys() | self._live_reused.keys()
+        best = max((r for o in origins if (r := self._reuse_rate(o)) is not None), default=0.0)
         return rate < self.dead_origin_rate * best
 
     def admit(self, kind: Kind, key: bytes, size: int, now: float, origin: int = 0) -> bool:
@@ -168,6 +179,8 @@ class Adaptive(SecondHit):
         return self.always_mode and not self.origin_is_dead(origin)
 
     def on_hit(self, kind: Kind, key: bytes, first: bool, now: float, origin: int = 0) -> None:
+        if first:
+            self._live_reused[origin] = self._live_reused.get(origin, 0.0) + 1.0
         if first and self.always_mode:
             self.forfeited += 1  # second-hit would not have stored it yet
         else:
@@ -177,6 +190,8 @@ class Adaptive(SecondHit):
     def on_evict(self, kind: Kind, num_hits: int, now: float, origin: int = 0) -> None:
         self.evictions += 1
         self.wasted += num_hits == 0
+        if num_hits > 0 and self._live_reused.get(origin, 0.0) >= 1.0:
+            self._live_reused[origin] -= 1.0  # judged at its first hit; from now on an evicted one
         n = self._evicted.get(origin, 0.0) + 1.0
         reused = self._evicted_reused.get(origin, 0.0) + (num_hits > 0)
         if n > 256:  # decay: the traffic may change

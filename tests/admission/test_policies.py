@@ -96,6 +96,26 @@ def test_adaptive_learns_a_dead_origin_and_admits_it_on_second_sighting() -> Non
     assert p.admit(Kind.STATE, key(501), 10, 50.0, origin=Origin.GENERATION_END)
 
 
+def test_adaptive_knows_the_best_origin_from_first_hits_before_its_snapshots_are_evicted() -> None:
+    """Long contexts: the junction snapshots that pay stay in the cache for dozens of
+    requests, while each question's prompt-end snapshot is evicted unreused. A reused
+    snapshot is judged at its first hit, so the one-off origin goes to second sighting
+    without waiting for a junction snapshot to be evicted."""
+    p = Adaptive(1 << 16)
+    for i in range(20):
+        k = key(i)
+        assert p.admit(Kind.STATE, k, 10, i, origin=Origin.JUNCTION)
+        p.on_hit(Kind.STATE, k, True, i, origin=Origin.JUNCTION)  # reused, still held
+        p.admit(Kind.STATE, key(100 + i), 10, i, origin=Origin.PROMPT_END)
+        p.on_evict(Kind.STATE, 0, i, origin=Origin.PROMPT_END)
+    assert p.origin_is_dead(Origin.PROMPT_END) and not p.origin_is_dead(Origin.JUNCTION)
+    assert not p.admit(Kind.STATE, key(500), 10, 30.0, origin=Origin.PROMPT_END)
+    # Evicting the reused junction snapshots later does not count them twice.
+    for i in range(20):
+        p.on_evict(Kind.STATE, 3, 40.0 + i, origin=Origin.JUNCTION)
+    assert p._reuse_rate(Origin.JUNCTION) == 1.0 and p._evicted[Origin.JUNCTION] == 20
+
+
 def test_adaptive_judges_an_origin_against_the_best_one_not_an_absolute_rate() -> None:
     """In a small cache every origin is reused rarely. The one that earns the few hits
     there are (prompt ends when each prompt is sent twice: 3% reused before eviction)
@@ -222,6 +242,29 @@ def test_flop_aware_hits_tell_whether_efficiency_predicts_use() -> None:
         w = p.weight
         p.on_hit(FakeEntry(key(2), Kind.STATE, shape.state_bytes, hit_pos, origin=Origin.JUNCTION), 2.0)
         assert p.weight == w  # a first use does not vote: which snapshots live to it is what w decides
+
+
+def test_flop_aware_early_votes_move_w_further_than_later_ones() -> None:
+    """The step shrinks as votes accumulate (K x step first, never below step), so w
+    reaches the traffic's side within a few dozen votes and then only follows it."""
+    shape = get_model("mamba2-hybrid-7b")
+    p = FlopAware(PolicyContext(shape_of=lambda ns: shape), weight=0.5, step=0.01, early_votes=10)
+    for pos in (400, 30_000) * 10:
+        p.on_store(FakeEntry(key(pos), Kind.STATE, shape.state_bytes, pos, origin=Origin.JUNCTION), 0.0)
+    moves = []
+    for n in range(200):
+        up = n % 2 == 0  # alternate, so w stays inside [0, 1] and each move is the full step
+        before = p.weight
+        p.on_hit(FakeEntry(key(n), Kind.STATE, shape.state_bytes, 30_000 if up else 400,
+                           origin=Origin.JUNCTION, num_hits=1), float(n))
+        moves.append(abs(p.weight - before))
+    assert moves[0] == pytest.approx(0.1)  # K x step
+    assert moves[0] > moves[10] > moves[50] > moves[100] - 1e-12
+    assert min(moves) == pytest.approx(0.01)  # the base step keeps following the traffic
+    fixed = FlopAware(PolicyContext(shape_of=lambda ns: shape), weight=0.5, step=0.01, early_votes=0)
+    fixed.on_store(FakeEntry(key(1), Kind.STATE, shape.state_bytes, 400, origin=Origin.JUNCTION), 0.0)
+    fixed.on_hit(FakeEntry(key(2), Kind.STATE, shape.state_bytes, 30_000, origin=Origin.JUNCTION, num_hits=1), 1.0)
+    assert fixed.weight == pytest.approx(0.51)
 
 
 def test_policy_registries_name_the_choices() -> None:
