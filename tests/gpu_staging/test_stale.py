@@ -66,7 +66,9 @@ class StopAfterLookup(PrefixClient):
 
 async def test_a_failed_transfer_leaves_zeros_and_the_request_recomputes(
         tmp_path: Path, start_store: StartStore, make_engine: MakeEngine, model: HybridModel) -> None:
-    running = await start_store(store_config(tmp_path))
+    # HTTP only: closing the server is a node's death for HTTP reads, but over NIXL (cma) this
+    # process's arena stays readable after it; tests/nixl kills a real store process instead.
+    running = await start_store(store_config(tmp_path, nixl="off"))
     engine = await make_engine(running, block_tokens=16, page_tokens=16, client_cls=StopAfterLookup)
     a, b = tokens(60, 64), tokens(61, 29)
     await engine.generate(a, 1)
@@ -92,7 +94,7 @@ async def test_a_failed_transfer_leaves_zeros_and_the_request_recomputes(
 async def test_a_failed_layer_stops_the_compute_and_is_zeroed(tmp_path: Path, start_store: StartStore,
                                                                 make_engine: MakeEngine, model: HybridModel) -> None:
     """A load that fails after layer 0: the waiter on the failed layer raises, nothing stale is scattered."""
-    running = await start_store(store_config(tmp_path))
+    running = await start_store(store_config(tmp_path, nixl="off"))  # HTTP only, as above
     engine = await make_engine(running, block_tokens=16, page_tokens=16)
     a = tokens(70, 48)
     await engine.generate(a, 1)
