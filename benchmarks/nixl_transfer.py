@@ -55,7 +55,7 @@ TARGET_RAW_RATIO = 0.70
 TARGET_HTTP_RATIO = 3.0
 BLOCK_TOKENS = 16
 HEAD_DIM = 128
-OPS = ["nixl_get", "nixl_get_nocheck", "http_get", "raw_read", "nixl_put", "http_put"]
+OPS = ["nixl_get", "nixl_get_placed", "nixl_get_nocheck", "http_get", "raw_read", "nixl_put", "http_put"]
 PREFIX_BLOCK_TOKENS = 256
 PREFIX_KV_HEADS = 8  # 1 attention layer x 8 KV heads x 128 x K,V x fp16 = 4 KiB a token
 
@@ -229,18 +229,20 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw: RawNixl
                f"({ns.kv.num_layers} layers x {ns.kv.num_heads} heads, B={BLOCK_TOKENS})")
     async with PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl")) as nixl, \
             PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl", verify_checksums=False)) as bare, \
+            PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl")) as placed, \
             PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="http")) as http:
         chains = Chains(nixl, n, size, args.seed)
         nixl.register_buffer(chains.source)  # PUT sources and GET outputs: registered once
-        _, get_set = chains.fresh()
+        get_tokens, get_set = chains.fresh()
         if any(r.status != "ok" for r in await http.put(get_set)):
             raise SystemExit(f"{size}: set-up put failed ({dict(http.failures)})")
         items = [GetItem(key=make_entry_key(Kind.BLOCK, spec.hash)) for spec, _ in get_set]
         out_region = np.ones(total, dtype=np.uint8)
         nixl.register_buffer(out_region)
         bare.register_buffer(out_region)
+        placed.register_buffer(out_region)
         outs = [out_region.data[j * size : (j + 1) * size] for j in range(n)]
-        for client in (nixl, bare, http):
+        for client in (nixl, bare, http, placed):
             out_region[:] = 0
             got = await client.read(items, outs)
             if got != [size] * n or not np.array_equal(out_region, chains.source):
@@ -257,6 +259,13 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw: RawNixl
             t = clock()
             got_b = await bare.read(items, outs)
             t_bare_get = clock() - t
+            looked = await placed.lookup(get_tokens)  # untimed: an engine looks up before it reads
+            if looked.kv_tokens != n * BLOCK_TOKENS or len(placed._described) != n:
+                raise SystemExit(f"{size}: the lookup placed {len(placed._described)} of {n} payloads")
+            t = clock()
+            got_p = await placed.read(items, outs)  # one READ from the lookup's runs, xxh3 verified
+            t_placed_get = clock() - t
+            await placed.release(looked.lease_id)
             t = clock()
             got_h = await http.read(items, outs)
             t_http_get = clock() - t
@@ -269,23 +278,29 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw: RawNixl
             t = clock()
             res_h = await http.put(batch)
             t_http_put = clock() - t
-            if got_n != [size] * n or got_b != [size] * n or got_h != [size] * n or any(r.status != "ok" for r in res_n + res_h):
+            if (got_n != [size] * n or got_b != [size] * n or got_h != [size] * n or got_p != [size] * n
+                    or any(r.status != "ok" for r in res_n + res_h)):
                 raise SystemExit(f"{size}: a timed call failed (nixl {dict(nixl.failures)}, http {dict(http.failures)})")
             if rep >= args.warmup:
-                for op, v in (("nixl_get", t_nixl_get), ("nixl_get_nocheck", t_bare_get), ("http_get", t_http_get),
+                for op, v in (("nixl_get", t_nixl_get), ("nixl_get_placed", t_placed_get),
+                              ("nixl_get_nocheck", t_bare_get), ("http_get", t_http_get),
                               ("raw_read", t_raw),
                               ("nixl_put", t_nixl_put), ("http_put", t_http_put)):
                     samples[op].add(v)
                 H.progress(f"{size >> 10} KiB rep {rep - args.warmup + 1}/{args.reps}: GET nixl "
-                           f"{total / t_nixl_get / 1e9:.2f} (no xxh3 {total / t_bare_get / 1e9:.2f}) http {total / t_http_get / 1e9:.2f} raw "
+                           f"{total / t_nixl_get / 1e9:.2f} (placed {total / t_placed_get / 1e9:.2f}, no xxh3 {total / t_bare_get / 1e9:.2f}) http {total / t_http_get / 1e9:.2f} raw "
                            f"{total / t_raw / 1e9:.2f} GB/s; PUT nixl {total / t_nixl_put / 1e9:.2f} "
                            f"http {total / t_http_put / 1e9:.2f} GB/s")
-        if nixl.path_bytes["http"] or nixl.failures:
-            raise SystemExit(f"the NIXL client used HTTP for {nixl.path_bytes['http']} bytes ({dict(nixl.failures)})")
+        for client in (nixl, placed):
+            if client.path_bytes["http"] or client.failures:
+                raise SystemExit(f"a NIXL client used HTTP for {client.path_bytes['http']} bytes "
+                                 f"({dict(client.failures)})")
     figures = {op: {"median_gbps": total / s.median / 1e9, "p10_gbps": total / s.quantile(0.9) / 1e9,
                     "p90_gbps": total / s.quantile(0.1) / 1e9, "median_ms": s.median * 1e3, "n": len(s.values)}
                for op, s in samples.items()}
     ratios = {"nixl_get_to_raw": samples["raw_read"].median / samples["nixl_get"].median,
+              "nixl_get_placed_to_raw": samples["raw_read"].median / samples["nixl_get_placed"].median,
+              "nixl_get_placed_to_http": samples["http_get"].median / samples["nixl_get_placed"].median,
               "nixl_get_nocheck_to_raw": samples["raw_read"].median / samples["nixl_get_nocheck"].median,
               "nixl_get_to_http": samples["http_get"].median / samples["nixl_get"].median,
               "nixl_put_to_http": samples["http_put"].median / samples["nixl_put"].median}
@@ -341,12 +356,12 @@ async def bench_prefix(url: str, args: argparse.Namespace) -> dict[str, object]:
 def plot(results: list[dict[str, object]], prefix: dict[str, object] | None, path: Path) -> None:
     plt = H.pyplot()
     fig, axes = plt.subplots(1, 3 if prefix else 2, figsize=(13 if prefix else 9, 3.8))
-    colors = {"nixl": "#4c72b0", "bare": "#9db4d8", "http": "#c44e52", "raw": "#8c8c8c"}
+    colors = {"nixl": "#4c72b0", "placed": "#2a9d8f", "bare": "#9db4d8", "http": "#c44e52", "raw": "#8c8c8c"}
     for ax, op in zip(axes, ("get", "put")):
-        kinds = ("nixl", "bare", "http", "raw") if op == "get" else ("nixl", "http")
+        kinds = ("nixl", "placed", "bare", "http", "raw") if op == "get" else ("nixl", "http")
         width = 0.8 / len(kinds)
         for i, kind in enumerate(kinds):
-            key = {"raw": "raw_read", "bare": "nixl_get_nocheck"}.get(kind, f"{kind}_{op}")
+            key = {"raw": "raw_read", "bare": "nixl_get_nocheck", "placed": "nixl_get_placed"}.get(kind, f"{kind}_{op}")
             xs, ys, lo, hi = [], [], [], []
             for k, r in enumerate(results):
                 f = r["figures"][key]  # type: ignore[index]
@@ -355,12 +370,14 @@ def plot(results: list[dict[str, object]], prefix: dict[str, object] | None, pat
                 lo.append(f["median_gbps"] - f["p10_gbps"])
                 hi.append(f["p90_gbps"] - f["median_gbps"])
             ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=colors[kind],
-                   label={"nixl": "NIXL", "bare": "NIXL, no xxh3 (info)", "http": "HTTP",
+                   label={"nixl": "NIXL (nixl/get + READ + release)", "placed": "NIXL after a lookup (READ only)",
+                          "bare": "NIXL, no xxh3 (info)", "http": "HTTP",
                           "raw": "raw NIXL READ (1 region)"}[kind])
-            if kind == "nixl":
+            if kind in ("nixl", "placed") and (op == "get" or kind == "nixl"):
                 for x, y, h, r in zip(xs, ys, hi, results):
                     ratios = r["ratios"]  # type: ignore[index]
-                    text = (f"{ratios['nixl_get_to_raw']:.0%} raw\n{ratios['nixl_get_to_http']:.1f}x http"
+                    get = "nixl_get" if kind == "nixl" else "nixl_get_placed"
+                    text = (f"{ratios[get + '_to_raw']:.0%} raw\n{ratios[get + '_to_http']:.1f}x http"
                             if op == "get" else f"{ratios['nixl_put_to_http']:.1f}x http")
                     ax.text(x, y + h, text, ha="center", va="bottom", fontsize=7, fontweight="bold")
         ax.set_xticks(range(len(results)), [f"{int(r['payload_bytes']) >> 10} KiB x {r['batch_items']}"  # type: ignore[call-overload]
@@ -412,10 +429,13 @@ async def main(argv: list[str] | None = None) -> int:
         rows.append([f"{int(r['payload_bytes']) >> 10} KiB x {r['batch_items']}",  # type: ignore[call-overload]
                      f["nixl_get"]["median_gbps"], f["http_get"]["median_gbps"], f["raw_read"]["median_gbps"],
                      f"{q['nixl_get_to_raw']:.0%}", f"{q['nixl_get_to_http']:.1f}x",
+                     f["nixl_get_placed"]["median_gbps"], f"{q['nixl_get_placed_to_raw']:.0%}",
+                     f"{q['nixl_get_placed_to_http']:.1f}x",
                      f["nixl_get_nocheck"]["median_gbps"], f"{q['nixl_get_nocheck_to_raw']:.0%}",
                      f["nixl_put"]["median_gbps"], f["http_put"]["median_gbps"], f"{q['nixl_put_to_http']:.1f}x"])
     H.print_table("GB/s, median (targets: NIXL GET >= 70% of raw and >= 3x HTTP)",
-                  ["batch", "NIXL GET", "HTTP GET", "raw READ", "GET/raw", "GET/HTTP", "GET no xxh3", "no xxh3/raw",
+                  ["batch", "NIXL GET", "HTTP GET", "raw READ", "GET/raw", "GET/HTTP", "placed GET", "placed/raw",
+                   "placed/HTTP", "GET no xxh3", "no xxh3/raw",
                    "NIXL PUT", "HTTP PUT", "PUT/HTTP"], rows)
     if prefix:
         H.print_table(f"full load of a {prefix['tokens']}-token prefix (lookup + READ into staging)",

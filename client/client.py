@@ -455,6 +455,7 @@ class PrefixClient:
         items left for the usual path."""
         now = time.monotonic()
         ns = self.namespace
+        token_bytes = ns.kv.token_bytes
         found: list[tuple[Described, int, int]] = []
         which: list[int] = []
         rest: list[int] = []
@@ -464,13 +465,16 @@ class PrefixClient:
             if d is None:
                 rest.append(i)
                 continue
-            is_state = item.key[0] == Kind.STATE
-            tokens = 0 if is_state or not ns.kv.token_bytes else d.size // ns.kv.token_bytes
-            try:
-                offset, length = ns.payload_range(is_state, tokens, item.layer_start, item.layer_end)
-            except ValueError:
-                rest.append(i)
-                continue
+            if item.layer_start == 0 and item.layer_end is None:
+                offset, length = 0, d.size
+            else:
+                is_state = item.key[0] == Kind.STATE
+                tokens = 0 if is_state or not token_bytes else d.size // token_bytes
+                try:
+                    offset, length = ns.payload_range(is_state, tokens, item.layer_start, item.layer_end)
+                except ValueError:
+                    rest.append(i)
+                    continue
             found.append((d, offset, length))
             which.append(i)
         if not found:

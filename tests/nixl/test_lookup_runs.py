@@ -11,7 +11,7 @@ import pytest
 
 from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.device import DeviceBuffer
-from prefixstore.client.nixl_path import LookupRuns, slice_runs
+from prefixstore.client.nixl_path import LookupRuns, coalesce, descriptor_lists, slice_runs
 from prefixstore.protocol.wire import GetItem
 
 from ..factories import kv_payload
@@ -35,6 +35,23 @@ def test_slice_runs_cuts_at_run_boundaries() -> None:
         slice_runs(r, 100, 29)
     with pytest.raises(ValueError, match="not inside"):
         slice_runs(r, 0, 0)
+
+
+def test_descriptor_pairs_contiguous_on_both_sides_merge() -> None:
+    """Payloads on consecutive arena pages read into consecutive slots become one descriptor; a
+    gap on either side, or another device, keeps them apart. The bytes each side covers are kept."""
+    # Four 4 KiB payloads: 0-1 consecutive in the arena, 2 elsewhere, 3 right after 2.
+    raws = [runs(1 << 20, 4096), runs((1 << 20) + 4096, 4096), runs(9 << 20, 4096), runs((9 << 20) + 4096, 4096)]
+    local, remote = descriptor_lists(raws, [4096] * 4, [0x10000, 0x11000, 0x12000, 0x13000])
+    l2, r2 = coalesce(local, remote)
+    assert l2.tolist() == [[0x10000, 8192, 0], [0x12000, 8192, 0]]
+    assert r2.tolist() == [[1 << 20, 8192, 0], [9 << 20, 8192, 0]]
+    local, remote = descriptor_lists(raws[:2], [4096] * 2, [0x10000, 0x20000])  # local gap
+    assert coalesce(local, remote)[0].tolist() == local.tolist()
+    gpu = local.copy()
+    gpu[:, 0] = [0x10000, 0x11000]
+    gpu[1, 2] = 1  # same addresses, another device
+    assert len(coalesce(gpu, remote)[0]) == 2
 
 
 def test_lookup_runs_ignore_malformed_parts_and_expire() -> None:
