@@ -30,14 +30,14 @@ from prefixstore.client import PrefixClient
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import make_entry_key, pack_tokens
 from prefixstore.protocol.probe import LookupReport, ProbeLevel, ProbeRequest
-from prefixstore.protocol.wire import CONTENT_TYPE, MAGIC, PREFIX, WIRE_VERSION, encode_frame
+from prefixstore.protocol.wire import CONTENT_TYPE, MAGIC, PREFIX, WIRE_VERSION, decode_frame, encode_frame
 
 from prefixstore.store import StoreConfig
 
 from ..conftest import RunningStore
 from ..nixl.conftest import NEEDS_NIXL
 from ..factories import kv_payload, make_namespace, state_payload
-from ..store.test_bad_input import SEED_SNAPSHOT, Seeded, fresh_tokens, num_5xx, read_back, seed
+from ..store.test_bad_input import SEED_SNAPSHOT, SEED_TOKENS, Seeded, fresh_tokens, num_5xx, read_back, seed
 
 NS = make_namespace()
 MAX_EXAMPLES = 150  # per endpoint: ~1,000 requests in all, a few seconds
@@ -62,6 +62,8 @@ NIXL_FIELDS = {
     "/v1/nixl/get": ["ns", "items"],
     "/v1/nixl/reserve": ["ns", "items"],
     "/v1/nixl/commit": ["ns", "keys", "commit"],
+    # a lookup that asks for placements (store/nixl_lookup.py), of the seeded prompt so it places some
+    "/v1/lookup#nixl": ["ns", "hashes", "tokens", "lease", "nixl"],
 }
 ITEM_FIELDS = ["kind", "hash", "size", "parent", "tokens", "extra", "container", "boundary", "checksum", "origin"]
 NS_FIELDS = ["model", "kv", "state", "block_tokens", "tp_rank", "tp_size", "tenant", "scheme"]
@@ -103,6 +105,8 @@ def _valid_bodies() -> dict[str, bytes]:
         "/v1/nixl/get": encode_frame({"ns": NS.id, "items": [[k, 0, None] for k in keys]}),
         "/v1/nixl/reserve": encode_frame({"ns": NS.id, "items": items}),
         "/v1/nixl/commit": encode_frame({"ns": NS.id, "keys": keys, "commit": True}),
+        "/v1/lookup#nixl": encode_frame({"ns": NS.id, "hashes": b"".join(Prompt(NS, SEED_TOKENS).hashes),
+                                         "tokens": pack_tokens(SEED_TOKENS), "lease": True, "nixl": True}),
     }
 
 
@@ -223,7 +227,15 @@ async def test_fuzzed_nixl_frames_never_answer_5xx(start_store, store_config: St
     running = await start_store(dataclasses.replace(store_config, nixl="on"))
     async with aiohttp.ClientSession(base_url=running.url, timeout=aiohttp.ClientTimeout(total=10)) as session:
         async with running.client(NS, data_path="http") as client:
-            await fuzz(running, session, client, endpoint)
+            await fuzz(running, session, client, endpoint)  # seeds the store first
+            if endpoint == "/v1/lookup#nixl":  # the seed body reached the placements: the seeded prompt, placed
+                async with session.post("/v1/lookup", data=VALID[endpoint],
+                                        headers={"Content-Type": CONTENT_TYPE}) as resp:
+                    assert resp.status == 200
+                    header, _ = decode_frame(await resp.read())
+                placed = header["nixl"]
+                assert isinstance(placed, dict) and len(placed["entries"]) >= 2  # type: ignore[arg-type]
+                assert await client.release(header["lease"])  # type: ignore[arg-type]
 
 
 async def fuzz(running: RunningStore, session: aiohttp.ClientSession, fuzz_client: PrefixClient,
@@ -247,7 +259,8 @@ async def fuzz(running: RunningStore, session: aiohttp.ClientSession, fuzz_clien
                 for i in range(0, len(body), 37):
                     yield body[i : i + 37]
             data = gen()
-        async with session.post(endpoint, data=data, headers={"Content-Type": CONTENT_TYPE}) as resp:
+        path = endpoint.split("#")[0]  # "/v1/lookup#nixl": a variant of a path's seed body
+        async with session.post(path, data=data, headers={"Content-Type": CONTENT_TYPE}) as resp:
             await resp.read()
             return resp.status
 
