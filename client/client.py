@@ -296,7 +296,7 @@ class PrefixClient:
         leased = self.config.lease if lease is None else lease
         # On the NIXL path the answer also places the matched payloads (store/nixl_lookup.py):
         # reads of them then go straight to one READ, without /v1/nixl/get.
-        on_nixl = leased and self._nixl is not None and self._nixl.path.remote is not None
+        on_nixl = leased and self._on_nixl()
         req = LookupRequest(namespace_id=self.namespace.id, hashes=b"".join(p.hashes), tokens=p.packed,
                             lease=leased, extras=tuple((j, x) for j, x in enumerate(p.extra_keys) if x),
                             nixl=on_nixl)
@@ -311,6 +311,10 @@ class PrefixClient:
         return LookupResult(prompt=p, kv_tokens=answer.kv_tokens, state_tokens=answer.state_tokens,
                             checkpoint_hint=answer.checkpoint_hint, matched_blocks=answer.matched_blocks,
                             child=answer.child, snapshot=answer.snapshot, lease_id=answer.lease_id)
+
+    def _on_nixl(self) -> bool:
+        """This client's agent is connected to the store's: answers may place payloads for it."""
+        return self._nixl is not None and self._nixl.path.remote is not None
 
     async def release(self, lease_id: bytes | None) -> bool:
         if lease_id is None:

@@ -292,7 +292,10 @@ class ClusterClient(PrefixClient):
 
     async def _probe(self, url: str, levels: list[ProbeLevel], lease: bool) -> tuple[str, ProbeAnswer | None]:
         node = self._node(url)
-        req = ProbeRequest(namespace_id=self.namespace.id, levels=tuple(levels), lease=lease)
+        # On the NIXL path the node also places the payloads it reports (store/nixl_lookup.py):
+        # the node's client then reads them with one READ, as after a single node's lookup.
+        req = ProbeRequest(namespace_id=self.namespace.id, levels=tuple(levels), lease=lease,
+                           nixl=lease and node.client._on_nixl())
         node.inflight += 1
         started = time.monotonic()
         try:
@@ -304,6 +307,8 @@ class ClusterClient(PrefixClient):
         finally:
             node.inflight -= 1
         self._succeeded(node, time.monotonic() - started)
+        if answer.nixl is not None and answer.lease_id is not None:
+            node.client._described.add(answer.nixl, answer.lease_id, started)
         return url, answer
 
     async def lookup(self, prompt: Prompt | Sequence[int] | np.ndarray, lease: bool | None = None) -> LookupResult:

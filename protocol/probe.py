@@ -67,9 +67,14 @@ class ProbeRequest:
     namespace_id: bytes
     levels: tuple[ProbeLevel, ...]
     lease: bool = True
+    nixl: bool = False  # also answer where the reported payloads lie (as a lookup does; store/nixl_lookup.py)
 
     def to_header(self) -> dict[str, object]:
-        return {"ns": self.namespace_id, "levels": [lv.to_wire() for lv in self.levels], "lease": self.lease}
+        d: dict[str, object] = {"ns": self.namespace_id, "levels": [lv.to_wire() for lv in self.levels],
+                                "lease": self.lease}
+        if self.nixl:
+            d["nixl"] = True
+        return d
 
     @classmethod
     def from_header(cls, h: dict[str, object], limits: Limits,
@@ -80,7 +85,8 @@ class ProbeRequest:
         levels = tuple(ProbeLevel.from_wire(x, f"levels[{i}]", B) for i, x in enumerate(raw))
         if sum(len(lv.tokens) for lv in levels) // TOKEN_BYTES > limits.max_lookup_tokens:
             raise WireError("levels", f"more than {limits.max_lookup_tokens} tokens in all", 413)
-        return cls(namespace_id=ns, levels=levels, lease=req_bool(h, "lease", default=True))
+        return cls(namespace_id=ns, levels=levels, lease=req_bool(h, "lease", default=True),
+                   nixl=req_bool(h, "nixl", default=False))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,10 +115,12 @@ class ProbeAnswer:
     lease_id: bytes | None = None
     lease_ttl_s: float = 0.0
     replicas: dict[bytes, tuple[str, ...]] = field(default_factory=dict)
+    nixl: dict[str, object] | None = None  # asked with ``nixl``: placements, as in a LookupAnswer
 
     def to_header(self) -> dict[str, object]:
         return {"levels": [lv.to_wire() for lv in self.levels], "lease": self.lease_id,
-                "lease_ttl_s": self.lease_ttl_s, "replicas": {k.hex(): list(v) for k, v in self.replicas.items()}}
+                "lease_ttl_s": self.lease_ttl_s, "replicas": {k.hex(): list(v) for k, v in self.replicas.items()},
+                "nixl": self.nixl}
 
     @classmethod
     def from_header(cls, h: dict[str, object]) -> ProbeAnswer:
@@ -131,7 +139,7 @@ class ProbeAnswer:
         ttl = h.get("lease_ttl_s", 0.0)
         return cls(levels=tuple(LevelAnswer.from_wire(x, f"levels[{i}]") for i, x in enumerate(raw)),
                    lease_id=opt_bin(h, "lease"), lease_ttl_s=float(ttl) if isinstance(ttl, (int, float)) else 0.0,
-                   replicas=replicas)
+                   replicas=replicas, nixl=nixl if isinstance(nixl := h.get("nixl"), dict) else None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

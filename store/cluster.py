@@ -13,6 +13,7 @@ it works unchanged)::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -20,7 +21,7 @@ from aiohttp import web
 
 from ..protocol.hashing import BlockHash
 from ..protocol.keys import Kind, make_entry_key
-from ..protocol.probe import LookupReport, ProbeRequest
+from ..protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
 from ..protocol.wire import WireError, req_bin, req_entry_keys
 from .config import StoreConfig
 from .membership import DnsResolver, Membership
@@ -30,6 +31,9 @@ from .server import STORE, _control_header, _frame_response, _owned
 
 MEMBERSHIP = web.AppKey("membership", Membership)
 REPLICATOR = web.AppKey("replicator", Replicator)
+ProbeExtension = Callable[[ProbeRequest, ProbeAnswer], dict[str, object] | None]
+PROBE_NIXL: web.AppKey[ProbeExtension] = web.AppKey("probe_nixl")
+"""Set by store/nixl_target.py where NIXL is served: the ``nixl`` part of a probe that asks for it."""
 
 
 async def members(request: web.Request) -> web.Response:
@@ -50,6 +54,8 @@ async def probe(request: web.Request) -> web.Response:
     header = await _control_header(request)
     req = ProbeRequest.from_header(header, store.limits, lambda ns_id: _owned(request, ns_id).block_tokens)
     answer = probe_levels(store, req, request.app[REPLICATOR].replicas_of())
+    if req.nixl and (extension := request.app.get(PROBE_NIXL)) is not None:
+        answer = dataclasses.replace(answer, nixl=extension(req, answer))
     return _frame_response(answer.to_header())
 
 

@@ -11,7 +11,8 @@ that hold it::
 and every entry listed is pinned by the lookup's lease (Leases.extend), so the client can READ
 them straight away -- no /v1/nixl/get -- and releases the lease when it is done, as after any
 lookup. Entries only on disk are left out: the client asks /v1/nixl/get for those, which
-serves them from LMDB's map or promotes them.
+serves them from LMDB's map or promotes them. A cluster probe (``/v1/probe`` with ``nixl``)
+places the payloads it reports the same way, under its own lease.
 
 Invariants, and where they are kept:
 - Runs are only handed out under the lease that pins their entries: the lease exists (the
@@ -23,36 +24,57 @@ Invariants, and where they are kept:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..protocol.hashing import HASH_BYTES
+from ..protocol.probe import ProbeAnswer, ProbeRequest
 from ..protocol.wire import LookupAnswer, LookupRequest, split_hashes
 from .core import Store
 from .index import Entry
 
+Encoder = Callable[[list[int], int, int], bytes]
+"""NixlTarget.descriptors: (pages, offset, length) -> (address, length) runs."""
 
-def describe(store: Store, descriptors: object, req: LookupRequest, answer: LookupAnswer,
+
+def describe(store: Store, descriptors: Encoder, req: LookupRequest, answer: LookupAnswer,
              agent: str, meta_gen: int) -> dict[str, object] | None:
-    """The ``nixl`` part of a lookup answer (None when there is no lease to pin anything by).
+    """The ``nixl`` part of a lookup answer (None when there is no lease to pin anything by)."""
+    if answer.lease_id is None:
+        return None
+    entries = [store.index.get_block(h) for h in split_hashes(req.hashes[: answer.matched_blocks * HASH_BYTES])]
+    entries += [store.index.get(ref.key) for ref in (answer.child, answer.snapshot) if ref is not None]
+    return _place(store, descriptors, answer.lease_id, entries, agent, meta_gen)
 
-    ``descriptors(pages, offset, length) -> bytes`` is the target's run encoder."""
-    if answer.lease_id is None or not store.leases.holds(answer.lease_id):
+
+def describe_probe(store: Store, descriptors: Encoder, req: ProbeRequest, answer: ProbeAnswer,
+                   agent: str, meta_gen: int) -> dict[str, object] | None:
+    """The same for a cluster probe (store/probe.py): the blocks it reports held, children and
+    snapshots, under the probe's lease."""
+    if answer.lease_id is None:
+        return None
+    by_level = {lv.level: lv for lv in req.levels}
+    entries: list[Entry | None] = []
+    for a in answer.levels:
+        lv = by_level.get(a.level)
+        if a.held and lv is not None and lv.next:
+            entries.append(store.index.get_block(lv.next))
+        entries += [store.index.get(ref.key) for ref in (a.child, a.snapshot) if ref is not None]
+    return _place(store, descriptors, answer.lease_id, entries, agent, meta_gen)
+
+
+def _place(store: Store, descriptors: Encoder, lease_id: bytes, candidates: list[Entry | None], agent: str,
+           meta_gen: int) -> dict[str, object] | None:
+    if not store.leases.holds(lease_id):
         return None
     entries: list[Entry] = []
     seen: set[bytes] = set()
-    for h in split_hashes(req.hashes[: answer.matched_blocks * HASH_BYTES]):
-        e = store.index.get_block(h)
+    for e in candidates:
         if e is not None and e.pages is not None and not e.dead and e.key not in seen:
             entries.append(e)
             seen.add(e.key)
-    for ref in (answer.child, answer.snapshot):
-        e = store.index.get(ref.key) if ref is not None else None
-        if e is not None and e.pages is not None and not e.dead and e.key not in seen:
-            entries.append(e)
-            seen.add(e.key)
-    assert answer.lease_id is not None
-    store.leases.extend(answer.lease_id, entries)
-    encode = descriptors  # Callable[[list[int], int, int], bytes]
-    listed = [[e.key, e.size, e.checksum, encode(e.pages, 0, e.size)] for e in entries]  # type: ignore[operator]
+    store.leases.extend(lease_id, entries)
+    listed = [[e.key, e.size, e.checksum, descriptors(e.pages, 0, e.size)] for e in entries if e.pages is not None]
     return {"agent": agent, "meta_gen": meta_gen, "lease_ttl_s": store.config.lease_ttl_s, "entries": listed}
 
 
-__all__ = ["describe"]
+__all__ = ["describe", "describe_probe"]

@@ -87,6 +87,7 @@ from typing import Any
 from aiohttp import web
 
 from ..protocol.nixl_agent import NixlUnavailable, import_nixl, make_agent
+from ..protocol.probe import ProbeAnswer, ProbeRequest
 from ..protocol.wire import (
     REASON_QUOTA,
     STATUS_OK,
@@ -105,6 +106,7 @@ from .config import StoreConfig
 from .core import GetSlot, Store
 from .lmdb_tier import MapPin, ReadOutcome
 from . import nixl_lookup
+from .cluster import PROBE_NIXL
 from .server import LOOKUP_NIXL, STORE, _control_header, _frame_response, _owned
 from .tasks import stop_task
 
@@ -484,6 +486,18 @@ def install(app: web.Application, config: StoreConfig) -> None:
         return out
 
     app[LOOKUP_NIXL] = describe_lookup
+
+    def describe_probe(req: ProbeRequest, answer: ProbeAnswer) -> dict[str, object] | None:
+        """A cluster probe asking for it places its payloads the same way."""
+        target = slot.target
+        if target is None:
+            return None
+        out = nixl_lookup.describe_probe(app[STORE], target.descriptors, req, answer, target.name, target.meta_gen)
+        if out is not None and answer.lease_id is not None:
+            target.expect_traffic(answer.lease_id)
+        return out
+
+    app[PROBE_NIXL] = describe_probe
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         target: NixlTarget | None = None

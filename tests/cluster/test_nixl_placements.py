@@ -1,0 +1,46 @@
+"""A cluster lookup on the NIXL path: every node places the payloads it reports (store/nixl_lookup.py),
+so the reads that follow are one READ per node, with no /v1/nixl/get, as after a single node's lookup."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prefixstore.client import ClientConfig, PrefixClient
+from prefixstore.client.cluster import ClusterClient
+from prefixstore.protocol.wire import GetItem
+
+from ..factories import kv_payload, make_namespace
+from ..nixl.conftest import NEEDS_NIXL
+
+pytestmark = NEEDS_NIXL
+
+
+async def test_probes_place_payloads_and_reads_skip_the_get_call(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(3, "--nixl", "on", "--lease-ttl-s", "30")
+    ns = make_namespace(block_tokens=16)
+    toks = [int(t) for t in np.random.default_rng(3).integers(0, 50_000, 16 * 12)]
+    async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls), data_path="nixl")) as client:
+        assert isinstance(client, ClusterClient)
+        saved = await client.save(client.prompt(toks), len(toks), lambda a, b: kv_payload(ns, toks, a, b))
+        assert saved.stored == 12  # the saves went over NIXL: every node's agent is connected now
+        paths: list[str] = []
+        for node in client._nodes.values():
+            original = node.client._call
+
+            async def call(p, header, payloads=(), _original=original):  # type: ignore[no-untyped-def]
+                paths.append(p)
+                return await _original(p, header, payloads)
+
+            node.client._call = call  # type: ignore[method-assign]
+        looked = await client.lookup(toks)
+        assert looked.kv_tokens == len(toks)
+        placed = sum(len(node.client._described) for node in client._nodes.values())
+        assert placed == 12  # each block placed by the node that reported it
+        p = client.prompt(toks)
+        items = [GetItem(key=p.block_key(j)) for j in range(12)]
+        outs = [np.zeros(ns.block_bytes, dtype=np.uint8) for _ in items]
+        assert await client.read(items, outs) == [ns.block_bytes] * 12
+        assert [o.tobytes() for o in outs] == [kv_payload(ns, toks, 16 * j, 16 * (j + 1)) for j in range(12)]
+        assert "/v1/nixl/get" not in paths and "/v1/get" not in paths
+        assert await client.release(looked.lease_id)
+        assert sum(len(node.client._described) for node in client._nodes.values()) == 0
