@@ -6,7 +6,8 @@ Against one store child process (NIXL on, RAM tier), per payload size (default 1
 ================  ======================================================================
 vram GET          ``PrefixClient.read_device``: POST /v1/nixl/get, one READ of the batch
                   into a CUDA region registered once as VRAM, POST /v1/release (the bytes
-                  are proven by the lease; client/device.py)
+                  are proven by the lease; client/device.py: a client with
+                  verify_checksums=False, as READs into GPU memory require)
 host GET + H2D    ``PrefixClient.read`` over NIXL into a pinned host region registered once
                   (xxh3 verified), then one copy of the batch to the GPU
 http GET + H2D    the same over HTTP (POST /v1/get streamed into the pinned region), then
@@ -121,7 +122,11 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw_vram: NT
     n = args.batch_bytes // size
     total = n * size
     H.progress(f"{size >> 10} KiB: {n} x {size >> 10} KiB = {total / 2**20:.0f} MiB a batch")
-    async with PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl")) as nixl, \
+    # READs into GPU memory are proven by their lease alone: only a client that turned hashing off
+    # may make them (ClientConfig.device_reads, docs/nixl.md). The host paths hash as always.
+    async with PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl",
+                                             verify_checksums=False)) as trusting, \
+            PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl")) as nixl, \
             PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="http")) as http:
         chains = NT.Chains(http, n, size, args.seed)
         _, get_set = chains.fresh()
@@ -131,14 +136,14 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw_vram: NT
         gpu = torch.zeros(total, dtype=torch.uint8, device=dev)
         host = device.host(total)
         whole = device.buffer(gpu)
-        nixl.register_buffer(whole)
+        trusting.register_buffer(whole)
         nixl.register_buffer(host.numpy())
         dev_outs = [whole.slice(j * size, size) for j in range(n)]
         host_outs = [host.numpy()[j * size : (j + 1) * size] for j in range(n)]
         source = torch.from_numpy(chains.source)
 
         async def vram() -> list[int]:
-            return await nixl.read_device(items, dev_outs)
+            return await trusting.read_device(items, dev_outs)
 
         async def via_host(client: PrefixClient) -> list[int]:
             got = await client.read(items, host_outs)
@@ -171,8 +176,9 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw_vram: NT
                     samples[op].add(v)
                 H.progress(f"{size >> 10} KiB rep {rep - args.warmup + 1}/{args.reps}: "
                            + ", ".join(f"{LABELS[op]} {total / v / 1e9:.2f}" for op, v in times.items()) + " GB/s")
-        if nixl.failures:
-            raise SystemExit(f"the NIXL client counted failures: {dict(nixl.failures)}")
+        for client in (nixl, trusting):
+            if client.failures:
+                raise SystemExit(f"a NIXL client counted failures: {dict(client.failures)}")
     figures = {op: {"median_gbps": total / s.median / 1e9, "p10_gbps": total / s.quantile(0.9) / 1e9,
                     "p90_gbps": total / s.quantile(0.1) / 1e9, "median_ms": s.median * 1e3, "n": len(s.values)}
                for op, s in samples.items()}
@@ -196,7 +202,8 @@ async def bench_prefix(url: str, args: argparse.Namespace) -> dict[str, object]:
     total = num_blocks * ns.block_bytes
     H.progress(f"prefix: {args.prefix_tokens} tokens = {num_blocks} blocks = {total / 2**20:.0f} MiB into GPU staging")
     result: dict[str, object] = {"tokens": args.prefix_tokens, "blocks": num_blocks, "bytes": total}
-    async with PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl", device_reads=True)) as vram, \
+    async with PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl", device_reads=True,
+                                             verify_checksums=False)) as vram, \
             PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl")) as nixl, \
             PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="http")) as http:
         chains = NT.Chains(http, num_blocks, ns.block_bytes, args.seed + 1, NT.PREFIX_BLOCK_TOKENS)

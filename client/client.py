@@ -368,7 +368,8 @@ class PrefixClient:
     async def read_device(self, items: Sequence[GetItem], outs: Sequence[DeviceBuffer]) -> list[int]:
         """READ payloads over NIXL straight into device memory (a GPU staging region).
 
-        Per item: bytes written and proven, or -1 for anything not delivered -- a miss, a failed
+        Only with ``verify_checksums=False`` (an operator's choice to trust leases: GPU memory
+        cannot be hashed here). Per item: bytes written and proven, or -1 for anything not delivered -- a miss, a failed
         or unproven transfer, a payload the store serves over HTTP only, or no NIXL path at all
         (the HTTP path cannot write device memory). Read the -1 items again with :meth:`read`
         into host memory to tell a miss from those. The bytes of a -1 item's buffer are
@@ -378,6 +379,9 @@ class PrefixClient:
             raise ValueError("read_device: one output buffer per item")
         if not all(isinstance(o, DeviceBuffer) for o in outs):
             raise TypeError("read_device: outputs must be DeviceBuffer (DeviceBuffer.of(tensor))")
+        if self.config.verify_checksums:
+            raise ValueError("read_device: the client cannot check GPU memory against xxh3 (DESIGN: every "
+                             "crossing verified); set verify_checksums=False to trust leases instead")
         done: list[int] = [-1] * len(items)
         batch: list[int] = []
         budget = 0
@@ -471,6 +475,11 @@ class PrefixClient:
                 continue
             if item.layer_start == 0 and item.layer_end is None:
                 offset, length = 0, d.size
+            elif self.config.verify_checksums:
+                # The store keeps one xxh3 per payload: a layer range is checked only when the store
+                # hashes it for /v1/nixl/get. Unchecked bytes only where the operator turned checks off.
+                rest.append(i)
+                continue
             else:
                 is_state = item.key[0] == Kind.STATE
                 tokens = 0 if is_state or not token_bytes else d.size // token_bytes

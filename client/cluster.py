@@ -469,6 +469,8 @@ class ClusterClient(PrefixClient):
             raise ValueError("read_device: one output buffer per item")
         if not all(isinstance(o, DeviceBuffer) for o in outs):
             raise TypeError("read_device: outputs must be DeviceBuffer (DeviceBuffer.of(tensor))")
+        if self.config.verify_checksums:
+            raise ValueError("read_device: needs verify_checksums=False (GPU memory cannot be hashed here)")
         return await self._read_routed(items, outs, PrefixClient.read_device)
 
     async def _read_routed(self, items: Sequence[GetItem], views: Sequence[Any], reader: Reader) -> list[int]:

@@ -55,12 +55,17 @@ class ClientConfig:
     are the same, and any NIXL failure falls back to HTTP; one log line says which path is in use."""
     device_reads: bool = False
     """GPU staging regions: NIXL READs land straight in GPU memory (``read_device``) instead of
-    the pinned host mirror plus one copy up. Pays where UCX reaches GPU memory directly (an RDMA
-    fabric with GPUDirect: enable UCX's ib transports by setting UCX_MODULES yourself). Without
-    that, UCX stages such a READ through host memory in small pieces: on an H200 over TCP and
-    shared memory it measured 3x slower than the host READ plus copy (docs/benchmarks.md), hence off."""
+    the pinned host mirror plus one copy up. Needs ``verify_checksums=False``: the client cannot
+    hash GPU memory, so those bytes are proven by their lease alone (docs/nixl.md). Pays where UCX
+    reaches GPU memory directly (an RDMA fabric with GPUDirect: enable UCX's ib transports by
+    setting UCX_MODULES yourself). Without that, UCX stages such a READ through host memory in
+    small pieces: on an H200 over TCP and shared memory it measured 3x slower than the host READ
+    plus copy (docs/benchmarks.md), hence off."""
 
     def __post_init__(self) -> None:
+        if self.device_reads and self.verify_checksums:
+            raise ValueError("device_reads: READs into GPU memory cannot be checked against their xxh3 here; "
+                             "set verify_checksums=False to trust their leases instead (docs/nixl.md)")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url: expected http:// or https://, got {self.url!r}")
         if isinstance(self.urls, str):

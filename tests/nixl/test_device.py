@@ -7,6 +7,7 @@ docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 
 from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.device import DeviceBuffer
+from prefixstore.protocol.wire import GetItem
 
 from .conftest import NEEDS_NIXL, Clock, Start
 from .helpers import block_reads, interleave_after, namespace, save, tokens
@@ -61,13 +63,13 @@ async def test_read_device_delivers_the_bytes_and_misses(start: Start) -> None:
     url, _ = await start()
     ns = namespace()
     toks = tokens(21, 4)
-    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client:
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl", verify_checksums=False)) as client:
         assert await save(client, toks) == 4
         items, expected = block_reads(client, toks)
         missing, _ = block_reads(client, tokens(22, 1))
         # Staging chooses device READs only when asked (device_reads); read_device works regardless.
         assert not client.reads_device
-        assert PrefixClient(ns, ClientConfig(url=url, device_reads=True)).reads_device
+        assert PrefixClient(ns, ClientConfig(url=url, device_reads=True, verify_checksums=False)).reads_device
         region, outs = host_buffers(5, ns.block_bytes)
         before = client.path_bytes["nixl"]  # the save went over NIXL too
         got = await client.read_device(items + missing, outs)
@@ -76,16 +78,26 @@ async def test_read_device_delivers_the_bytes_and_misses(start: Start) -> None:
         assert client.path_bytes["nixl"] - before == 4 * ns.block_bytes and client.path_bytes["http"] == 0
 
 
-@pytest.mark.parametrize("verify", [True, False])
-async def test_read_device_trusts_only_a_lease_that_held(start: Start, verify: bool) -> None:
+def test_unhashable_reads_need_checksums_turned_off() -> None:
+    """DESIGN: every payload's xxh3 is checked at every crossing. GPU memory cannot be hashed by
+    the client, so READs into it are an operator's explicit choice to trust leases instead."""
+    with pytest.raises(ValueError, match="verify_checksums=False"):
+        ClientConfig(device_reads=True)
+    client = PrefixClient(namespace(), ClientConfig(data_path="nixl"))
+    _, outs = host_buffers(1, 64)
+    with pytest.raises(ValueError, match="verify_checksums=False"):
+        asyncio.run(client.read_device([GetItem(key=b"\x01" * 17)], outs))
+
+
+async def test_read_device_trusts_only_a_lease_that_held(start: Start) -> None:
     """The lease expires between the descriptors and the READ and another chain takes the pages:
     the READ copies the intruder's bytes, which no checksum can catch here, so the release that
-    finds the lease gone makes every item -1, with checksums on or off."""
+    finds the lease gone makes every item -1."""
     clock = Clock()
     url, store = await start(clock)
     ns = namespace()
     toks = tokens(23, 4)
-    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl", verify_checksums=verify)) as client, \
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl", verify_checksums=False)) as client, \
             PrefixClient(ns, ClientConfig(url=url, data_path="http")) as other:
         assert await save(client, toks) == 4
         items, _ = block_reads(client, toks)
@@ -109,7 +121,7 @@ async def test_read_device_without_nixl_delivers_nothing_and_asks_nothing(start:
     url, _ = await start()
     ns = namespace()
     toks = tokens(25, 2)
-    async with PrefixClient(ns, ClientConfig(url=url, data_path="http")) as client:
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="http", verify_checksums=False)) as client:
         assert await save(client, toks) == 2
         items, _ = block_reads(client, toks)
         asked: list[str] = []
@@ -141,7 +153,7 @@ async def test_read_into_gpu_memory_registered_as_vram(start: Start) -> None:
     url, _ = await start(ram_bytes=4 << 20)
     ns = namespace()
     toks = tokens(31, 8)
-    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client:
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl", verify_checksums=False)) as client:
         assert await save(client, toks) == 8
         items, expected = block_reads(client, toks)
         region = torch.full((8 * ns.block_bytes,), 0xAB, dtype=torch.uint8, device="cuda")
@@ -165,7 +177,7 @@ async def test_gpu_staging_reads_into_device_and_zeroes_what_missed(start: Start
     url, _ = await start(ram_bytes=4 << 20)
     ns = namespace()
     toks = tokens(32, 3)
-    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl", device_reads=True)) as client:
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl", device_reads=True, verify_checksums=False)) as client:
         assert await save(client, toks) == 3
         staging = StagingBuffer(8 * ns.block_bytes, device="cuda")
         staging.region.fill_(0xAB)  # an earlier request's bytes
@@ -190,7 +202,7 @@ async def test_gpu_staging_lease_lost_mid_read_leaves_zeros_on_the_device(start:
     url, store = await start(clock, ram_bytes=4 << 20)
     ns = namespace()
     toks = tokens(34, 2)
-    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl", device_reads=True)) as client, \
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl", device_reads=True, verify_checksums=False)) as client, \
             PrefixClient(ns, ClientConfig(url=url, data_path="http")) as other:
         assert await save(client, toks) == 2
         items, expected = block_reads(client, toks)

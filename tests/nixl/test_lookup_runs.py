@@ -85,12 +85,15 @@ def record_paths(client: PrefixClient) -> list[str]:
 
 
 async def test_reads_after_a_nixl_lookup_need_no_get_call(start: Start) -> None:
-    """Whole blocks (checked by xxh3) and single layers (checked by the lease's deadline) of a
-    looked-up prefix come in one READ each batch, straight from the lookup's runs."""
+    """Whole blocks of a looked-up prefix come in one READ a batch, straight from the lookup's runs,
+    checked by the xxh3 the lookup gave. A layer range has no xxh3 of its own: with checksums on
+    it is read the usual way (the store hashes the range), and only a client that turned checks
+    off reads it, or any unhashable buffer, from the runs (proven by the lease's deadline)."""
     url, store = await start(ram_bytes=1 << 20)
     ns = namespace()
     toks = tokens(41, 6)
-    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client:
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client, \
+            PrefixClient(ns, ClientConfig(url=url, data_path="nixl", verify_checksums=False)) as trusting:
         assert await save(client, toks) == 6  # also loads the store's agent: later lookups ask for runs
         paths = record_paths(client)
         looked = await client.lookup(toks)
@@ -99,20 +102,30 @@ async def test_reads_after_a_nixl_lookup_need_no_get_call(start: Start) -> None:
         outs = [np.zeros(ns.block_bytes, dtype=np.uint8) for _ in items]
         assert await client.read(items, outs) == [ns.block_bytes] * 6
         assert [o.tobytes() for o in outs] == expected
+        assert paths == ["/v1/lookup"]  # no /v1/nixl/get, no release yet
         layer_items, layer_expected = block_reads(client, toks, layer=1)
         louts = [np.zeros(len(e), dtype=np.uint8) for e in layer_expected]
         assert await client.read(layer_items, louts) == [len(e) for e in layer_expected]
         assert [o.tobytes() for o in louts] == layer_expected
-        region = np.zeros(6 * ns.block_bytes, dtype=np.uint8)  # unhashable destinations: deadline-checked
-        dev = [DeviceBuffer(region.ctypes.data + j * ns.block_bytes, ns.block_bytes, memory="DRAM") for j in range(6)]
-        assert await client.read_device(items, dev) == [ns.block_bytes] * 6
-        assert region.tobytes() == b"".join(expected)
-        assert paths == ["/v1/lookup"]  # no /v1/nixl/get, no release yet
+        assert paths[1:] == ["/v1/nixl/get", "/v1/release"]  # the range: checked by the store's hash
         assert client.path_bytes["http"] == 0
         assert await client.release(looked.lease_id)
         assert len(client._described) == 0
         assert await client.read(items[:1], outs[:1]) == [ns.block_bytes]
-        assert "/v1/nixl/get" in paths  # after the release: the usual way
+        assert paths[-2:] == ["/v1/nixl/get", "/v1/release"]  # after the release: the usual way
+
+        assert await trusting.read(items[:1], outs[:1]) == [ns.block_bytes]  # connects its agent
+        trusted_paths = record_paths(trusting)
+        looked = await trusting.lookup(toks)
+        louts = [np.zeros(len(e), dtype=np.uint8) for e in layer_expected]
+        assert await trusting.read(layer_items, louts) == [len(e) for e in layer_expected]
+        assert [o.tobytes() for o in louts] == layer_expected
+        region = np.zeros(6 * ns.block_bytes, dtype=np.uint8)
+        dev = [DeviceBuffer(region.ctypes.data + j * ns.block_bytes, ns.block_bytes, memory="DRAM") for j in range(6)]
+        assert await trusting.read_device(items, dev) == [ns.block_bytes] * 6
+        assert region.tobytes() == b"".join(expected)
+        assert trusted_paths == ["/v1/lookup"]
+        assert await trusting.release(looked.lease_id)
         store.check()
 
 
@@ -174,7 +187,7 @@ async def test_described_runs_are_not_used_past_the_lease_deadline(start: Start)
         assert len(client._described) == 2
         await asyncio.sleep(0.6)
         paths = record_paths(client)
-        items, expected = block_reads(client, toks, layer=0)
+        items, expected = block_reads(client, toks)
         outs = [np.zeros(len(e), dtype=np.uint8) for e in expected]
         assert await client.read(items, outs) == [len(e) for e in expected]
         assert [o.tobytes() for o in outs] == expected
