@@ -33,7 +33,6 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 
 import _harness as H
 import nixl_transfer as NT
@@ -55,12 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "baselines, and the full load of a long prefix into a GPU staging region; one store\n"
                     "child process, one run. Needs CUDA (torch with a GPU) and nixl.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--payload-sizes", type=lambda s: [H.parse_size(x) for x in s.split(",")],
-                   default=[1 << 20, 64 << 10], metavar="SIZES",
-                   help="Comma-separated KV block payload sizes (multiples of 8KiB). Default: 1MiB,64KiB.")
-    p.add_argument("--batch-bytes", type=H.parse_size, default=64 << 20, metavar="SIZE",
-                   help="Payload bytes per GET (one batch) and the raw READs' region size; 4MiB with --quick. "
-                        "Default: 64MiB.")
+    NT.add_batch_args(p, "Payload bytes per GET (one batch) and the raw READs' region size")
     p.add_argument("--prefix-tokens", type=int, default=131_072,
                    help=f"Tokens of the prefix whose load into GPU staging is timed (4 KiB a token, blocks of "
                         f"{NT.PREFIX_BLOCK_TOKENS}); 8,192 with --quick; 0 skips it. Default: 131072.")
@@ -71,13 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     H.add_common_args(p, reps="9 (2 with --quick)", warmup="1")
     args = p.parse_args(argv)
     if args.quick:
-        args.batch_bytes = min(args.batch_bytes, 4 << 20)
         args.prefix_tokens = min(args.prefix_tokens, 8192)
-    args.reps = args.reps or (2 if args.quick else 9)
-    args.warmup = args.warmup if args.warmup is not None else 1
-    for size in args.payload_sizes:
-        if size % (NT.BLOCK_TOKENS * 2 * 2 * NT.HEAD_DIM) or args.batch_bytes % size or args.batch_bytes < size:
-            p.error(f"--payload-sizes: {size} must be a multiple of 8KiB dividing --batch-bytes={args.batch_bytes}")
+    NT.finish_batch_args(p, args)
     if args.prefix_tokens % NT.PREFIX_BLOCK_TOKENS:
         p.error(f"--prefix-tokens: must be a multiple of {NT.PREFIX_BLOCK_TOKENS}")
     if args.device != "cpu" and not args.device.isdigit():

@@ -40,12 +40,12 @@ import aiohttp
 import numpy as np
 
 import _harness as H
+import nixl_transfer as NT
 from prefixstore.client import ClientConfig, PrefixClient
-from prefixstore.protocol import KVLayout, Kind, Namespace, make_entry_key
+from prefixstore.protocol import Kind, Namespace, make_entry_key
 from prefixstore.protocol.wire import GetItem
 
-BLOCK_TOKENS = 16
-HEAD_DIM = 128
+BLOCK_TOKENS = NT.BLOCK_TOKENS
 OPS = ["map", "promote", "ram"]
 
 
@@ -57,40 +57,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "two store child processes in one run, reps interleaved. Writes nixl_lmdb_read.json and\n"
                     "nixl_lmdb_read.png to --out. Needs nixl (pip install nixl).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--payload-sizes", type=lambda s: [H.parse_size(x) for x in s.split(",")],
-                   default=[1 << 20, 64 << 10], metavar="SIZES",
-                   help="Comma-separated KV block payload sizes (64KiB, 1MiB, ...; multiples of 8KiB). "
-                        "Default: 1MiB,64KiB.")
-    p.add_argument("--batch-bytes", type=H.parse_size, default=64 << 20, metavar="SIZE",
-                   help="Payload bytes per GET call (batch = this / payload size); 4MiB with --quick. "
-                        "Default: 64MiB.")
+    NT.add_batch_args(p, "Payload bytes per GET call (batch = this / payload size)")
     p.add_argument("--sets", type=int, default=3,
                    help="GET sets per payload size, read in turn (at least 2: a set is read again only "
                         "after another was promoted, which pushes it out of the promote store's RAM). "
                         "Default: 3.")
     H.add_common_args(p, reps="9 (2 with --quick)", warmup="1")
     args = p.parse_args(argv)
-    if args.quick:
-        args.batch_bytes = min(args.batch_bytes, 4 << 20)
-    args.reps = args.reps or (2 if args.quick else 9)
-    args.warmup = args.warmup if args.warmup is not None else 1
+    NT.finish_batch_args(p, args)
     if args.sets < 2:
         p.error("--sets: at least 2")
-    for size in args.payload_sizes:
-        if size % (BLOCK_TOKENS * 2 * 2 * HEAD_DIM) or args.batch_bytes % size or args.batch_bytes < size:
-            p.error(f"--payload-sizes: {size} must be a multiple of 8KiB dividing --batch-bytes={args.batch_bytes}")
     return args
 
 
 def make_namespace(payload_bytes: int) -> Namespace:
-    """A namespace whose full block (16 tokens, all layers, K and V, fp16) is exactly payload_bytes."""
-    per_head_layer = BLOCK_TOKENS * 2 * 2 * HEAD_DIM
-    total = payload_bytes // per_head_layer
-    heads = next(h for h in (8, 4, 2, 1) if total % h == 0)
-    ns = Namespace(model=f"bench-lmdb-read-{payload_bytes}", block_tokens=BLOCK_TOKENS, tenant="bench",
-                   kv=KVLayout(num_layers=total // heads, num_heads=heads, head_dim=HEAD_DIM, dtype="float16"))
-    assert ns.block_bytes == payload_bytes
-    return ns
+    return NT.make_namespace(payload_bytes, model="bench-lmdb-read")
 
 
 async def disk_reads(url: str) -> dict[str, float]:

@@ -60,6 +60,27 @@ PREFIX_BLOCK_TOKENS = 256
 PREFIX_KV_HEADS = 8  # 1 attention layer x 8 KV heads x 128 x K,V x fp16 = 4 KiB a token
 
 
+def add_batch_args(p: argparse.ArgumentParser, batch_help: str) -> None:
+    """--payload-sizes and --batch-bytes, as every NIXL benchmark takes them."""
+    p.add_argument("--payload-sizes", type=lambda s: [H.parse_size(x) for x in s.split(",")],
+                   default=[1 << 20, 64 << 10], metavar="SIZES",
+                   help="Comma-separated KV block payload sizes (64KiB, 1MiB, ...; multiples of 8KiB). "
+                        "Default: 1MiB,64KiB.")
+    p.add_argument("--batch-bytes", type=H.parse_size, default=64 << 20, metavar="SIZE",
+                   help=f"{batch_help}; 4MiB with --quick. Default: 64MiB.")
+
+
+def finish_batch_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--quick's clamp, the reps/warmup defaults, and every payload size checked against the batch."""
+    if args.quick:
+        args.batch_bytes = min(args.batch_bytes, 4 << 20)
+    args.reps = args.reps or (2 if args.quick else 9)
+    args.warmup = args.warmup if args.warmup is not None else 1
+    for size in args.payload_sizes:
+        if size % (BLOCK_TOKENS * 2 * 2 * HEAD_DIM) or args.batch_bytes % size or args.batch_bytes < size:
+            p.error(f"--payload-sizes: {size} must be a multiple of 8KiB dividing --batch-bytes={args.batch_bytes}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/nixl_transfer.py",
@@ -67,13 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "full load of a long prefix, all against one store child process in one run. Writes\n"
                     "nixl_transfer.json and nixl_transfer.png to --out. Needs nixl (pip install nixl).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--payload-sizes", type=lambda s: [H.parse_size(x) for x in s.split(",")],
-                   default=[1 << 20, 64 << 10], metavar="SIZES",
-                   help="Comma-separated KV block payload sizes (64KiB, 1MiB, ...; multiples of 8KiB). "
-                        "Default: 1MiB,64KiB.")
-    p.add_argument("--batch-bytes", type=H.parse_size, default=64 << 20, metavar="SIZE",
-                   help="Payload bytes per GET or PUT call (one batch; batch = this / payload size) and the "
-                        "size of the raw READ's region; 4MiB with --quick. Default: 64MiB.")
+    add_batch_args(p, "Payload bytes per GET or PUT call (one batch; batch = this / payload size) and the "
+                      "size of the raw READ's region")
     p.add_argument("--prefix-tokens", type=int, default=131_072,
                    help="Tokens of the prefix whose full load (lookup + READ into staging) is timed; "
                         f"KV only, {PREFIX_KV_HEADS} heads x {HEAD_DIM} x fp16 x K,V = 4 KiB a token, "
@@ -93,24 +109,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
         nixl_path.HASH_CHUNK_BYTES = args.hash_chunk
     if args.quick:
-        args.batch_bytes = min(args.batch_bytes, 4 << 20)
         args.prefix_tokens = min(args.prefix_tokens, 8192)
-    args.reps = args.reps or (2 if args.quick else 9)
-    args.warmup = args.warmup if args.warmup is not None else 1
-    for size in args.payload_sizes:
-        if size % (BLOCK_TOKENS * 2 * 2 * HEAD_DIM) or args.batch_bytes % size or args.batch_bytes < size:
-            p.error(f"--payload-sizes: {size} must be a multiple of 8KiB dividing --batch-bytes={args.batch_bytes}")
+    finish_batch_args(p, args)
     if args.prefix_tokens % PREFIX_BLOCK_TOKENS:
         p.error(f"--prefix-tokens: must be a multiple of {PREFIX_BLOCK_TOKENS}")
     return args
 
 
-def make_namespace(payload_bytes: int) -> Namespace:
+def make_namespace(payload_bytes: int, model: str = "bench-nixl") -> Namespace:
     """A namespace whose full block (16 tokens, all layers, K and V, fp16) is exactly payload_bytes."""
     per_head_layer = BLOCK_TOKENS * 2 * 2 * HEAD_DIM
     total = payload_bytes // per_head_layer
     heads = next(h for h in (8, 4, 2, 1) if total % h == 0)
-    ns = Namespace(model=f"bench-nixl-{payload_bytes}", block_tokens=BLOCK_TOKENS, tenant="bench",
+    ns = Namespace(model=f"{model}-{payload_bytes}", block_tokens=BLOCK_TOKENS, tenant="bench",
                    kv=KVLayout(num_layers=total // heads, num_heads=heads, head_dim=HEAD_DIM, dtype="float16"))
     assert ns.block_bytes == payload_bytes
     return ns

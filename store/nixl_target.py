@@ -80,21 +80,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from ..protocol.nixl_agent import NixlUnavailable, import_nixl, make_agent
-from ..protocol.probe import ProbeAnswer, ProbeRequest
 from ..protocol.wire import (
     REASON_QUOTA,
     STATUS_OK,
     STATUS_PENDING,
     ItemResult,
-    LookupAnswer,
-    LookupRequest,
     WireError,
     parse_get_items,
     parse_items,
@@ -475,29 +472,21 @@ def install(app: web.Application, config: StoreConfig) -> None:
     otherwise, said once in the log); ``on`` refuses to start without it; ``off`` never tries."""
     slot = app[NIXL] = NixlSlot()
 
-    def describe_lookup(req: LookupRequest, answer: LookupAnswer) -> dict[str, object] | None:
-        """A lookup asking for it also gets where its payloads lie (store/nixl_lookup.py)."""
-        target = slot.target
-        if target is None:
-            return None
-        out = nixl_lookup.describe(app[STORE], target.descriptors, req, answer, target.name, target.meta_gen)
-        if out is not None and answer.lease_id is not None:
-            target.expect_traffic(answer.lease_id)
-        return out
+    def placing(describe: Callable[..., dict[str, object] | None]) -> Callable[[Any, Any], dict[str, object] | None]:
+        """A lookup (or cluster probe) asking for it also gets where its payloads lie
+        (store/nixl_lookup.py); the lease that pins them keeps the progress task busy."""
+        def extension(req: Any, answer: Any) -> dict[str, object] | None:
+            target = slot.target
+            if target is None:
+                return None
+            out = describe(app[STORE], target.descriptors, req, answer, target.name, target.meta_gen)
+            if out is not None and answer.lease_id is not None:
+                target.expect_traffic(answer.lease_id)
+            return out
+        return extension
 
-    app[LOOKUP_NIXL] = describe_lookup
-
-    def describe_probe(req: ProbeRequest, answer: ProbeAnswer) -> dict[str, object] | None:
-        """A cluster probe asking for it places its payloads the same way."""
-        target = slot.target
-        if target is None:
-            return None
-        out = nixl_lookup.describe_probe(app[STORE], target.descriptors, req, answer, target.name, target.meta_gen)
-        if out is not None and answer.lease_id is not None:
-            target.expect_traffic(answer.lease_id)
-        return out
-
-    app[PROBE_NIXL] = describe_probe
+    app[LOOKUP_NIXL] = placing(nixl_lookup.describe)
+    app[PROBE_NIXL] = placing(nixl_lookup.describe_probe)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         target: NixlTarget | None = None
