@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import numpy as np
 
 from prefixstore.client import PrefixClient
 from prefixstore.protocol import Namespace
 from prefixstore.protocol.wire import GetItem
+from prefixstore.store import Store
 
 from ..factories import kv_payload, make_namespace
 from ..serve_process import http_get
+
+class MovableClock(Protocol):
+    now: float
+
 
 BLOCK_TOKENS = 64  # 64 tokens x 64 B = 4 KiB a block: one page at 4 KiB pages, several at 1 KiB
 
@@ -82,3 +88,15 @@ def interleave_after(client: PrefixClient, path: str, action: Interleave) -> Non
         return answer
 
     client._call = call  # type: ignore[method-assign]
+
+
+async def lose_leases_to(store: Store, clock: MovableClock, other: PrefixClient, intruder: list[int]) -> list[bytes]:
+    """The store's clock jumps past every lease; the unpinned entries go and ``other`` saves the
+    chain of ``intruder``, whose blocks take their pages (lowest free pages first). Returns the
+    intruder's block bytes: what a READ through stale descriptors would now copy."""
+    clock.now += 100.0  # past any lease_ttl_s of these tests
+    store.sweep()  # expires the leases: the entries are unpinned
+    assert len(store.leases) == 0
+    store.flush()  # ... deleted, their pages freed
+    assert await save(other, intruder) == len(intruder) // other.namespace.block_tokens  # ... and reused
+    return block_reads(other, intruder)[1]

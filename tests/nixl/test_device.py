@@ -18,7 +18,7 @@ from prefixstore.client.device import DeviceBuffer
 from prefixstore.protocol.wire import GetItem
 
 from .conftest import NEEDS_NIXL, Clock, Start
-from .helpers import block_reads, interleave_after, namespace, save, tokens
+from .helpers import block_reads, interleave_after, lose_leases_to, namespace, save, tokens
 
 pytestmark = NEEDS_NIXL
 
@@ -103,10 +103,7 @@ async def test_read_device_trusts_only_a_lease_that_held(start: Start) -> None:
         items, _ = block_reads(client, toks)
 
         async def expire_and_reuse(path: str, answer: dict[str, object]) -> None:
-            clock.now += 10.0
-            store.sweep()
-            store.flush()
-            assert await save(other, tokens(24, 4)) == 4
+            await lose_leases_to(store, clock, other, tokens(24, 4))
 
         interleave_after(client, "/v1/nixl/get", expire_and_reuse)
         _, outs = host_buffers(4, ns.block_bytes)
@@ -210,10 +207,7 @@ async def test_gpu_staging_lease_lost_mid_read_leaves_zeros_on_the_device(start:
         async def expire_and_reuse(path: str, answer: dict[str, object]) -> None:
             if path == "/v1/nixl/get" and not getattr(expire_and_reuse, "done", False):
                 expire_and_reuse.done = True  # type: ignore[attr-defined]
-                clock.now += 10.0
-                store.sweep()
-                store.flush()
-                assert await save(other, tokens(35, 2)) == 2
+                await lose_leases_to(store, clock, other, tokens(35, 2))
 
         interleave_after(client, "/v1/nixl/get", expire_and_reuse)
         staging = StagingBuffer(4 * ns.block_bytes, device="cuda")

@@ -16,7 +16,7 @@ from prefixstore.protocol.wire import GetItem
 
 from ..factories import kv_payload
 from .conftest import NEEDS_NIXL, Clock, Start
-from .helpers import block_reads, namespace, save, tokens
+from .helpers import block_reads, lose_leases_to, namespace, save, tokens
 
 pytestmark = NEEDS_NIXL
 
@@ -164,10 +164,7 @@ async def test_a_lease_lost_under_a_described_read_is_caught_by_the_checksum(sta
         assert await save(client, toks) == 4
         await client.lookup(toks)
         assert len(client._described) == 4
-        clock.now += 100.0
-        store.sweep()
-        store.flush()
-        assert await save(other, tokens(52, 8)) == 8
+        await lose_leases_to(store, clock, other, tokens(52, 8))
         items, _ = block_reads(client, toks)
         outs = [np.full(ns.block_bytes, 0xAB, dtype=np.uint8) for _ in items]
         assert await client.read(items, outs) == [-1] * 4

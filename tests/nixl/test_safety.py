@@ -14,7 +14,7 @@ from prefixstore.client import ClientConfig, PrefixClient
 
 from ..security.helpers import TOKENS, raw_post, write_tenants
 from .conftest import NEEDS_NIXL, Clock, Start
-from .helpers import block_reads, interleave_after, namespace, read, save, tokens
+from .helpers import block_reads, interleave_after, lose_leases_to, namespace, read, save, tokens
 
 pytestmark = NEEDS_NIXL
 
@@ -41,13 +41,7 @@ async def test_lease_expiring_mid_transfer_fails_the_read_cleanly(start: Start, 
         overwritten = []
 
         async def expire_and_reuse(path: str, answer: dict[str, object]) -> None:
-            clock.now += 10.0  # past lease_ttl_s
-            store.sweep()  # expires the lease: the entries are unpinned
-            assert len(store.leases) == 0
-            store.flush()  # ... deleted, their pages freed
-            intruder = tokens(6, 8)
-            assert await save(other, intruder) == 8  # ... and reused (lowest free pages first)
-            overwritten.extend(block_reads(other, intruder)[1])
+            overwritten.extend(await lose_leases_to(store, clock, other, tokens(6, 8)))
 
         interleave_after(client, "/v1/nixl/get", expire_and_reuse)
         got, outs = await read(client, items, ns.block_bytes)
