@@ -27,6 +27,9 @@ import xxhash
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else -1)
 
 
+_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+
+
 class ArenaFull(Exception):
     """Not enough free pages; the caller evicts or rejects."""
 
@@ -41,8 +44,12 @@ class Arena:
         self.num_pages = total_bytes // page_bytes
         self.virtual = virtual
         # One anonymous mapping: untouched pages cost nothing until prefault()
-        # (or the first write) maps them in.
-        self._map = mmap.mmap(-1, max(1, 0 if virtual else self.num_pages * page_bytes))
+        # (or the first write) maps them in. Private, not mmap's default MAP_SHARED: shared
+        # anonymous memory is shmem, which Linux backs with transparent huge pages only where
+        # shmem_enabled allows (off by default), and with 4 KiB pages a NIXL READ of the arena
+        # spent a third longer walking pages (docs/benchmarks.md, "Huge pages"). Nothing
+        # forks with the arena, so private loses nothing.
+        self._map = mmap.mmap(-1, max(1, 0 if virtual else self.num_pages * page_bytes), flags=_PRIVATE)
         self.region = np.frombuffer(self._map, dtype=np.uint8)[: 0 if virtual else self.num_pages * page_bytes]
         self.view = self.region.data.cast("B")
         self._free: list[int] = [] if virtual else list(range(self.num_pages))  # a heap
