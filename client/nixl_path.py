@@ -601,8 +601,11 @@ class NixlChannel:
         With hashing, the batch is READ in chunks of about :data:`HASH_CHUNK_BYTES` and chunk k is
         hashed on a worker thread while chunk k+1 is READ (xxhash releases the GIL; over
         loopback UCX copies in this thread), so the check costs about one chunk's hashing, not
-        the batch's. A chunk that fails to transfer is zeroed and handed to HTTP with every
-        chunk after it; chunks before it keep their verified bytes."""
+        the batch's. A batch READ in one chunk is hashed right here: with nothing to overlap,
+        the hop to a worker thread only added latency (1.5 ms a 64 MiB batch on 2 vCPUs).
+
+        A chunk that fails to transfer is zeroed and handed to HTTP with every chunk after it;
+        chunks before it keep their verified bytes."""
         try:
             sizes = [size for _, size, _ in ok]
             addrs = [address_of(views[i]) for i, _, _ in ok]
@@ -630,7 +633,12 @@ class NixlChannel:
                 break
             if hashed:
                 chunk = [(views[i], size, checksum) for i, size, checksum in ok[a:b]]
-                checks.append(loop.run_in_executor(None, _verify_payloads, chunk))
+                if len(bounds) == 1:  # nothing left to overlap with: a thread hop would only add latency
+                    verdict: asyncio.Future[list[bool]] = loop.create_future()
+                    verdict.set_result(_verify_payloads(chunk))
+                    checks.append(verdict)
+                else:
+                    checks.append(loop.run_in_executor(None, _verify_payloads, chunk))
         if not hashed:
             for i, size, _ in ok[:done]:
                 out.sizes[i] = size  # proven, or withdrawn, by the lease at release
