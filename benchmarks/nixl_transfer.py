@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hash-chunk", type=H.parse_size, default=None, metavar="SIZE",
                    help="Bytes READ per chunk by the client when it hashes payloads: chunk k is hashed on a "
                         "worker thread while chunk k+1 is READ; 0 = one READ per batch, hashed after it. "
-                        "Default: the client's own (client/nixl_path.py, HASH_CHUNK_BYTES).")
+                        "Default: the client's own choice (client/nixl_path.py, hash_chunk_bytes: 8MiB where a "
+                        "core is free and xxhash releases the GIL, else 0).")
     H.add_common_args(p, reps="9 (2 with --quick)", warmup="1")
     args = p.parse_args(argv)
     if args.hash_chunk is not None:

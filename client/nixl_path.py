@@ -302,12 +302,33 @@ class NixlPath:
 # ---------------------------------------------------------------- the protocol over the store's HTTP plane
 
 
-HASH_CHUNK_BYTES = 8 << 20 if (os.cpu_count() or 1) >= 4 else 0
+HASH_CHUNK_BYTES: int | None = None
 """Payload bytes READ per chunk when payloads are hashed: chunk k is hashed on a worker thread
-while chunk k+1 is READ (0: one READ, then the hashing). Each chunk costs one transfer's set-up
-(tens of microseconds), so chunks stay megabytes. Only where a core is free for the hashing:
-on 16 cores 1 MiB GETs went from 48% to 64% of a raw READ, on 2 vCPUs the hashing thread
-slowed the copy it was meant to hide (64 KiB payloads: 29 -> 38 ms a 64 MiB batch)."""
+while chunk k+1 is READ (0: one READ, then the hashing). None: :func:`hash_chunk_bytes` picks."""
+
+OVERLAP_CHUNK_BYTES = 8 << 20
+"""The chunk :func:`hash_chunk_bytes` picks where overlapping pays. Each chunk costs one
+transfer's set-up (tens of microseconds), so chunks stay megabytes."""
+
+GIL_FREE_HASH_ABOVE = 64 << 10
+"""python-xxhash releases the GIL only while it hashes more than this many bytes (measured: a
+thread hashing 64 KiB inputs kept the loop thread waiting 5 ms, the interpreter's switch
+interval, at a time; 64 KiB + 1 byte inputs, 0.07 ms)."""
+
+
+def hash_chunk_bytes(sizes: Sequence[int]) -> int:
+    """How many payload bytes to READ per chunk when hashing a batch of ``sizes``.
+
+    Overlapping pays where the hashing thread leaves the loop thread the GIL and a core:
+    with 4+ cores always (1 MiB GETs on 16 cores: 48% -> 64% of a raw READ); with 2-3 only for
+    payloads above :data:`GIL_FREE_HASH_ABOVE` (2 vCPUs: 1 MiB 59-65% -> 65-76% of raw, 128 KiB
+    59% -> 67%; 64 KiB payloads unchanged or slower); never on one core."""
+    if HASH_CHUNK_BYTES is not None:
+        return HASH_CHUNK_BYTES
+    cores = os.cpu_count() or 1
+    if cores < 2 or not sizes or (cores < 4 and min(sizes) <= GIL_FREE_HASH_ABOVE):
+        return 0
+    return OVERLAP_CHUNK_BYTES
 
 
 def _chunk_bounds(sizes: Sequence[int], chunk_bytes: int) -> list[tuple[int, int]]:
@@ -598,7 +619,7 @@ class NixlChannel:
         """READ the payloads ``ok`` names (item, size, checksum), checking each as it lands;
         returns the ones READ (their ``out.sizes`` set once verified, when ``hashed``).
 
-        With hashing, the batch is READ in chunks of about :data:`HASH_CHUNK_BYTES` and chunk k is
+        With hashing, the batch is READ in chunks of about :func:`hash_chunk_bytes` and chunk k is
         hashed on a worker thread while chunk k+1 is READ (xxhash releases the GIL; over
         loopback UCX copies in this thread), so the check costs about one chunk's hashing, not
         the batch's. A batch READ in one chunk is hashed right here: with nothing to overlap,
@@ -614,7 +635,7 @@ class NixlChannel:
             raise TransferFailed(f"/v1/nixl/get: items{err}") from err
         runs = np.fromiter((len(d) // 16 for d in descs), dtype=np.int64, count=len(descs))  # type: ignore[arg-type]
         first_run = np.concatenate([[0], np.cumsum(runs)])
-        bounds = _chunk_bounds(sizes, HASH_CHUNK_BYTES if hashed else 0)
+        bounds = _chunk_bounds(sizes, hash_chunk_bytes(sizes) if hashed else 0)
         loop = asyncio.get_running_loop()
         checks: list[asyncio.Future[list[bool]]] = []
         done = len(ok)
@@ -711,4 +732,4 @@ class NixlChannel:
 
 
 __all__ = ["Dest", "Described", "LookupRuns", "NixlChannel", "NixlPath", "NixlUnavailable", "ReadOutcome", "TransferFailed", "address_of",
-           "descriptor_lists", "fetch_metadata", "memory_of", "slice_runs"]
+           "descriptor_lists", "fetch_metadata", "hash_chunk_bytes", "memory_of", "slice_runs"]

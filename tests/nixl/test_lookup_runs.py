@@ -11,7 +11,8 @@ import pytest
 
 from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.device import DeviceBuffer
-from prefixstore.client.nixl_path import LookupRuns, coalesce, descriptor_lists, slice_runs
+import prefixstore.client.nixl_path as nixl_path
+from prefixstore.client.nixl_path import LookupRuns, coalesce, descriptor_lists, hash_chunk_bytes, slice_runs
 from prefixstore.protocol.wire import GetItem
 
 from ..factories import kv_payload
@@ -52,6 +53,21 @@ def test_descriptor_pairs_contiguous_on_both_sides_merge() -> None:
     gpu[:, 0] = [0x10000, 0x11000]
     gpu[1, 2] = 1  # same addresses, another device
     assert len(coalesce(gpu, remote)[0]) == 2
+
+
+def test_hashing_overlaps_the_read_only_where_a_thread_can_take_the_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunked READs (hashing chunk k while k+1 transfers) where a core is free and the hashing
+    thread leaves the loop the GIL: 4+ cores, or 2-3 cores with payloads xxhash hashes without the
+    GIL; one READ then the hashing otherwise. A chunk size set by hand wins."""
+    mib, small = 1 << 20, nixl_path.GIL_FREE_HASH_ABOVE
+    overlap = nixl_path.OVERLAP_CHUNK_BYTES
+    for cores, sizes, want in [(16, [small] * 8, overlap), (16, [mib], overlap), (2, [mib, mib], overlap),
+                               (2, [small + 1] * 4, overlap), (2, [mib, small], 0), (3, [small] * 4, 0),
+                               (1, [mib], 0), (None, [mib], 0), (8, [], 0)]:
+        monkeypatch.setattr(nixl_path.os, "cpu_count", lambda c=cores: c)
+        assert hash_chunk_bytes(sizes) == want, (cores, sizes)
+    monkeypatch.setattr(nixl_path, "HASH_CHUNK_BYTES", 8192)
+    assert hash_chunk_bytes([mib]) == 8192
 
 
 def test_lookup_runs_ignore_malformed_parts_and_expire() -> None:
