@@ -47,7 +47,7 @@ class Arena:
         # (or the first write) maps them in. Private, not mmap's default MAP_SHARED: shared
         # anonymous memory is shmem, which Linux backs with transparent huge pages only where
         # shmem_enabled allows (off by default), and with 4 KiB pages a NIXL READ of the arena
-        # spent a third longer walking pages (docs/benchmarks.md, "Huge pages"). Nothing
+        # spent a third longer walking pages (docs/benchmarks.md, "Huge pages for the arena"). Nothing
         # forks with the arena, so private loses nothing.
         self._map = mmap.mmap(-1, max(1, 0 if virtual else self.num_pages * page_bytes), flags=_PRIVATE)
         self.region = np.frombuffer(self._map, dtype=np.uint8)[: 0 if virtual else self.num_pages * page_bytes]
