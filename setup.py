@@ -1,10 +1,13 @@
-"""Build hook for the one optional native module; all metadata lives in pyproject.toml.
+"""Build hook for the optional native modules; all metadata lives in pyproject.toml.
 
-``prefixstore.protocol._chain`` speeds up the block hash chain. It is
-optional: where no C compiler is available the install still succeeds and
-protocol/hashing.py uses its pure-Python loop (same bytes, slower)."""
+``prefixstore.protocol._chain`` speeds up the block hash chain;
+``prefixstore.protocol._checksums`` checks a batch of payloads with the GIL
+released. Both are optional: where no C compiler is available the install
+still succeeds and protocol/hashing.py and protocol/checksums.py use their
+pure-Python loops (same answers, slower)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("prefixstore.protocol._chain", sources=["protocol/_chain.c"],
-                             include_dirs=["protocol"], extra_compile_args=["-O3"], optional=True)])
+setup(ext_modules=[Extension(f"prefixstore.protocol.{name}", sources=[f"protocol/{name}.c"],
+                             include_dirs=["protocol"], extra_compile_args=["-O3"], optional=True)
+                   for name in ("_chain", "_checksums")])

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import xxhash
 
+from ..protocol import checksums
 from ..protocol.keys import make_entry_key
 from ..protocol.nixl_agent import NixlUnavailable, make_agent
 from ..protocol.wire import STATUS_OK, STATUS_PENDING, GetItem, ItemResult, ItemSpec
@@ -310,23 +310,19 @@ OVERLAP_CHUNK_BYTES = 8 << 20
 """The chunk :func:`hash_chunk_bytes` picks where overlapping pays. Each chunk costs one
 transfer's set-up (tens of microseconds), so chunks stay megabytes."""
 
-GIL_FREE_HASH_ABOVE = 64 << 10
-"""python-xxhash releases the GIL only while it hashes more than this many bytes (measured: a
-thread hashing 64 KiB inputs kept the loop thread waiting 5 ms, the interpreter's switch
-interval, at a time; 64 KiB + 1 byte inputs, 0.07 ms)."""
-
 
 def hash_chunk_bytes(sizes: Sequence[int]) -> int:
     """How many payload bytes to READ per chunk when hashing a batch of ``sizes``.
 
     Overlapping pays where the hashing thread leaves the loop thread the GIL and a core:
-    with 4+ cores always (1 MiB GETs on 16 cores: 48% -> 64% of a raw READ); with 2-3 only for
-    payloads above :data:`GIL_FREE_HASH_ABOVE` (2 vCPUs: 1 MiB 59-65% -> 65-76% of raw, 128 KiB
-    59% -> 67%; 64 KiB payloads unchanged or slower); never on one core."""
+    with 4+ cores always (1 MiB GETs on 16 cores: 48% -> 64% of a raw READ); with 2-3 where
+    the check releases the GIL (protocol/checksums.py: always with its native loop, otherwise
+    only for payloads above 64 KiB; 2 vCPUs: 1 MiB 59-65% -> 65-76% of raw, 128 KiB 59% -> 67%,
+    while 64 KiB payloads checked by python-xxhash did not gain); never on one core."""
     if HASH_CHUNK_BYTES is not None:
         return HASH_CHUNK_BYTES
     cores = os.cpu_count() or 1
-    if cores < 2 or not sizes or (cores < 4 and min(sizes) <= GIL_FREE_HASH_ABOVE):
+    if cores < 2 or not sizes or (cores < 4 and not checksums.releases_gil(sizes)):
         return 0
     return OVERLAP_CHUNK_BYTES
 
@@ -349,9 +345,15 @@ def _chunk_bounds(sizes: Sequence[int], chunk_bytes: int) -> list[tuple[int, int
 
 
 def _verify_payloads(chunk: Sequence[tuple[Dest, int, int]]) -> list[bool]:
-    """Per payload, whether its bytes match its xxh3 (run on a worker thread)."""
-    return [isinstance(view, memoryview) and xxhash.xxh3_64_intdigest(view[:size]) == checksum
-            for view, size, checksum in chunk]
+    """Per payload, whether its bytes match its xxh3 (run on a worker thread, or on the loop's
+    for a batch READ at once); device memory cannot be hashed here, so it never matches."""
+    host = [j for j, (view, _, _) in enumerate(chunk) if isinstance(view, memoryview)]
+    verdicts = [False] * len(chunk)
+    checked = checksums.verify([chunk[j][0][: chunk[j][1]] for j in host],  # type: ignore[index]
+                               [chunk[j][2] for j in host])
+    for j, good in zip(host, checked):
+        verdicts[j] = good
+    return verdicts
 
 
 def _zero(view: Dest, size: int) -> None:
@@ -620,7 +622,7 @@ class NixlChannel:
         returns the ones READ (their ``out.sizes`` set once verified, when ``hashed``).
 
         With hashing, the batch is READ in chunks of about :func:`hash_chunk_bytes` and chunk k is
-        hashed on a worker thread while chunk k+1 is READ (xxhash releases the GIL; over
+        hashed on a worker thread while chunk k+1 is READ (the check releases the GIL; over
         loopback UCX copies in this thread), so the check costs about one chunk's hashing, not
         the batch's. A batch READ in one chunk is hashed right here: with nothing to overlap,
         the hop to a worker thread only added latency (1.5 ms a 64 MiB batch on 2 vCPUs).

@@ -56,16 +56,24 @@ def test_descriptor_pairs_contiguous_on_both_sides_merge() -> None:
 
 
 def test_hashing_overlaps_the_read_only_where_a_thread_can_take_the_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunked READs (hashing chunk k while k+1 transfers) where a core is free and the hashing
-    thread leaves the loop the GIL: 4+ cores, or 2-3 cores with payloads xxhash hashes without the
-    GIL; one READ then the hashing otherwise. A chunk size set by hand wins."""
-    mib, small = 1 << 20, nixl_path.GIL_FREE_HASH_ABOVE
+    """Chunked READs (hashing chunk k while k+1 transfers) where a core is free and the check
+    leaves the loop the GIL: 4+ cores, or 2-3 cores where the check releases the GIL (the native
+    loop always, python-xxhash above 64 KiB only); one READ then the hashing otherwise. A chunk
+    size set by hand wins."""
+    from prefixstore.protocol import checksums
+
+    mib, small = 1 << 20, checksums.GIL_FREE_ABOVE_BYTES
     overlap = nixl_path.OVERLAP_CHUNK_BYTES
-    for cores, sizes, want in [(16, [small] * 8, overlap), (16, [mib], overlap), (2, [mib, mib], overlap),
-                               (2, [small + 1] * 4, overlap), (2, [mib, small], 0), (3, [small] * 4, 0),
-                               (1, [mib], 0), (None, [mib], 0), (8, [], 0)]:
-        monkeypatch.setattr(nixl_path.os, "cpu_count", lambda c=cores: c)
-        assert hash_chunk_bytes(sizes) == want, (cores, sizes)
+    python_xxhash = [(16, [small] * 8, overlap), (16, [mib], overlap), (2, [mib, mib], overlap),
+                     (2, [small + 1] * 4, overlap), (2, [mib, small], 0), (3, [small] * 4, 0),
+                     (1, [mib], 0), (None, [mib], 0), (8, [], 0)]
+    native = [(2, [small] * 8, overlap), (3, [4096, mib], overlap), (1, [small], 0), (2, [], 0)]
+    cases = [(None, python_xxhash)] + ([(checksums._native_verify, native)] if checksums._native_verify else [])
+    for loop, expected in cases:
+        monkeypatch.setattr(checksums, "_native_verify", loop)
+        for cores, sizes, want in expected:
+            monkeypatch.setattr(nixl_path.os, "cpu_count", lambda c=cores: c)
+            assert hash_chunk_bytes(sizes) == want, (loop, cores, sizes)
     monkeypatch.setattr(nixl_path, "HASH_CHUNK_BYTES", 8192)
     assert hash_chunk_bytes([mib]) == 8192
 
