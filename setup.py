@@ -6,8 +6,16 @@ released. Both are optional: where no C compiler is available the install
 still succeeds and protocol/hashing.py and protocol/checksums.py use their
 pure-Python loops (same answers, slower)."""
 
+import platform
+
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(f"prefixstore.protocol.{name}", sources=[f"protocol/{name}.c"],
-                             include_dirs=["protocol"], extra_compile_args=["-O3"], optional=True)
-                   for name in ("_chain", "_checksums")])
+# xxHash's runtime dispatch to AVX2 / AVX-512 (x86-64 only; elsewhere the header's portable code).
+DISPATCH = ["protocol/_vendor/xxh_x86dispatch.c"] if platform.machine().lower() in ("x86_64", "amd64") else []
+
+setup(ext_modules=[
+    Extension("prefixstore.protocol._chain", sources=["protocol/_chain.c"], include_dirs=["protocol"],
+              extra_compile_args=["-O3"], optional=True),
+    Extension("prefixstore.protocol._checksums", sources=["protocol/_checksums.c", *DISPATCH],
+              include_dirs=["protocol"], extra_compile_args=["-O3"], optional=True),
+])

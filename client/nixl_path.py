@@ -347,13 +347,9 @@ def _chunk_bounds(sizes: Sequence[int], chunk_bytes: int) -> list[tuple[int, int
 def _verify_payloads(chunk: Sequence[tuple[Dest, int, int]]) -> list[bool]:
     """Per payload, whether its bytes match its xxh3 (run on a worker thread, or on the loop's
     for a batch READ at once); device memory cannot be hashed here, so it never matches."""
-    host = [j for j, (view, _, _) in enumerate(chunk) if isinstance(view, memoryview)]
-    verdicts = [False] * len(chunk)
-    checked = checksums.verify([chunk[j][0][: chunk[j][1]] for j in host],  # type: ignore[index]
-                               [chunk[j][2] for j in host])
-    for j, good in zip(host, checked):
-        verdicts[j] = good
-    return verdicts
+    if all(isinstance(view, memoryview) for view, _, _ in chunk):
+        return checksums.verify([view[:size] for view, size, _ in chunk], [c for _, _, c in chunk])  # type: ignore[index]
+    return [isinstance(view, memoryview) and checksums.verify([view[:size]], [c])[0] for view, size, c in chunk]
 
 
 def _zero(view: Dest, size: int) -> None:

@@ -12,8 +12,15 @@
 #include <Python.h>
 #include <stdint.h>
 
+#if defined(__x86_64__) || defined(_M_X64)
+/* xxHash's own dispatcher (protocol/_vendor/xxh_x86dispatch.c, built with this module on x86-64):
+ * AVX2 or AVX-512 where the CPU has them, as python-xxhash does; the SSE2 build alone hashed a
+ * 64 MiB batch 10-15% slower than python-xxhash here. */
+#include "_vendor/xxh_x86dispatch.h"
+#else
 #define XXH_INLINE_ALL
 #include "_vendor/xxhash.h"
+#endif
 
 static PyObject *verify(PyObject *self, PyObject *args) {
     PyObject *views, *checksums;

@@ -37,7 +37,8 @@ def verify(views: Sequence[memoryview], checksums: Sequence[int]) -> list[bool]:
     if len(views) != len(checksums):
         raise ValueError("verify: one checksum per view")
     if _native_verify is not None:
-        return [bool(ok) for ok in _native_verify(list(views), list(checksums))]
+        return list(map(bool, _native_verify(views if isinstance(views, list) else list(views),
+                                             checksums if isinstance(checksums, list) else list(checksums))))
     return [xxhash.xxh3_64_intdigest(v) == c for v, c in zip(views, checksums)]
 
 
