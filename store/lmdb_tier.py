@@ -53,6 +53,8 @@ import msgpack
 import numpy as np
 import xxhash
 
+from ..protocol import checksums
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -362,12 +364,18 @@ class LmdbTier:
                 return None, []
             try:
                 pin.txn = txn = self.env.begin(buffers=True)
-                for key, size, checksum, offset, n in wanted:
-                    value = txn.get(_dbkey(key), db=self._payloads)
+                values = [txn.get(_dbkey(key), db=self._payloads) for key, *_ in wanted]
+                # One check of the batch with the GIL released (protocol/checksums.py): hashing
+                # 64 KiB values one by one here would hold it, and the store's loop with it.
+                sized = [j for j, (v, w) in enumerate(zip(values, wanted)) if v is not None and len(v) == w[1]]
+                verdicts = checksums.verify([values[j] for j in sized], [wanted[j][2] for j in sized])
+                intact = {j for j, good in zip(sized, verdicts) if good}
+                for j, (key, size, checksum, offset, n) in enumerate(wanted):
+                    value = values[j]
                     if value is None:
                         out.append(PinOutcome(ReadOutcome.MISSING))
                         continue
-                    if len(value) != size or xxhash.xxh3_64_intdigest(value) != checksum:
+                    if j not in intact:
                         out.append(PinOutcome(ReadOutcome.CORRUPT))
                         continue
                     addr = int(np.frombuffer(value, dtype=np.uint8).ctypes.data) if size else 0
