@@ -13,9 +13,12 @@ from setuptools import Extension, setup
 # xxHash's runtime dispatch to AVX2 / AVX-512 (x86-64 only; elsewhere the header's portable code).
 DISPATCH = ["protocol/_vendor/xxh_x86dispatch.c"] if platform.machine().lower() in ("x86_64", "amd64") else []
 
+HEADERS = ["protocol/_vendor/xxhash.h", "protocol/_vendor/xxh_x86dispatch.h"]  # depends: shipped in the sdist
+
 setup(ext_modules=[
     Extension("prefixstore.protocol._chain", sources=["protocol/_chain.c"], include_dirs=["protocol"],
-              extra_compile_args=["-O3"], optional=True),
+              depends=HEADERS, extra_compile_args=["-O3"], optional=True),
     Extension("prefixstore.protocol._checksums", sources=["protocol/_checksums.c", *DISPATCH],
-              include_dirs=["protocol"], extra_compile_args=["-O3"], optional=True),
+              include_dirs=["protocol"], depends=HEADERS + ["protocol/_vendor/xxh_x86dispatch.c"],
+              extra_compile_args=["-O3"], optional=True),
 ])
