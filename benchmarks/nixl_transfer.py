@@ -14,6 +14,9 @@ RAM tier by default so a PUT measures the data path and not LMDB's write-through
                   buffers registered once, xxh3 of every payload verified, POST /v1/release
    nixl GET       the same with ``verify_checksums=False`` (informational: the protocol
    (no xxh3)      without hashing; the bytes then rest on the lease having held)
+   placed GET     a client that looked the set up first (untimed): one READ from the
+                  lookup's runs, xxh3 verified; and the same with ``verify_checksums=False``
+                  (informational: READ-only, proven by the lookup lease's deadline)
    http GET       the same call with ``data_path="http"`` (POST /v1/get, streamed into the
                   same buffers, checksums verified)
    nixl PUT       ``PrefixClient.put`` of a fresh chain: POST /v1/nixl/reserve, one WRITE,
@@ -55,7 +58,8 @@ TARGET_RAW_RATIO = 0.70
 TARGET_HTTP_RATIO = 3.0
 BLOCK_TOKENS = 16
 HEAD_DIM = 128
-OPS = ["nixl_get", "nixl_get_placed", "nixl_get_nocheck", "http_get", "raw_read", "nixl_put", "http_put"]
+OPS = ["nixl_get", "nixl_get_placed", "nixl_get_nocheck", "nixl_get_placed_nocheck", "http_get", "raw_read",
+       "nixl_put", "http_put"]
 PREFIX_BLOCK_TOKENS = 256
 PREFIX_KV_HEADS = 8  # 1 attention layer x 8 KV heads x 128 x K,V x fp16 = 4 KiB a token
 
@@ -242,6 +246,8 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw: RawNixl
     async with PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl")) as nixl, \
             PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl", verify_checksums=False)) as bare, \
             PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl")) as placed, \
+            PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="nixl",
+                                          verify_checksums=False)) as placed_bare, \
             PrefixClient(ns, ClientConfig(url=url, timeout_s=120, data_path="http")) as http:
         chains = Chains(nixl, n, size, args.seed)
         nixl.register_buffer(chains.source)  # PUT sources and GET outputs: registered once
@@ -253,8 +259,9 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw: RawNixl
         nixl.register_buffer(out_region)
         bare.register_buffer(out_region)
         placed.register_buffer(out_region)
+        placed_bare.register_buffer(out_region)
         outs = [out_region.data[j * size : (j + 1) * size] for j in range(n)]
-        for client in (nixl, bare, http, placed):
+        for client in (nixl, bare, http, placed, placed_bare):
             out_region[:] = 0
             got = await client.read(items, outs)
             if got != [size] * n or not np.array_equal(out_region, chains.source):
@@ -278,6 +285,11 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw: RawNixl
             got_p = await placed.read(items, outs)  # one READ from the lookup's runs, xxh3 verified
             t_placed_get = clock() - t
             await placed.release(looked.lease_id)
+            looked = await placed_bare.lookup(get_tokens)
+            t = clock()
+            got_pb = await placed_bare.read(items, outs)  # the same READ, proven by the lease's deadline
+            t_placed_bare_get = clock() - t
+            await placed_bare.release(looked.lease_id)
             t = clock()
             got_h = await http.read(items, outs)
             t_http_get = clock() - t
@@ -291,19 +303,22 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw: RawNixl
             res_h = await http.put(batch)
             t_http_put = clock() - t
             if (got_n != [size] * n or got_b != [size] * n or got_h != [size] * n or got_p != [size] * n
+                    or got_pb != [size] * n
                     or any(r.status != "ok" for r in res_n + res_h)):
                 raise SystemExit(f"{size}: a timed call failed (nixl {dict(nixl.failures)}, http {dict(http.failures)})")
             if rep >= args.warmup:
                 for op, v in (("nixl_get", t_nixl_get), ("nixl_get_placed", t_placed_get),
-                              ("nixl_get_nocheck", t_bare_get), ("http_get", t_http_get),
+                              ("nixl_get_nocheck", t_bare_get), ("nixl_get_placed_nocheck", t_placed_bare_get),
+                              ("http_get", t_http_get),
                               ("raw_read", t_raw),
                               ("nixl_put", t_nixl_put), ("http_put", t_http_put)):
                     samples[op].add(v)
                 H.progress(f"{size >> 10} KiB rep {rep - args.warmup + 1}/{args.reps}: GET nixl "
-                           f"{total / t_nixl_get / 1e9:.2f} (placed {total / t_placed_get / 1e9:.2f}, no xxh3 {total / t_bare_get / 1e9:.2f}) http {total / t_http_get / 1e9:.2f} raw "
+                           f"{total / t_nixl_get / 1e9:.2f} (placed {total / t_placed_get / 1e9:.2f}, no xxh3 {total / t_bare_get / 1e9:.2f}, "
+                           f"placed no xxh3 {total / t_placed_bare_get / 1e9:.2f}) http {total / t_http_get / 1e9:.2f} raw "
                            f"{total / t_raw / 1e9:.2f} GB/s; PUT nixl {total / t_nixl_put / 1e9:.2f} "
                            f"http {total / t_http_put / 1e9:.2f} GB/s")
-        for client in (nixl, placed):
+        for client in (nixl, placed, placed_bare):
             if client.path_bytes["http"] or client.failures:
                 raise SystemExit(f"a NIXL client used HTTP for {client.path_bytes['http']} bytes "
                                  f"({dict(client.failures)})")
@@ -314,6 +329,8 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw: RawNixl
               "nixl_get_placed_to_raw": samples["raw_read"].median / samples["nixl_get_placed"].median,
               "nixl_get_placed_to_http": samples["http_get"].median / samples["nixl_get_placed"].median,
               "nixl_get_nocheck_to_raw": samples["raw_read"].median / samples["nixl_get_nocheck"].median,
+              "nixl_get_placed_nocheck_to_raw": samples["raw_read"].median / samples["nixl_get_placed_nocheck"].median,
+              "nixl_get_placed_nocheck_to_http": samples["http_get"].median / samples["nixl_get_placed_nocheck"].median,
               "nixl_get_to_http": samples["http_get"].median / samples["nixl_get"].median,
               "nixl_put_to_http": samples["http_put"].median / samples["nixl_put"].median}
     return {"payload_bytes": size, "batch_items": n, "batch_bytes": total, "figures": figures, "ratios": ratios,
@@ -368,12 +385,14 @@ async def bench_prefix(url: str, args: argparse.Namespace) -> dict[str, object]:
 def plot(results: list[dict[str, object]], prefix: dict[str, object] | None, path: Path) -> None:
     plt = H.pyplot()
     fig, axes = plt.subplots(1, 3 if prefix else 2, figsize=(13 if prefix else 9, 3.8))
-    colors = {"nixl": "#4c72b0", "placed": "#2a9d8f", "bare": "#9db4d8", "http": "#c44e52", "raw": "#8c8c8c"}
+    colors = {"nixl": "#4c72b0", "placed": "#2a9d8f", "bare": "#9db4d8", "pbare": "#a8dadc", "http": "#c44e52",
+              "raw": "#8c8c8c"}
     for ax, op in zip(axes, ("get", "put")):
-        kinds = ("nixl", "placed", "bare", "http", "raw") if op == "get" else ("nixl", "http")
+        kinds = ("nixl", "placed", "bare", "pbare", "http", "raw") if op == "get" else ("nixl", "http")
         width = 0.8 / len(kinds)
         for i, kind in enumerate(kinds):
-            key = {"raw": "raw_read", "bare": "nixl_get_nocheck", "placed": "nixl_get_placed"}.get(kind, f"{kind}_{op}")
+            key = {"raw": "raw_read", "bare": "nixl_get_nocheck", "placed": "nixl_get_placed",
+                   "pbare": "nixl_get_placed_nocheck"}.get(kind, f"{kind}_{op}")
             xs, ys, lo, hi = [], [], [], []
             for k, r in enumerate(results):
                 f = r["figures"][key]  # type: ignore[index]
@@ -383,7 +402,7 @@ def plot(results: list[dict[str, object]], prefix: dict[str, object] | None, pat
                 hi.append(f["p90_gbps"] - f["median_gbps"])
             ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=colors[kind],
                    label={"nixl": "NIXL (nixl/get + READ + release)", "placed": "NIXL after a lookup (READ only)",
-                          "bare": "NIXL, no xxh3 (info)", "http": "HTTP",
+                          "bare": "NIXL, no xxh3 (info)", "pbare": "after a lookup, no xxh3 (info)", "http": "HTTP",
                           "raw": "raw NIXL READ (1 region)"}[kind])
             if kind in ("nixl", "placed") and (op == "get" or kind == "nixl"):
                 for x, y, h, r in zip(xs, ys, hi, results):
@@ -444,10 +463,11 @@ async def main(argv: list[str] | None = None) -> int:
                      f["nixl_get_placed"]["median_gbps"], f"{q['nixl_get_placed_to_raw']:.0%}",
                      f"{q['nixl_get_placed_to_http']:.1f}x",
                      f["nixl_get_nocheck"]["median_gbps"], f"{q['nixl_get_nocheck_to_raw']:.0%}",
+                     f"{q['nixl_get_placed_nocheck_to_raw']:.0%}", f"{q['nixl_get_placed_nocheck_to_http']:.1f}x",
                      f["nixl_put"]["median_gbps"], f["http_put"]["median_gbps"], f"{q['nixl_put_to_http']:.1f}x"])
     H.print_table("GB/s, median (targets: NIXL GET >= 70% of raw and >= 3x HTTP)",
                   ["batch", "NIXL GET", "HTTP GET", "raw READ", "GET/raw", "GET/HTTP", "placed GET", "placed/raw",
-                   "placed/HTTP", "GET no xxh3", "no xxh3/raw",
+                   "placed/HTTP", "GET no xxh3", "no xxh3/raw", "placed no xxh3/raw", "placed no xxh3/HTTP",
                    "NIXL PUT", "HTTP PUT", "PUT/HTTP"], rows)
     if prefix:
         H.print_table(f"full load of a {prefix['tokens']}-token prefix (lookup + READ into staging)",

@@ -27,8 +27,8 @@ def test_quick_run_writes_json_and_png(tmp_path: Path) -> None:
     results = json.loads((out / "nixl_transfer.json").read_text())
     assert results["benchmark"] == "nixl_transfer" and len(results["results"]) == 1
     for r in results["results"]:
-        assert set(r["figures"]) == {"nixl_get", "nixl_get_placed", "nixl_get_nocheck", "http_get", "raw_read",
-                                     "nixl_put", "http_put"}
+        assert set(r["figures"]) == {"nixl_get", "nixl_get_placed", "nixl_get_nocheck", "nixl_get_placed_nocheck",
+                                     "http_get", "raw_read", "nixl_put", "http_put"}
     assert results["prefix_load"]["tokens"] == 1024
     assert (out / "nixl_transfer.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
