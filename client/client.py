@@ -75,6 +75,25 @@ class _FramePayload(aiohttp.payload.Payload):
         await self.write(writer)
 
 
+def _batches(sizes: list[int], max_bytes: int, max_items: int) -> list[list[int]]:
+    """Consecutive item indices cut into batches of at most ``max_items`` items and ``max_bytes``
+    buffer bytes (an item larger than ``max_bytes`` goes alone); one batch when all fit."""
+    if len(sizes) <= max_items and sum(sizes) <= max_bytes:
+        return [list(range(len(sizes)))] if sizes else []
+    out: list[list[int]] = []
+    batch: list[int] = []
+    budget = 0
+    for i, n in enumerate(sizes):
+        if batch and (budget + n > max_bytes or len(batch) >= max_items):
+            out.append(batch)
+            batch, budget = [], 0
+        batch.append(i)
+        budget += n
+    if batch:
+        out.append(batch)
+    return out
+
+
 def _view(buf: Buffer) -> memoryview:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
@@ -343,15 +362,7 @@ class PrefixClient:
         if any(v.readonly for v in views):
             raise ValueError("read: output buffers must be writable")
         done: list[int] = [-1] * len(items)
-        batch: list[int] = []
-        budget = 0
-        for i, v in enumerate(views):
-            if batch and (budget + len(v) > self.config.max_get_bytes or len(batch) >= self.config.max_items):
-                await self._read_batch(items, views, batch, done)
-                batch, budget = [], 0
-            batch.append(i)
-            budget += len(v)
-        if batch:
+        for batch in _batches([v.nbytes for v in views], self.config.max_get_bytes, self.config.max_items):
             await self._read_batch(items, views, batch, done)
         return done
 
@@ -383,15 +394,7 @@ class PrefixClient:
             raise ValueError("read_device: the client cannot check GPU memory against xxh3 (DESIGN: every "
                              "crossing verified); set verify_checksums=False to trust leases instead")
         done: list[int] = [-1] * len(items)
-        batch: list[int] = []
-        budget = 0
-        for i, o in enumerate(outs):
-            if batch and (budget + o.nbytes > self.config.max_get_bytes or len(batch) >= self.config.max_items):
-                await self._read_device_batch(items, outs, batch, done)
-                batch, budget = [], 0
-            batch.append(i)
-            budget += o.nbytes
-        if batch:
+        for batch in _batches([o.nbytes for o in outs], self.config.max_get_bytes, self.config.max_items):
             await self._read_device_batch(items, outs, batch, done)
         return done
 

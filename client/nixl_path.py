@@ -216,6 +216,10 @@ class NixlPath:
                            ) -> list[Any]:
         """Registrations for the spans no registered region covers, merged into contiguous runs
         first (a batch cut from one registered staging region is one coverage check)."""
+        if spans:  # the usual case first: one registered staging region holds the whole call
+            lo, hi = min(a for a, _ in spans), max(a + n for a, n in spans)
+            if self._covered(lo, hi, memory, device):
+                return []
         merged: list[list[int]] = []
         for a, b in sorted((a, a + n) for a, n in spans if n):
             if merged and a <= merged[-1][1]:
@@ -577,8 +581,12 @@ class NixlChannel:
         memory, device = memory_of(views)
         on_device = any(isinstance(v, DeviceBuffer) for v in views)
         groups: dict[bool, tuple[list[tuple[int, int, int]], list[object]]] = {True: ([], []), False: ([], [])}
+        known: dict[tuple[str, int | None], bool] = {}  # per (agent, generation): one check, not one per payload
         for i, (d, offset, length) in enumerate(found):
-            if length > views[i].nbytes or not self.path.knows(d.agent, d.meta_gen):
+            ok = known.get((d.agent, d.meta_gen))
+            if ok is None:
+                ok = known[d.agent, d.meta_gen] = self.path.knows(d.agent, d.meta_gen)
+            if length > views[i].nbytes or not ok:
                 out.http.append(i)
                 continue
             whole = offset == 0 and length == d.size

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import socket
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from prefixstore.client import ClientConfig, PrefixClient
+from prefixstore.client.client import _batches
 
 from ..conftest import RunningStore
 from ..factories import kv_payload, make_namespace, state_payload
@@ -89,3 +93,19 @@ async def test_save_to_a_dead_store_drops_every_batch_without_raising() -> None:
         r = await c.save(c.prompt(toks), len(toks), lambda a, b: kv_payload(ns, toks, a, b))
         assert (r.stored, r.already, r.rejected, r.dropped) == (0, 0, 0, 20)
         assert c.failures["offer"] == 1  # the first batch failed; the others were not attempted
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(0, 50), max_size=40), max_bytes=st.integers(1, 120), max_items=st.integers(1, 9))
+def test_read_batches_keep_order_and_limits(sizes: list[int], max_bytes: int, max_items: int) -> None:
+    """Reads are cut into batches in order; a batch holds at most max_items items and max_bytes
+    bytes, except an item larger than max_bytes, which goes alone; no batch could take the next
+    batch's first item."""
+    batches = _batches(sizes, max_bytes, max_items)
+    assert [i for b in batches for i in b] == list(range(len(sizes)))
+    for k, b in enumerate(batches):
+        total = sum(sizes[i] for i in b)
+        assert b and len(b) <= max_items and (total <= max_bytes or len(b) == 1)
+        if k + 1 < len(batches):
+            nxt = sizes[batches[k + 1][0]]
+            assert len(b) == max_items or total + nxt > max_bytes
