@@ -126,16 +126,20 @@ that never releases must not keep the loop spinning until its lease expires."""
 STATUS_HTTP = "http"
 """A /v1/nixl/get item whose payload is not in the registered arena: read it over HTTP."""
 
+_PAIR = struct.Struct("<2Q")
+
 
 def run_descriptors(base: int, page_bytes: int, pages: list[int], offset: int, length: int) -> bytes:
     """(address, length) pairs, uint64 little-endian, covering bytes [offset, offset+length) of an
     entry whose pages start at ``base``; consecutive pages are merged into one descriptor, as
     :meth:`Arena.runs` merges them into one view."""
-    out: list[int] = []
     end = offset + length
     if length <= 0:
         return b""
     first, last = offset // page_bytes, (end - 1) // page_bytes
+    if first == last:  # within one page (a payload of one page, or a layer range inside one)
+        return _PAIR.pack(base + pages[first] * page_bytes + offset - first * page_bytes, length)
+    out: list[int] = []
     i = first
     while i <= last:
         j = i

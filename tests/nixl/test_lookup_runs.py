@@ -8,12 +8,15 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.device import DeviceBuffer
 import prefixstore.client.nixl_path as nixl_path
 from prefixstore.client.nixl_path import LookupRuns, coalesce, descriptor_lists, hash_chunk_bytes, slice_runs
 from prefixstore.protocol.wire import GetItem
+from prefixstore.store.nixl_target import run_descriptors
 
 from ..factories import kv_payload
 from .conftest import NEEDS_NIXL, Clock, Start
@@ -36,6 +39,23 @@ def test_slice_runs_cuts_at_run_boundaries() -> None:
         slice_runs(r, 100, 29)
     with pytest.raises(ValueError, match="not inside"):
         slice_runs(r, 0, 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), page=st.sampled_from([1, 4, 8]), num_pages=st.integers(1, 6))
+def test_store_descriptors_cover_exactly_the_bytes_asked_for(data: st.DataObject, page: int, num_pages: int) -> None:
+    """run_descriptors (the store's answer for an arena entry) against a byte-by-byte reference:
+    the runs, in order, name exactly the arena addresses of bytes [offset, offset + length), and
+    no two consecutive runs could have been one."""
+    pages = data.draw(st.lists(st.integers(0, 9), min_size=num_pages, max_size=num_pages, unique=True))
+    offset = data.draw(st.integers(0, num_pages * page - 1))
+    length = data.draw(st.integers(1, num_pages * page - offset))
+    base = 1 << 20
+    pairs = np.frombuffer(run_descriptors(base, page, pages, offset, length), dtype="<u8").reshape(-1, 2)
+    got = [int(a) + k for a, n in pairs.tolist() for k in range(n)]
+    assert got == [base + pages[b // page] * page + b % page for b in range(offset, offset + length)]
+    assert all(a + n != b for (a, n), (b, _) in zip(pairs.tolist(), pairs.tolist()[1:]))
+    assert run_descriptors(base, page, pages, offset, 0) == b""
 
 
 def test_descriptor_pairs_contiguous_on_both_sides_merge() -> None:
