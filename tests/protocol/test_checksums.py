@@ -60,15 +60,19 @@ def test_bad_arguments_are_named() -> None:
         checksums._native_verify([b""], [1 << 64])
 
 
-def _runs_beside(views: list[memoryview], sums: list[int]) -> int:
-    """How often this thread ran Python while another thread checked ``views``, with the
-    interpreter's forced switching put off (switch interval 60 s): a check that holds the GIL
-    throughout leaves this thread nothing until it ends; one that releases it leaves it running."""
-    started, done = threading.Event(), threading.Event()
+def _runs_beside(views: list[memoryview], sums: list[int], rounds: int) -> int:
+    """How often this thread ran Python while another thread was inside the check of ``views``
+    (repeated up to ``rounds`` times, until this thread has run once), with the interpreter's
+    forced switching put off (switch interval 60 s): a check that holds the GIL throughout
+    leaves this thread nothing until it ends; one that releases it leaves it running."""
+    hashing, seen, done = threading.Event(), threading.Event(), threading.Event()
 
     def check() -> None:
-        started.set()
-        checksums.verify(views, sums)
+        hashing.set()  # no GIL release between this and the check itself
+        for _ in range(rounds):
+            checksums.verify(views, sums)
+            if seen.is_set():
+                break
         done.set()
 
     before = sys.getswitchinterval()
@@ -76,11 +80,12 @@ def _runs_beside(views: list[memoryview], sums: list[int]) -> int:
     try:
         worker = threading.Thread(target=check)
         worker.start()
-        started.wait()
         ran = 0
         while not done.is_set():
-            ran += 1
-            time.sleep(0)  # lets the worker take the GIL back once its check returns
+            if hashing.is_set() and not done.is_set():
+                ran += 1
+                seen.set()
+            time.sleep(0)  # lets the worker take the GIL whenever it waits for it
         worker.join()
     finally:
         sys.setswitchinterval(before)
@@ -92,12 +97,13 @@ def test_the_native_loop_leaves_the_gil_to_other_threads_and_python_xxhash_decid
     """What the NIXL client's overlap rule rests on (client/nixl_path.py, hash_chunk_bytes): the
     native check of 64 KiB payloads lets the loop thread run beside it, python-xxhash's does not
     (it keeps the GIL for inputs of 64 KiB or less), and releases_gil says which is which."""
-    region = np.zeros(64 << 20, dtype=np.uint8)
-    views = [memoryview(region)[j << 16 : (j + 1) << 16] for j in range(1024)]
+    region = np.ones(16 << 20, dtype=np.uint8)  # touched: not the shared zero page
+    views = [memoryview(region)[j << 16 : (j + 1) << 16] for j in range(256)]
     sums = [0] * len(views)
     if checksums._native_verify is not None:
-        assert checksums.releases_gil([4096]) and _runs_beside(views, sums) > 0
+        # Up to 500 checks of 16 MiB (seconds, even on a busy machine) for this thread to get in once.
+        assert checksums.releases_gil([4096]) and _runs_beside(views, sums, rounds=500) > 0
     monkeypatch.setattr(checksums, "_native_verify", None)
     assert not checksums.releases_gil([4096, 64 << 10])
-    assert _runs_beside(views, sums) == 0
+    assert _runs_beside(views, sums, rounds=3) == 0
     assert checksums.releases_gil([(64 << 10) + 1]) and not checksums.releases_gil([])
