@@ -180,6 +180,14 @@ def pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
+def save_figure(fig, path: Path, dpi: int = 90) -> None:  # type: ignore[no-untyped-def]
+    """Lay out, write ``path`` (PNG), free the figure, and say so."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    progress(f"wrote {path}")
+
+
 # ---------------------------------------------------------------- the store
 
 

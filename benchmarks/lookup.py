@@ -262,10 +262,7 @@ def plot(results: list[dict[str, object]], path: Path) -> None:
             ax.text(m + h, yi, f"  {m:.2f}", va="center", fontsize=7)
         ax.margins(x=0.2)
     fig.suptitle("prefixstore lookup latency (in-process store, loopback)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    H.progress(f"wrote {path}")
+    H.save_figure(fig, path)
 
 
 async def main(argv: list[str] | None = None) -> int:

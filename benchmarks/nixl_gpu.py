@@ -269,10 +269,7 @@ def plot(results: list[dict[str, object]], prefix: dict[str, object] | None, pat
         ax.set_title(f"load of a {int(prefix['tokens']):,}-token prefix into GPU staging\n"  # type: ignore[call-overload]
                      f"({int(prefix['bytes']) / 2**20:.0f} MiB, lookup included)", fontsize=9)  # type: ignore[call-overload]
     fig.suptitle(f"prefixstore NIXL into GPU memory ({gpu}; store in a child process, UCX on one host)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    H.progress(f"wrote {path}")
+    H.save_figure(fig, path)
 
 
 async def main(argv: list[str] | None = None) -> int:

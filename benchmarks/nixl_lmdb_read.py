@@ -195,10 +195,7 @@ def plot(results: list[dict[str, object]], path: Path) -> None:
     ax.set_title("NIXL GET of LMDB-resident entries (UCX over loopback, CPU only, stores in child processes)",
                  fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    H.progress(f"wrote {path}")
+    H.save_figure(fig, path)
 
 
 async def main(argv: list[str] | None = None) -> int:

@@ -429,10 +429,7 @@ def plot(results: list[dict[str, object]], prefix: dict[str, object] | None, pat
                      f"{int(prefix['bytes']) / 2**20:.0f} MiB)", fontsize=9)  # type: ignore[call-overload]
     fig.suptitle("prefixstore NIXL data path vs HTTP (UCX over loopback, CPU only, store in a child process)",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    H.progress(f"wrote {path}")
+    H.save_figure(fig, path)
 
 
 async def main(argv: list[str] | None = None) -> int:

@@ -225,10 +225,7 @@ def plot(stats: Stats, duration_s: float, path: Path) -> None:
     b.set(xlabel="second", ylabel="p99 latency (ms)", title="p99 latency per second", yscale="log")
     a.legend()
     b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    H.progress(f"wrote {path}")
+    H.save_figure(fig, path)
 
 
 async def main(argv: list[str] | None = None) -> int:

@@ -313,10 +313,7 @@ def plot(results: list[dict[str, object]], path: Path) -> None:
     r0 = results[0]
     fig.suptitle(f"prefixstore transfer throughput (loopback, server={r0['server']}, tier={r0['tier']})",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    H.progress(f"wrote {path}")
+    H.save_figure(fig, path)
 
 
 async def main(argv: list[str] | None = None) -> int:
