@@ -107,8 +107,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "worker thread while chunk k+1 is READ; 0 = one READ per batch, hashed after it. "
                         "Default: the client's own choice (client/nixl_path.py, hash_chunk_bytes: 8MiB where a "
                         "core is free and xxhash releases the GIL, else 0).")
+    p.add_argument("--python-check", action="store_true",
+                   help="Check payloads with python-xxhash's per-payload loop instead of the native batch "
+                        "check (protocol/checksums.py), as where no C compiler built it. Default: native "
+                        "where built.")
     H.add_common_args(p, reps="9 (2 with --quick)", warmup="1")
     args = p.parse_args(argv)
+    if args.python_check:
+        from prefixstore.protocol import checksums
+
+        checksums._native_verify = None
     if args.hash_chunk is not None:
         import prefixstore.client.nixl_path as nixl_path
 

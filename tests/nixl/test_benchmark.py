@@ -38,7 +38,7 @@ def test_help_documents_every_flag() -> None:
                           cwd=SCRIPT.parents[1])
     assert proc.returncode == 0, proc.stderr
     for flag in ("--out", "--quick", "--reps", "--warmup", "--seed", "--payload-sizes", "--batch-bytes",
-                 "--prefix-tokens", "--tier", "--hash-chunk"):
+                 "--prefix-tokens", "--tier", "--hash-chunk", "--python-check"):
         assert flag in proc.stdout
 
 
