@@ -169,13 +169,13 @@ def flops_saved(shape: ModelShape, entry: EntryView) -> float:
 
 
 def anchor_key(entry: EntryView) -> bytes | None:
-    """The entry key of what ``entry`` hangs from (a snapshot's block, a block's
-    parent block), when the entry exposes it (the store's entries do: ``container``,
-    ``parent``); None for a chain's first block or an entry that does not say."""
+    """The key of what ``entry`` hangs from (a snapshot's block, a block's parent
+    block), when the entry exposes it (the store's entries do: ``container``,
+    ``parent_key``, both scoped by namespace like ``key``); None for an entry
+    that does not say."""
     if entry.kind is Kind.STATE:
         return getattr(entry, "container", None)
-    parent = getattr(entry, "parent", None)
-    return bytes((Kind.BLOCK,)) + parent if parent else None
+    return getattr(entry, "parent_key", None)
 
 
 class FlopAware:

@@ -213,8 +213,9 @@ async def bench_size(size: int, args: argparse.Namespace) -> dict[str, object]:
                 raise SystemExit(f"{size}: a timed GET or PUT failed: read {set(got)}, put "
                                  f"{sorted({r.status for r in res})} (failures {dict(client.failures)})")
             if rs.store is not None:
-                index = rs.store.index
-                demoted = sum(1 for spec, _ in get_set if index.get(make_entry_key(Kind.BLOCK, spec.hash)).pages is None)
+                store = rs.store
+                demoted = sum(1 for spec, _ in get_set
+                              if (e := store.entry(ns.id, make_entry_key(Kind.BLOCK, spec.hash))) is None or e.pages is None)
                 if demoted:
                     H.progress(f"warning: {demoted} GET entries were demoted to disk (raise ram_bytes)")
             if rep >= args.warmup:

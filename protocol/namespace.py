@@ -3,8 +3,11 @@
 Two engines share cache only if their namespaces are equal. Every field that
 changes the meaning or layout of a payload is part of the record, so a config
 change yields a new namespace id and a stale-format read is impossible by
-construction (DESIGN §3). The tenant is a field too: isolation between tenants
-is structural (different hash roots), not a filter applied afterwards.
+construction (DESIGN §3). The tenant is a field too, so two tenants' namespaces,
+roots and chains always differ. A namespace id is the hash of public fields,
+though: anyone can compute another tenant's chain for a guessed prompt, so
+isolation rests on the store scoping every key by the request's namespace
+(store/index.py), which the server checks the caller's tenant owns.
 """
 
 from __future__ import annotations
@@ -33,6 +36,22 @@ DTYPE_BYTES: dict[str, int] = {
 HASH_SCHEME_VERSION = 1
 
 NAMESPACE_ID_BYTES = 8
+
+# Bounds on every field, checked when a record is built (so at registration, before anything is
+# stored). A namespace is public, tenant-supplied input that the store keeps, persists and
+# consults on every request: without bounds one registration of millions of state shapes froze a
+# store's event loop for seconds and made every later lookup on it slow. The bounds are far above
+# any real model (the largest have ~100 layers, a few state tensors per layer).
+MAX_NAME_BYTES = 256  # model, revision, tenant (UTF-8)
+MAX_LAYERS = 4096
+MAX_HEADS = 4096
+MAX_HEAD_DIM = 1 << 16
+MAX_COMPONENTS = 8
+MAX_STATE_TENSORS = 16  # tensors per state layer
+MAX_STATE_DIMS = 8  # dimensions per tensor
+MAX_STATE_DIM = 1 << 32  # elements along one dimension (engines may hand a state over as one flat tensor)
+MAX_TP_SIZE = 1024
+MAX_PAYLOAD_BYTES = 1 << 40  # a block's or a snapshot's bytes: a size every wire integer holds
 
 
 class NamespaceError(ValueError):
@@ -68,18 +87,19 @@ class KVLayout:
     num_components: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_heads", "head_dim", "num_components"):
+        for name, hi in (("num_layers", MAX_LAYERS), ("num_heads", MAX_HEADS), ("head_dim", MAX_HEAD_DIM),
+                         ("num_components", MAX_COMPONENTS)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise NamespaceError(f"kv.{name}: must be a non-negative integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= hi:
+                raise NamespaceError(f"kv.{name}: must be an integer in [0, {hi}], got {value!r}")
         _dtype_bytes(self.dtype, "kv.dtype")
 
-    @property
+    @cached_property
     def layer_token_bytes(self) -> int:
         """Bytes one token occupies in one layer (all components)."""
         return self.num_components * self.num_heads * self.head_dim * _dtype_bytes(self.dtype, "kv.dtype")
 
-    @property
+    @cached_property
     def token_bytes(self) -> int:
         """Bytes one token occupies across all full-attention layers."""
         return self.num_layers * self.layer_token_bytes
@@ -126,21 +146,30 @@ class StateLayout:
     dtype: str = "float16"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) or self.num_layers < 0:
-            raise NamespaceError(f"state.num_layers: must be a non-negative integer, got {self.num_layers!r}")
+        if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) \
+                or not 0 <= self.num_layers <= MAX_LAYERS:
+            raise NamespaceError(f"state.num_layers: must be an integer in [0, {MAX_LAYERS}], got {self.num_layers!r}")
+        if len(self.shapes) > MAX_STATE_TENSORS:
+            raise NamespaceError(f"state.shapes: at most {MAX_STATE_TENSORS} tensors per layer, got {len(self.shapes)}")
         for shape in self.shapes:
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
-                raise NamespaceError(f"state.shapes: dimensions must be positive integers, got {shape!r}")
+            if not 1 <= len(shape) <= MAX_STATE_DIMS:
+                raise NamespaceError(f"state.shapes: a tensor has 1 to {MAX_STATE_DIMS} dimensions, got {len(shape)}")
+            if not all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= MAX_STATE_DIM for d in shape):
+                raise NamespaceError(f"state.shapes: dimensions must be integers in [1, {MAX_STATE_DIM}], "
+                                     f"got {shape!r}")
         if self.num_layers and not self.shapes:
             raise NamespaceError("state.shapes: a state layout with layers needs at least one tensor shape")
         _dtype_bytes(self.dtype, "state.dtype")
+        if self.snapshot_bytes > MAX_PAYLOAD_BYTES:
+            raise NamespaceError(f"state: a snapshot would be {self.snapshot_bytes} bytes, more than "
+                                 f"{MAX_PAYLOAD_BYTES}")
 
-    @property
+    @cached_property
     def layer_bytes(self) -> int:
         itemsize = _dtype_bytes(self.dtype, "state.dtype")
         return sum(math.prod(shape) for shape in self.shapes) * itemsize
 
-    @property
+    @cached_property
     def snapshot_bytes(self) -> int:
         return self.num_layers * self.layer_bytes
 
@@ -155,8 +184,15 @@ class StateLayout:
         if not isinstance(raw, (list, tuple)) or len(raw) != 3:
             raise NamespaceError("state: expected [num_layers, shapes, dtype]")
         num_layers, shapes, dtype = raw
-        if not isinstance(shapes, (list, tuple)) or not all(isinstance(s, (list, tuple)) for s in shapes):
+        if not isinstance(shapes, (list, tuple)):
             raise NamespaceError("state.shapes: expected a list of shapes")
+        # Before looking at any shape: a hostile record may list millions of them.
+        if len(shapes) > MAX_STATE_TENSORS:
+            raise NamespaceError(f"state.shapes: at most {MAX_STATE_TENSORS} tensors per layer, got {len(shapes)}")
+        if not all(isinstance(s, (list, tuple)) for s in shapes):
+            raise NamespaceError("state.shapes: expected a list of shapes")
+        if any(len(s) > MAX_STATE_DIMS for s in shapes):
+            raise NamespaceError(f"state.shapes: a tensor has 1 to {MAX_STATE_DIMS} dimensions")
         if not isinstance(dtype, str):
             raise NamespaceError("state.dtype: must be a string")
         return cls(
@@ -175,6 +211,8 @@ def _int(value: object, name: str) -> int:
 def _str(value: object, name: str) -> str:
     if not isinstance(value, str):
         raise NamespaceError(f"{name}: must be a string, got {type(value).__name__}")
+    if len(value) > MAX_NAME_BYTES or len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise NamespaceError(f"{name}: at most {MAX_NAME_BYTES} bytes (UTF-8), got {len(value.encode('utf-8', 'surrogatepass'))}")
     return value
 
 
@@ -207,8 +245,8 @@ class Namespace:
             raise NamespaceError("model: must be a non-empty string")
         if not 1 <= self.block_tokens <= 65536:
             raise NamespaceError(f"block_tokens: must be an integer in [1, 65536], got {self.block_tokens!r}")
-        if not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise NamespaceError(f"tp_size: must be a positive integer, got {self.tp_size!r}")
+        if not isinstance(self.tp_size, int) or not 1 <= self.tp_size <= MAX_TP_SIZE:
+            raise NamespaceError(f"tp_size: must be an integer in [1, {MAX_TP_SIZE}], got {self.tp_size!r}")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise NamespaceError(f"tp_rank: must be in [0, tp_size), got {self.tp_rank!r}")
         if self.hash_scheme != HASH_SCHEME_VERSION:
@@ -217,6 +255,9 @@ class Namespace:
             )
         if self.kv.token_bytes == 0 and self.state.snapshot_bytes == 0:
             raise NamespaceError("kv/state: a namespace must hold KV or state bytes")
+        if self.block_bytes > MAX_PAYLOAD_BYTES:
+            raise NamespaceError(f"kv: a block of {self.block_tokens} tokens would be {self.block_bytes} bytes, "
+                                 f"more than {MAX_PAYLOAD_BYTES}")
 
     def to_wire(self) -> list[object]:
         """Canonical form: a fixed-order list, so equal records encode equally."""
@@ -261,11 +302,11 @@ class Namespace:
     def id_hex(self) -> str:
         return self.id.hex()
 
-    @property
+    @cached_property
     def has_state(self) -> bool:
         return self.state.snapshot_bytes > 0
 
-    @property
+    @cached_property
     def block_bytes(self) -> int:
         """Payload bytes of one full KV block."""
         return self.kv.payload_bytes(self.block_tokens)

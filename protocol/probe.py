@@ -159,9 +159,11 @@ class LookupReport:
                 "state_tokens": self.state_tokens, "junction": self.junction, "missing": self.missing_block}
 
     @classmethod
-    def from_header(cls, h: dict[str, object]) -> LookupReport:
+    def from_header(cls, h: dict[str, object], limits: Limits) -> LookupReport:
+        """Bounded like a lookup (``max_lookup_tokens``): a report feeds counters every tenant's
+        dashboards read, so one report may count no more than one lookup could."""
         ns = req_bin(h, "ns", size=NAMESPACE_ID_BYTES)
-        n = req_int(h, "num_tokens")
+        n = req_int(h, "num_tokens", hi=limits.max_lookup_tokens)
         kv = req_int(h, "kv_tokens", hi=n)
         return cls(namespace_id=ns, num_tokens=n, kv_tokens=kv, state_tokens=req_int(h, "state_tokens", hi=kv),
                    junction=opt_bin(h, "junction", size=HASH_BYTES), missing_block=opt_bin(h, "missing", size=HASH_BYTES))

@@ -20,10 +20,11 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from ..protocol.hashing import BlockHash
-from ..protocol.keys import Kind, make_entry_key
+from ..protocol.keys import Kind
 from ..protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
 from ..protocol.wire import WireError, req_bin, req_entry_keys
 from .config import StoreConfig
+from .index import store_key
 from .membership import DnsResolver, Membership
 from .probe import probe as probe_levels
 from .replication import Replicator
@@ -63,15 +64,15 @@ async def lookup_report(request: web.Request) -> web.Response:
     """What a single node's lookup would have taught its policies and metrics (store/core.py
     ``_count_lookup``), reported by the client to the node that owns the junction."""
     store = request.app[STORE]
-    report = LookupReport.from_header(await _control_header(request))
+    report = LookupReport.from_header(await _control_header(request), store.limits)
     ns = _owned(request, report.namespace_id)
     now = store.clock()
     if report.junction is not None and ns.has_state:
         junction = BlockHash(report.junction)
-        store.admission[Kind.STATE].on_sighting(Kind.STATE, make_entry_key(Kind.STATE, junction), now)
-        store.eviction.on_miss(Kind.STATE, junction, now)
+        store.admission[Kind.STATE].on_sighting(Kind.STATE, store_key(ns.id, Kind.STATE, junction), now)
+        store.eviction.on_miss(Kind.STATE, ns.id + junction, now)
     if report.missing_block is not None:
-        store.eviction.on_miss(Kind.BLOCK, BlockHash(report.missing_block), now)
+        store.eviction.on_miss(Kind.BLOCK, ns.id + report.missing_block, now)
     m = store.metrics
     m.lookups.inc()
     m.lookup_tokens.labels("kv", "hit").inc(report.kv_tokens)

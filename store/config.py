@@ -68,6 +68,10 @@ class StoreConfig:
         "($XDG_DATA_HOME/prefixstore). 'none': RAM only, nothing survives a restart."))
     disk_bytes: int = field(default=4 << 30, metadata=_doc(
         "Byte budget of payloads in the LMDB tier; beyond it the least valuable entries are deleted.", "size"))
+    keep_damaged_lmdb: bool = field(default=False, metadata=_doc(
+        "A damaged or foreign-format LMDB environment is set aside and the tier starts empty (it is only "
+        "cache). Off, its files are deleted; on, they are moved to DATA_DIR/quarantine/ for inspection "
+        "(one set at most; it takes disk space outside disk_bytes)."))
     lmdb_sync: bool = field(default=False, metadata=_doc(
         "fsync every LMDB commit. Off, a killed process loses nothing (the OS holds the pages); "
         "on, a power loss loses nothing either, at a large write cost."))
@@ -97,6 +101,14 @@ class StoreConfig:
         "Most prompt tokens in one lookup."))
     max_get_bytes: int = field(default=1 << 30, metadata=_doc(
         "Most payload bytes one get may return; ask in several batches beyond it.", "size"))
+    max_namespaces_per_tenant: int = field(default=256, metadata=_doc(
+        "Most namespaces one tenant may register (every store without a tenants file counts as one "
+        "tenant). Each is kept in memory and on disk and charged to the tenant's quota_bytes."))
+    max_offers_per_tenant: int = field(default=32768, metadata=_doc(
+        "Most offered-and-wanted items the store remembers per tenant until their put (pending_ttl_s); "
+        "beyond it the tenant's oldest are forgotten, and their put asks admission again."))
+    max_leases_per_tenant: int = field(default=8192, metadata=_doc(
+        "Most lookup leases one tenant may hold at once; beyond it the tenant's oldest lease ends early."))
     max_child_scan: int = field(default=1024, metadata=_doc(
         "Most stored children of one block a lookup compares token by token (most recent first)."))
     request_timeout_s: float = field(default=60.0, metadata=_doc(
@@ -162,6 +174,7 @@ class StoreConfig:
     def __post_init__(self) -> None:
         positive = ("ram_bytes", "page_bytes", "sighting_filter_bytes", "disk_bytes", "max_body_bytes", "max_header_bytes",
                     "max_items", "max_lookup_tokens", "max_get_bytes", "max_child_scan", "max_connections",
+                    "max_namespaces_per_tenant", "max_offers_per_tenant", "max_leases_per_tenant",
                     "replication_max_replicas", "replication_bytes_per_s")
         for name in positive:
             if getattr(self, name) <= 0:

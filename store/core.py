@@ -33,6 +33,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -41,7 +42,7 @@ import xxhash
 
 from ..admission import MODEL_PRESETS, ModelShape, PolicyContext, make_admission, make_eviction
 from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, chain_hash, root_hash, tail_hash
-from ..protocol.keys import Kind, make_entry_key
+from ..protocol.keys import Kind
 from ..protocol.namespace import Namespace
 from ..protocol.wire import (
     HAVE,
@@ -67,9 +68,9 @@ from ..protocol.wire import (
 from .arena import Arena, ArenaFull
 from .config import StoreConfig
 from .evict_queue import EvictionQueue
-from .index import Entry, Index, IndexInvariantError
+from .index import STORE_KEY_BYTES, Entry, Index, IndexInvariantError, node_key, scope, store_key
 from .leases import Leases
-from .lmdb_tier import LmdbTier, ReadOutcome, StoredRecord
+from .lmdb_tier import LmdbTier, ReadOutcome, StoredRecord, TierDamaged
 from .metrics import StoreMetrics
 from .tasks import stop_task
 from .tenants import Tenants, load_tenants
@@ -77,6 +78,8 @@ from .tenants import Tenants, load_tenants
 log = logging.getLogger(__name__)
 
 _COMMITTING = math.inf  # expires_s of a pending entry whose commit is in flight
+OPEN_TENANT = "default"  # whom everything belongs to on a store without a tenants file
+NAMESPACE_RECORD_OVERHEAD = 64  # bytes charged per namespace beside its encoding (index, LMDB key)
 
 
 @dataclass(slots=True)
@@ -88,6 +91,11 @@ class PutPlan:
     targets: list[list[memoryview] | None]
     results: list[ItemResult]
     entries: list[Entry | None]
+
+    @property
+    def keys(self) -> list[bytes]:
+        """Wire entry keys of the entries this put reserved, for :meth:`Store.commit`."""
+        return [e.wire_key for e in self.entries if e is not None]
 
 
 @dataclass(slots=True)
@@ -127,7 +135,7 @@ class Store:
         self.pending: dict[bytes, Entry] = {}
         self.ram_queue = EvictionQueue()  # committed, in RAM and on disk: RAM drop is free
         self.delete_queue = EvictionQueue()  # committed leaves: candidates for deletion
-        self.leases = Leases(self._unpin)
+        self.leases = Leases(self._unpin, config.max_leases_per_tenant)
         ctx = PolicyContext(shape_of=self.shape_of, filter_bytes=config.sighting_filter_bytes)
         kv_policy = make_admission(config.kv_admission, ctx)
         self.admission = {Kind.BLOCK: kv_policy, Kind.TAIL: kv_policy,
@@ -136,13 +144,16 @@ class Store:
         self._shapes: dict[bytes, ModelShape | None] = {}
         self.metrics = StoreMetrics(self.index, self._gauges)
         self._doomed: list[bytes] = []  # deleted from the index, still to delete from LMDB
-        self._wanted: dict[bytes, float] = {}  # offered and wanted: admitted at put without asking again
+        # Offered and wanted, per tenant, oldest first: admitted at put without asking again.
+        # At most max_offers_per_tenant each (a tenant flooding offers forgets its own oldest).
+        self._wanted: dict[str, OrderedDict[bytes, float]] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._prefault: asyncio.Task[bool] | None = None
         self.tenants: Tenants | None = load_tenants(config.tenants_file) if config.tenants_file else None
         # Payload bytes each tenant holds, committed plus pending (a quota must
         # count what is already promised), kept where entries are taken and freed.
         self.tenant_bytes: dict[str, int] = {}
+        self.tenant_namespaces: dict[str, int] = {}  # namespaces per owner (owner_of)
         # In a cluster a block usually lives on another node than its parent
         # (protocol/placement.py), so prefix closure holds per cluster, not per
         # node: a block or tail may name a parent this node does not hold.
@@ -158,7 +169,9 @@ class Store:
         path = self.config.lmdb_path
         if path is not None:
             self.tier = LmdbTier(path, self.config.disk_bytes, sync=self.config.lmdb_sync,
-                                 max_pins=self.config.nixl_map_txns)
+                                 max_pins=self.config.nixl_map_txns, keep_damaged=self.config.keep_damaged_lmdb)
+            for _ in self.tier.resets:
+                self.metrics.lmdb_resets.inc()
             try:
                 await self._load_from_disk()
             except BaseException:
@@ -178,28 +191,41 @@ class Store:
             self.tier = None
 
     async def _load_from_disk(self) -> None:
+        """Rebuild the index from LMDB's records. Nothing read back is trusted: a namespace must
+        decode within the protocol's bounds and hash to its own id, and every record's key is
+        re-derived from its contents (parent, tokens and extra keys; a snapshot's p(t) from its
+        container's tokens) and its sizes checked against its namespace, exactly as a put is
+        checked. A record that fails is dropped, so a flipped byte on disk is a miss, never an
+        entry answering for tokens it does not hold."""
         assert self.tier is not None
         started = time.perf_counter()
-        namespaces, records, broken = await asyncio.to_thread(self.tier.scan)
-        for ns_id, encoded in namespaces.items():
+        scan = await asyncio.to_thread(self.tier.scan)
+        if scan.damage is not None:
+            await self._reset_tier(f"scan failed: {scan.damage}")
+            return
+        for ns_id, encoded in scan.namespaces.items():
             try:
                 ns = Namespace.from_wire(msgpack.unpackb(encoded, raw=False))
-            except Exception:
-                log.warning("dropping an unreadable namespace record %s", ns_id.hex())
+                self._check_namespace(ns)
+            except Exception as err:
+                log.warning("dropping namespace record %s: %s", ns_id.hex(), err)
                 continue
-            self.namespaces[ns.id] = ns
-            self._roots[ns.id] = root_hash(ns)
+            if ns.id != ns_id:
+                log.warning("dropping namespace record %s: it encodes namespace %s", ns_id.hex(), ns.id.hex())
+                continue
+            self._add_namespace(ns)
         # Parents before children: blocks by start, then tails, then snapshots.
         order = {Kind.BLOCK: 0, Kind.TAIL: 1, Kind.STATE: 2}
+        records = [r for r in scan.records if len(r.key) == STORE_KEY_BYTES and r.key[0] in order]
+        dropped = list(scan.broken) + [r.key for r in scan.records if len(r.key) != STORE_KEY_BYTES or r.key[0] not in order]
         records.sort(key=lambda r: (order[Kind(r.key[0])], r.start))
-        dropped = list(broken)
         for r in records:
             kind = Kind(r.key[0])
-            e = Entry(key=r.key, kind=kind, hash=BlockHash(r.key[1:]), namespace_id=r.namespace_id,
+            e = Entry(key=r.key, kind=kind, hash=BlockHash(r.key[-HASH_BYTES:]), namespace_id=r.namespace_id,
                       parent=BlockHash(r.parent) if r.parent else None, start=r.start, tokens=r.tokens,
                       extra=r.extra, container=r.container, boundary=r.boundary, size=r.size,
                       checksum=r.checksum, on_disk=True, origin=r.origin)
-            if r.namespace_id not in self.namespaces or not self._attachable(e):
+            if not self._rederives(e) or not self._attachable(e):
                 dropped.append(r.key)
                 continue
             self.index.insert(e)
@@ -216,6 +242,36 @@ class Store:
         log.info("loaded %d entries (%d bytes) from %s in %.2fs", len(self.index.entries),
                  self.index.disk_bytes(), self.tier.path, time.perf_counter() - started)
 
+    def _rederives(self, e: Entry) -> bool:
+        """Whether a record read back from disk is what a put of it would have been: its key is
+        its namespace's, its hash follows from its contents, its sizes from its namespace."""
+        ns = self.namespaces.get(e.namespace_id)
+        if ns is None or e.key != store_key(ns.id, e.kind, e.hash) or e.size <= 0 or e.checksum >= 1 << 64:
+            return False
+        try:
+            if e.kind is Kind.STATE:
+                c = self.index.get(e.container or b"")
+                if c is None or c.namespace_id != ns.id or c.kind is Kind.STATE:
+                    return False
+                self._check_shape(ns, ItemSpec(kind=e.kind, hash=e.hash, size=e.size), "")
+                return self._snapshot_hash(c, e.boundary) == e.hash
+            if e.parent is None or len(e.parent) != HASH_BYTES or e.container is not None:
+                return False
+            self._check_shape(ns, ItemSpec(kind=e.kind, hash=e.hash, size=e.size, parent=e.parent,
+                                           tokens=e.tokens, extra=e.extra), "")
+        except WireError:
+            return False
+        return True
+
+    @staticmethod
+    def _snapshot_hash(c: Entry, boundary: int) -> BlockHash | None:
+        """p(boundary) of a snapshot registered in container ``c``; None outside its range."""
+        if not c.start < boundary <= c.end:
+            return None
+        assert c.parent is not None
+        off = boundary - c.start
+        return c.hash if boundary == c.end else tail_hash(c.parent, c.tokens[: off * TOKEN_BYTES], c.extra)
+
     def _attachable(self, e: Entry) -> bool:
         if e.kind is Kind.STATE:
             c = self.index.get(e.container or b"")
@@ -223,7 +279,7 @@ class Store:
         assert e.parent is not None
         if e.parent == self._roots.get(e.namespace_id):
             return e.start == 0
-        p = self.index.get_block(e.parent)
+        p = self.index.get_block(e.namespace_id, e.parent)
         if p is None and self.foreign_parents:  # the parent lives on another node
             ns = self.namespaces.get(e.namespace_id)
             return ns is not None and e.start > 0 and e.start % ns.block_tokens == 0
@@ -246,8 +302,11 @@ class Store:
             if e.expires_s <= now:
                 self._drop_pending(e)
                 self.metrics.evictions.labels(e.metric_kind, "expired").inc()
-        if self._wanted:
-            self._wanted = {k: t for k, t in self._wanted.items() if t > now}
+        for owner, wanted in list(self._wanted.items()):
+            while wanted and next(iter(wanted.values())) <= now:  # oldest first: same TTL for all
+                wanted.popitem(last=False)
+            if not wanted:
+                del self._wanted[owner]
 
     async def flush_deletes(self) -> None:
         """Delete from LMDB what was deleted from the index (the sweeper also does it each second)."""
@@ -256,18 +315,101 @@ class Store:
     async def _flush_deletes(self) -> None:
         if self.tier is not None and self._doomed:
             doomed, self._doomed = self._doomed, []
-            await self.tier.delete(doomed)
+            try:
+                await self.tier.delete(doomed)
+            except TierDamaged as err:
+                await self._reset_tier(f"delete failed: {err}")
+
+    async def _reset_tier(self, reason: str) -> None:
+        """LMDB met damage it cannot work around: drop every entry from the index (they are all
+        written through, so none would survive the reset), set the environment aside and go on
+        empty. Loud: an error log line (lmdb_tier.py) and ``prefixstore_lmdb_resets_total``.
+        Namespaces stay registered (they are written to the new environment again)."""
+        assert self.tier is not None
+        dropped = self._drop_all("damaged")
+        self._doomed.clear()
+        self.metrics.lmdb_resets.inc()
+        await self.tier.reset(reason)
+        log.error("LMDB tier reset (%s): %d entries dropped; serving on from an empty tier", reason, dropped)
+        for ns in list(self.namespaces.values()):
+            try:
+                await self.tier.put_namespace(ns.id, ns.encode())
+            except Exception:  # a namespace that is not persisted is registered again by its client
+                log.exception("re-writing namespace %s after the LMDB reset failed", ns.id.hex())
 
     # ------------------------------------------------------------ namespaces
 
+    def owner_of(self, ns: Namespace) -> str:
+        """Whom a namespace's resources are counted against (namespaces, leases, offers, quota):
+        its tenant, or one owner for all on a store without a tenants file."""
+        return ns.tenant if self.tenants is not None else OPEN_TENANT
+
+    def _check_namespace(self, ns: Namespace) -> None:
+        """What this store can hold of a namespace the protocol accepts. Raises WireError."""
+        limit = self.config.max_body_bytes
+        if ns.block_bytes > limit:
+            raise WireError("namespace.kv", f"a block is {ns.block_bytes} bytes, more than max_body_bytes={limit}")
+        if ns.state.snapshot_bytes > limit:
+            raise WireError("namespace.state",
+                            f"a snapshot is {ns.state.snapshot_bytes} bytes, more than max_body_bytes={limit}")
+
+    @staticmethod
+    def namespace_charge(ns: Namespace) -> int:
+        """Bytes a registered namespace is charged to its tenant's quota (its record, kept for good)."""
+        return len(ns.encode()) + NAMESPACE_RECORD_OVERHEAD
+
+    def _add_namespace(self, ns: Namespace) -> None:
+        owner = self.owner_of(ns)
+        self.namespaces[ns.id] = ns
+        self._roots[ns.id] = root_hash(ns)
+        self.tenant_namespaces[owner] = self.tenant_namespaces.get(owner, 0) + 1
+        self.tenant_bytes[ns.tenant] = self.tenant_bytes.get(ns.tenant, 0) + self.namespace_charge(ns)
+
+    def _remove_namespace(self, ns: Namespace) -> None:
+        owner = self.owner_of(ns)
+        del self.namespaces[ns.id]
+        del self._roots[ns.id]
+        self._shapes.pop(ns.id, None)
+        self.tenant_namespaces[owner] -= 1
+        self.tenant_bytes[ns.tenant] -= self.namespace_charge(ns)
+
     async def register_namespace(self, ns: Namespace) -> bytes:
+        """Register (idempotent). Bounded per owner (max_namespaces_per_tenant) and charged to the
+        tenant's quota like entries: a namespace is kept in memory and on disk for good."""
         ns_id = ns.id
-        if ns_id not in self.namespaces:
-            if self.tier is not None:
+        if ns_id in self.namespaces:
+            return ns_id
+        self._check_namespace(ns)
+        owner = self.owner_of(ns)
+        held = self.tenant_namespaces.get(owner, 0)
+        if held >= self.config.max_namespaces_per_tenant:
+            raise WireError("namespace", f"tenant {owner!r} already has {held} namespaces, "
+                            f"max_namespaces_per_tenant={self.config.max_namespaces_per_tenant}", 403)
+        quota = self.quota_of(ns)
+        charge = self.namespace_charge(ns)
+        if quota is not None and self.tenant_bytes.get(ns.tenant, 0) + charge > quota:
+            self.metrics.quota_rejections.labels(ns.tenant).inc()
+            raise WireError("quota", f"tenant {ns.tenant!r} would exceed its quota of {quota} bytes with this "
+                            f"namespace's record ({charge} bytes)", 413)
+        self._add_namespace(ns)  # before the write: concurrent registrations count against the bound
+        if self.tier is not None:
+            try:
                 await self.tier.put_namespace(ns_id, ns.encode())
-            self.namespaces[ns_id] = ns
-            self._roots[ns_id] = root_hash(ns)
+            except TierDamaged as err:
+                await self._reset_tier(f"namespace write failed: {err}")  # writes every namespace again
+            except BaseException:
+                if self.namespaces.get(ns_id) is ns:
+                    self._remove_namespace(ns)
+                raise
         return ns_id
+
+    def entry(self, ns_id: bytes, key: bytes) -> Entry | None:
+        """The committed entry of wire key ``key`` in namespace ``ns_id`` (introspection, tests)."""
+        return self.index.get(scope(ns_id, key))
+
+    def pending_entry(self, ns_id: bytes, key: bytes) -> Entry | None:
+        """The uncommitted (put, not committed) entry of ``key`` in ``ns_id``."""
+        return self.pending.get(scope(ns_id, key))
 
     def namespace(self, ns_id: bytes) -> Namespace:
         ns = self.namespaces.get(ns_id)
@@ -323,10 +465,10 @@ class Store:
                 c = self.index.get(m.snapshot.container or b"")
                 if c is not None and c not in held:
                     held.append(c)
-            lease_id = self.leases.grant(held, now, self.config.lease_ttl_s)
+            lease_id = self.leases.grant(held, now, self.config.lease_ttl_s, owner=self.owner_of(ns))
         tiers = None
         if req.locations and m.matched_blocks:
-            tiers = bytes(0 if (e := self.index.get_block(h)) is not None and e.pages is not None else 1
+            tiers = bytes(0 if (e := self.index.get_block(ns.id, h)) is not None and e.pages is not None else 1
                           for h in split_hashes(req.hashes[: m.matched_blocks * HASH_BYTES]))
         n = req.num_tokens
         self.metrics.lookups.inc()
@@ -366,11 +508,11 @@ class Store:
                 parent = BlockHash(req.hashes[(j - 1) * HASH_BYTES : j * HASH_BYTES]) if j else self._roots[ns.id]
                 junction = tail_hash(parent, req.tokens[j * B * TOKEN_BYTES : kv_tokens * TOKEN_BYTES],
                                      dict(req.extras).get(j, b""))
-            self.admission[Kind.STATE].on_sighting(Kind.STATE, make_entry_key(Kind.STATE, junction), now)
-            self.eviction.on_miss(Kind.STATE, junction, now)
+            self.admission[Kind.STATE].on_sighting(Kind.STATE, store_key(ns.id, Kind.STATE, junction), now)
+            self.eviction.on_miss(Kind.STATE, ns.id + junction, now)
         if matched_blocks < req.num_blocks:
             start = matched_blocks * HASH_BYTES
-            self.eviction.on_miss(Kind.BLOCK, BlockHash(req.hashes[start : start + HASH_BYTES]), now)
+            self.eviction.on_miss(Kind.BLOCK, ns.id + req.hashes[start : start + HASH_BYTES], now)
 
     # ------------------------------------------------------------ offer / put / commit
 
@@ -406,26 +548,25 @@ class Store:
         """A new (uncommitted) entry for the item, or the reason it cannot be taken."""
         if item.kind is Kind.STATE:
             assert item.container is not None
-            c = self._find(item.container, batch)
-            if c is None or c.namespace_id != ns_id:
+            container = scope(ns_id, item.container)
+            c = self._find(container, batch)
+            if c is None:
                 return "container not stored"
-            if not c.start < item.boundary <= c.end:
+            expected = self._snapshot_hash(c, item.boundary)
+            if expected is None:
                 raise WireError(f"{ctx}boundary", f"{item.boundary} is outside the container's token range "
                                 f"({c.start}, {c.end}]")
-            off = item.boundary - c.start
-            assert c.parent is not None
-            expected = c.hash if item.boundary == c.end else tail_hash(c.parent, c.tokens[: off * TOKEN_BYTES], c.extra)
             if expected != item.hash:
                 raise WireError(f"{ctx}hash", f"does not equal p({item.boundary}) of the container's tokens")
             return Entry(key=key, kind=Kind.STATE, hash=item.hash, namespace_id=ns_id, parent=None, start=0,
-                         tokens=b"", extra=b"", container=item.container, boundary=item.boundary,
+                         tokens=b"", extra=b"", container=container, boundary=item.boundary,
                          size=item.size, checksum=item.checksum or 0, last_access_s=now, origin=item.origin)
         assert item.parent is not None
         if item.parent == self._roots[ns_id]:
             start = 0
         else:
-            p = self._find(make_entry_key(Kind.BLOCK, item.parent), batch)
-            if p is not None and p.namespace_id == ns_id:
+            p = self._find(store_key(ns_id, Kind.BLOCK, item.parent), batch)
+            if p is not None:
                 start = p.end
             elif p is None and self.foreign_parents and item.start is not None:
                 # Cluster: the parent is another node's; the client says where the block starts.
@@ -443,6 +584,7 @@ class Store:
                 ) -> tuple[list[ItemResult], list[Entry | None]]:
         """First pass of offer and put: validate everything, allocate nothing."""
         ns = self.namespace(ns_id)
+        owner = self.owner_of(ns)
         now = self.clock()
         quota = self.quota_of(ns)
         taken = self.tenant_bytes.get(ns.tenant, 0)  # plus what this batch takes, below
@@ -454,16 +596,9 @@ class Store:
             self._check_shape(ns, item, ctx)
             if for_put and item.checksum is None:
                 raise WireError(f"{ctx}checksum", "a put item needs the xxh3-64 of its payload")
-            key = make_entry_key(item.kind, item.hash)
-            held = self._find(key, batch)
-            if held is not None:
-                # Entry keys are global, but "have" is said only within the
-                # namespace: another namespace holding the key means an xxh3-128
-                # collision (keys chain from the namespace root), answered as a
-                # refusal that says nothing about the other tenant.
-                same = held.namespace_id == ns_id
-                results.append(ItemResult(HAVE if not for_put else STATUS_HAVE) if same
-                               else ItemResult(REJECTED, "key collision"))
+            key = store_key(ns_id, item.kind, item.hash)  # scoped: only this namespace's entries answer
+            if self._find(key, batch) is not None:
+                results.append(ItemResult(HAVE if not for_put else STATUS_HAVE))
                 new.append(None)
                 continue
             got = self._resolve(ns_id, item, key, batch, now, ctx)
@@ -480,7 +615,7 @@ class Store:
                 new.append(None)
                 self.metrics.quota_rejections.labels(ns.tenant).inc()
                 continue
-            wanted = self._wanted.pop(key, None) is not None if for_put else False
+            wanted = for_put and self._wanted.get(owner, {}).pop(key, None) is not None
             if not wanted and not self.admission[item.kind].admit(item.kind, key, item.size, now, item.origin):
                 results.append(ItemResult(REJECTED, "admission"))
                 new.append(None)
@@ -495,10 +630,15 @@ class Store:
         """Per item: want / have / rejected. Bytes move only for wanted items."""
         results, _ = self._triage(ns_id, items, for_put=False)
         now = self.clock()
+        wanted = self._wanted.setdefault(self.owner_of(self.namespace(ns_id)), OrderedDict())
         for item, r in zip(items, results):
             self.metrics.admission.labels(item.kind.metric_kind, r.status).inc()
             if r.status == WANT:
-                self._wanted[make_entry_key(item.kind, item.hash)] = now + self.config.pending_ttl_s
+                key = store_key(ns_id, item.kind, item.hash)
+                wanted.pop(key, None)  # a repeat offer moves to the back, so expiry stays in order
+                wanted[key] = now + self.config.pending_ttl_s
+        while len(wanted) > self.config.max_offers_per_tenant:
+            wanted.popitem(last=False)  # the owner's oldest: its put will ask admission again
         return results
 
     def plan_put(self, ns_id: bytes, items: Sequence[ItemSpec]) -> PutPlan:
@@ -570,12 +710,12 @@ class Store:
     def verify_pending(self, ns_id: bytes, keys: Sequence[bytes]) -> tuple[list[ItemResult], int]:
         """The NIXL path's verify_put: payloads were WRITTEN into reserved pages, not streamed.
         Per key: pending (its pages hold bytes matching its checksum), rejected (dropped: they do
-        not), or missing; plus the payload bytes verified."""
+        not), or missing; plus the payload bytes verified. ``keys`` are wire entry keys."""
         out: list[ItemResult] = []
         received = 0
         for key in keys:
-            e = self.pending.get(key)
-            if e is None or e.namespace_id != ns_id or e.pages is None or e.expires_s == _COMMITTING:
+            e = self.pending.get(scope(ns_id, key))
+            if e is None or e.pages is None or e.expires_s == _COMMITTING:
                 out.append(ItemResult(STATUS_MISSING, "not reserved, expired, or committing"))
                 continue
             if self.arena.checksum(e.pages, 0, e.size) != e.checksum:
@@ -591,7 +731,7 @@ class Store:
         if e.kind is Kind.STATE:
             return e.container
         assert e.parent is not None
-        return None if e.parent == self._roots.get(e.namespace_id) else make_entry_key(Kind.BLOCK, e.parent)
+        return None if e.parent == self._roots.get(e.namespace_id) else e.parent_key
 
     def _drop_pending(self, e: Entry) -> None:
         del self.pending[e.key]
@@ -608,17 +748,17 @@ class Store:
             self._unpin(anchor)
 
     async def commit(self, ns_id: bytes, keys: Sequence[bytes]) -> list[ItemResult]:
-        """Make pending entries visible: persist them (write-through), then index them."""
+        """Make pending entries visible: persist them (write-through), then index them.
+        ``keys`` are wire entry keys (kind || hash) of namespace ``ns_id``."""
         self.namespace(ns_id)
         results: list[ItemResult] = [ItemResult(STATUS_MISSING, "not put, or expired")] * len(keys)
         batch: list[tuple[int, Entry]] = []
-        for i, key in enumerate(keys):
+        for i, wire_key in enumerate(keys):
+            key = scope(ns_id, wire_key)
             e = self.pending.get(key)
             if e is None:
-                if (c := self.index.get(key)) is not None and c.namespace_id == ns_id:
+                if self.index.get(key) is not None:
                     results[i] = ItemResult(STATUS_HAVE)
-                continue
-            if e.namespace_id != ns_id:
                 continue
             if e.expires_s == _COMMITTING:
                 results[i] = ItemResult(STATUS_PENDING, "a commit of this entry is in flight")
@@ -647,6 +787,10 @@ class Store:
                     if self.pending.get(e.key) is e:
                         self._drop_pending(e)
                     results[i] = ItemResult(STATUS_REJECTED, f"disk write failed: {type(err).__name__}")
+                if isinstance(err, TierDamaged):
+                    await self._reset_tier(f"commit failed: {err}")
+                else:
+                    self._doomed.extend(doomed)  # still to delete
                 return results
         now = self.clock()
         for i, e in batch:
@@ -710,8 +854,8 @@ class Store:
         total = 0
         try:
             for i, item in enumerate(items):
-                e = self.index.get(item.key)
-                if e is None or e.namespace_id != ns_id:
+                e = self.index.get(scope(ns_id, item.key))
+                if e is None:
                     plan.slots.append(GetSlot(STATUS_MISSING))
                     continue
                 offset, length = self._byte_range(ns, e, item, f"items[{i}]")
@@ -883,12 +1027,15 @@ class Store:
     def flush(self) -> int:
         """Delete every committed entry (the admin flush); returns how many. Pending puts stay
         pending and are refused at commit ("parent or container gone") when their parent went."""
+        return self._drop_all("flushed")
+
+    def _drop_all(self, reason: str) -> int:
         before = len(self.index.entries)
         for e in list(self.index.entries.values()):
             if e.kind is not Kind.STATE and not e.dead and e.key in self.index.entries \
                     and (e.parent == self._roots.get(e.namespace_id)
-                         or (e.parent is not None and self.index.get_block(e.parent) is None)):
-                self._delete(e, "flushed")
+                         or (e.parent is not None and self.index.get_block(e.namespace_id, e.parent) is None)):
+                self._delete(e, reason)
         return before - len(self.index.entries)
 
     def _unpin(self, e: Entry) -> None:
@@ -939,7 +1086,7 @@ class Store:
 
     def check(self) -> None:
         """Verify the store's invariants (index, arena accounting, queues); raise naming the broken one."""
-        self.index.check(set(self._roots.values()), foreign_parents=self.foreign_parents)
+        self.index.check({node_key(ns_id, h) for ns_id, h in self._roots.items()}, foreign_parents=self.foreign_parents)
         holders = list(self.index.entries.values()) + list(self.pending.values())
         if self.arena.virtual:
             held = sum(-sum(e.pages) for e in holders if e.pages)
@@ -964,6 +1111,12 @@ class Store:
             if self.tier is not None and not e.on_disk:
                 raise IndexInvariantError(f"entry {e.key.hex()}: committed but not written through to LMDB")
         owed: dict[str, int] = {}
+        owned: dict[str, int] = {}
+        for ns in self.namespaces.values():
+            owed[ns.tenant] = owed.get(ns.tenant, 0) + self.namespace_charge(ns)
+            owned[self.owner_of(ns)] = owned.get(self.owner_of(ns), 0) + 1
+        if {t: n for t, n in self.tenant_namespaces.items() if n} != owned:
+            raise IndexInvariantError(f"namespace counts {self.tenant_namespaces} differ from those held {owned}")
         for e in holders:
             tenant = self.namespaces[e.namespace_id].tenant
             owed[tenant] = owed.get(tenant, 0) + e.size
@@ -972,5 +1125,5 @@ class Store:
 
 
 def _ref(e: Entry, usable: int) -> EntryRef:
-    return EntryRef(key=e.key, num_tokens=e.num_tokens, usable_tokens=usable, size=e.size,
+    return EntryRef(key=e.wire_key, num_tokens=e.num_tokens, usable_tokens=usable, size=e.size,
                     tier="ram" if e.pages is not None else "disk")

@@ -2,9 +2,19 @@
 
 Structure (all keyed by fixed-width bytes, never tuples)::
 
-    entries       entry key (kind || hash) -> Entry
-    children      parent hash h_j (or root h_0) -> {entry key of each block/tail under it}
-    snaps_under   parent hash h_j -> {entry key of each snapshot whose container is under h_j}
+    entries       store key (kind || ns || hash) -> Entry
+    children      ns || parent hash h_j (or root h_0) -> {store key of each block/tail under it}
+    snaps_under   ns || parent hash h_j -> {store key of each snapshot whose container is under h_j}
+
+**Every key is scoped by its namespace** (:func:`store_key`, :func:`scope`). Hashes
+chain from the namespace root, but a namespace id is the hash of public
+fields (model, layout, tenant name), so another tenant can compute any
+tenant's chain for a guessed prompt. Scoping makes such hashes useless: a
+request only ever reaches keys built from its own namespace id, which the
+server checked belongs to the authenticated tenant, so no lookup, offer,
+probe, read or commit can find, collide with or squat on another
+namespace's entry. The wire keeps the 17-byte entry key (kind || hash) of
+protocol/keys.py; requests name their namespace beside it.
 
 Invariants (verified by :meth:`Index.check`, which the tests call):
 
@@ -27,14 +37,38 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash
-from ..protocol.keys import Kind, make_entry_key
+from ..protocol.keys import ENTRY_KEY_BYTES, Kind
+from ..protocol.namespace import NAMESPACE_ID_BYTES
 
 _BLOCK = bytes((Kind.BLOCK,))
+STORE_KEY_BYTES = 1 + NAMESPACE_ID_BYTES + HASH_BYTES
+
+
+def store_key(namespace_id: bytes, kind: Kind, h: bytes) -> bytes:
+    """The store's key of an entry: kind || namespace id || hash (25 bytes). The kind leads so
+    that a policy's ``kind byte + rest`` keys (admission/eviction.py) are store keys too."""
+    return bytes((kind,)) + namespace_id + h
+
+
+def scope(namespace_id: bytes, entry_key: bytes) -> bytes:
+    """A wire entry key (kind || hash, protocol/keys.py) of a request's namespace, as a store key."""
+    assert len(entry_key) == ENTRY_KEY_BYTES, "a wire entry key is kind || hash"
+    return entry_key[:1] + namespace_id + entry_key[1:]
+
+
+def unscope(key: bytes) -> bytes:
+    """A store key's wire entry key (kind || hash), for answers."""
+    return key[:1] + key[1 + NAMESPACE_ID_BYTES :]
+
+
+def node_key(namespace_id: bytes, h: bytes) -> bytes:
+    """The ``children`` / ``snaps_under`` key of a parent hash in a namespace."""
+    return namespace_id + h
 
 
 @dataclass(slots=True, eq=False)
 class Entry:
-    key: bytes
+    key: bytes  # store key (store_key): kind || namespace id || hash
     kind: Kind
     hash: BlockHash
     namespace_id: bytes
@@ -42,7 +76,7 @@ class Entry:
     start: int  # blocks and tails: first token position; snapshots: 0
     tokens: bytes  # blocks and tails: packed token ids
     extra: bytes  # blocks and tails: per-block extra keys that entered the hash
-    container: bytes | None  # snapshots: entry key of the block or tail holding the boundary
+    container: bytes | None  # snapshots: store key of the block or tail holding the boundary
     boundary: int  # snapshots: the token count the state has consumed
     size: int
     checksum: int
@@ -62,6 +96,21 @@ class Entry:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens) // TOKEN_BYTES
+
+    @property
+    def wire_key(self) -> bytes:
+        """The entry key clients use (kind || hash); valid only beside this entry's namespace."""
+        return unscope(self.key)
+
+    @property
+    def parent_key(self) -> bytes | None:
+        """Store key of the block this block or tail hangs from (None for a snapshot)."""
+        return None if self.parent is None else _BLOCK + self.namespace_id + self.parent
+
+    @property
+    def node(self) -> bytes | None:
+        """``children`` key of this entry's parent (blocks and tails)."""
+        return None if self.parent is None else self.namespace_id + self.parent
 
     @property
     def end(self) -> int:
@@ -124,8 +173,8 @@ class Index:
     def get(self, key: bytes) -> Entry | None:
         return self.entries.get(key)
 
-    def get_block(self, h: bytes) -> Entry | None:
-        return self.entries.get(_BLOCK + h)
+    def get_block(self, namespace_id: bytes, h: bytes) -> Entry | None:
+        return self.entries.get(_BLOCK + namespace_id + h)
 
     # ------------------------------------------------------------ mutation
 
@@ -138,19 +187,19 @@ class Index:
             assert e.container is not None
             c = self.entries[e.container]
             c.num_snapshots += 1
-            assert c.parent is not None
-            self.snaps_under.setdefault(c.parent, {})[e.key] = None
+            assert c.node is not None
+            self.snaps_under.setdefault(c.node, {})[e.key] = None
             self.snapshots_per_ns[e.namespace_id] += 1
         else:
-            assert e.parent is not None
-            self.children.setdefault(e.parent, {})[e.key] = None
-            p = self.entries.get(_BLOCK + e.parent)
+            assert e.node is not None and e.parent_key is not None
+            self.children.setdefault(e.node, {})[e.key] = None
+            p = self.entries.get(e.parent_key)
             if p is not None:
                 p.num_children += 1
             if e.kind is Kind.BLOCK:
                 # In a cluster a child may be committed before its parent arrives
                 # on the same node (its parent was another node's then): adopt it.
-                e.num_children = len(self.children.get(e.hash, ()))
+                e.num_children = len(self.children.get(e.namespace_id + e.hash, ()))
         self._count(e, +1)
 
     def remove(self, e: Entry) -> Entry | None:
@@ -165,13 +214,13 @@ class Index:
             assert e.container is not None
             c = self.entries[e.container]
             c.num_snapshots -= 1
-            assert c.parent is not None
-            _discard(self.snaps_under, c.parent, e.key)
+            assert c.node is not None
+            _discard(self.snaps_under, c.node, e.key)
             self.snapshots_per_ns[e.namespace_id] -= 1
             return c
-        assert e.parent is not None
-        _discard(self.children, e.parent, e.key)
-        p = self.entries.get(_BLOCK + e.parent)
+        assert e.node is not None and e.parent_key is not None
+        _discard(self.children, e.node, e.key)
+        p = self.entries.get(e.parent_key)
         if p is not None:
             p.num_children -= 1
         return p
@@ -188,13 +237,13 @@ class Index:
             stack.append((node, True))
             if node.kind is Kind.STATE:
                 continue
-            assert node.parent is not None
-            for sk in list(self.snaps_under.get(node.parent, {})):
+            assert node.node is not None
+            for sk in list(self.snaps_under.get(node.node, {})):
                 s = self.entries[sk]
                 if s.container == node.key:
                     stack.append((s, False))
             if node.kind is Kind.BLOCK:
-                for ck in list(self.children.get(node.hash, {})):
+                for ck in list(self.children.get(node.namespace_id + node.hash, {})):
                     stack.append((self.entries[ck], False))
         return out
 
@@ -231,6 +280,8 @@ class Index:
         entries = self.entries
         extra_at = (extras or {}).get
         H = HASH_BYTES
+        ns = namespace_id
+        blocks = _BLOCK + ns  # every key probed below is this namespace's (module docstring)
 
         def h(j: int) -> bytes:  # h_j, 1-based as in DESIGN §3
             return hashes[(j - 1) * H : j * H]
@@ -239,17 +290,17 @@ class Index:
         lo, hi = 0, len(hashes) // H
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if (_BLOCK + h(mid)) in entries:
+            if (blocks + h(mid)) in entries:
                 lo = mid
             else:
                 hi = mid - 1
         m = lo
-        last = entries[_BLOCK + h(m)] if m else None
+        last = entries[blocks + h(m)] if m else None
         B, TB = block_tokens, TOKEN_BYTES
 
         def level(j: int) -> tuple[bytes, bytes]:
-            """Parent hash at level j and the prompt's tokens of block j+1."""
-            return (h(j) if j else root), tokens[j * B * TB : (j + 1) * B * TB]
+            """Parent node key at level j and the prompt's tokens of block j+1."""
+            return ns + (h(j) if j else root), tokens[j * B * TB : (j + 1) * B * TB]
 
         # 2. Children of the last matched block: the match continues inside one of them.
         parent, seg = level(m)
@@ -275,7 +326,7 @@ class Index:
         if self.snapshots_per_ns.get(namespace_id):
             snaps_under = self.snaps_under
             for j in range(m, -1, -1):
-                parent = h(j) if j else root
+                parent = ns + (h(j) if j else root)
                 if not snaps_under.get(parent):  # probe before slicing: most levels have none
                     continue
                 snapshot = self.best_snapshot_under(
@@ -289,7 +340,7 @@ class Index:
 
     def best_snapshot_under(self, parent: bytes, seg: bytes, start: int, block_tokens: int, *,
                             own_next: bytes | None, extra: bytes, limit: int, scan: int) -> Entry | None:
-        """The snapshot registered under ``parent`` (level start ``start``) with the largest
+        """The snapshot registered under ``parent`` (a :func:`node_key`; level start ``start``) with the largest
         boundary <= ``limit`` whose container agrees with the prompt's tokens ``seg`` (packed,
         from ``start``) at least up to that boundary; None if there is none.
 
@@ -325,6 +376,8 @@ class Index:
     def check(self, roots: set[bytes], foreign_parents: bool = False) -> None:
         """Verify every invariant in the module docstring; raise naming the broken one.
 
+        ``roots`` are the :func:`node_key` of every namespace's root h_0.
+
         ``foreign_parents`` (a cluster node): a block or tail may name a parent held by
         another node, so invariant 1 holds across the cluster, not within this index."""
         num_children: dict[bytes, int] = defaultdict(int)
@@ -332,24 +385,28 @@ class Index:
         sb: dict[tuple[str, str], int] = defaultdict(int)
         se: dict[tuple[str, str], int] = defaultdict(int)
         for key, e in self.entries.items():
-            if key != make_entry_key(e.kind, e.hash) or not e.committed or e.dead:
-                raise IndexInvariantError(f"entry {key.hex()}: key/committed/dead flags inconsistent")
+            if key != store_key(e.namespace_id, e.kind, e.hash) or not e.committed or e.dead:
+                raise IndexInvariantError(f"entry {key.hex()}: key (scoped by its namespace)/committed/dead "
+                                          "flags inconsistent")
             if e.pages is None and not e.on_disk:
                 raise IndexInvariantError(f"entry {key.hex()}: in no tier")
             if e.kind is Kind.STATE:
                 c = self.entries.get(e.container or b"")
                 if c is None:
                     raise IndexInvariantError(f"snapshot {key.hex()}: container missing (snapshot outlived its KV)")
+                if c.namespace_id != e.namespace_id:
+                    raise IndexInvariantError(f"snapshot {key.hex()}: its container is another namespace's")
                 if not c.start < e.boundary <= c.end:
                     raise IndexInvariantError(f"snapshot {key.hex()}: boundary outside its container's range")
                 num_snaps[c.key] += 1
                 assert c.parent is not None
-                if key not in self.snaps_under.get(c.parent, {}):
+                if key not in self.snaps_under.get(c.node or b"", {}):
                     raise IndexInvariantError(f"snapshot {key.hex()}: not registered under its container's parent")
             else:
                 assert e.parent is not None
-                if e.parent not in roots:
-                    p = self.entries.get(_BLOCK + e.parent)
+                assert e.parent_key is not None
+                if e.node not in roots:
+                    p = self.entries.get(e.parent_key)
                     if p is None and not foreign_parents:
                         raise IndexInvariantError(f"entry {key.hex()}: parent missing (prefix closure broken)")
                     if p is not None and p.end != e.start:
@@ -358,7 +415,7 @@ class Index:
                         num_children[p.key] += 1
                 elif e.start != 0:
                     raise IndexInvariantError(f"entry {key.hex()}: child of a root must start at 0")
-                if key not in self.children.get(e.parent, {}):
+                if key not in self.children.get(e.node or b"", {}):
                     raise IndexInvariantError(f"entry {key.hex()}: not registered under its parent")
             mk = e.metric_kind
             if e.pages is not None:

@@ -9,6 +9,12 @@ client cannot release another's lease by guessing.
 A lease may also own a resource that must end with it (``on_end``: the NIXL
 path's LMDB read transaction, store/nixl_target.py); it is called exactly
 once, on release or expiry, whichever comes first.
+
+Each lease belongs to a tenant (``owner``), and a tenant holds at most
+``max_per_owner`` at once: a tenant that looks up without releasing ends its
+own oldest leases early, and can never make the store hold an unbounded
+number of them (DESIGN §11: every request is bounded, and so is what many
+requests leave behind).
 """
 
 from __future__ import annotations
@@ -16,39 +22,62 @@ from __future__ import annotations
 import heapq
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .index import Entry
 
 
+@dataclass(slots=True)
+class _Lease:
+    expires_s: float
+    entries: list[Entry]
+    on_end: Callable[[], None] | None
+    owner: str
+
+
 class Leases:
-    def __init__(self, unpin: Callable[[Entry], None]) -> None:
+    def __init__(self, unpin: Callable[[Entry], None], max_per_owner: int = 1 << 30) -> None:
         self._unpin = unpin
-        self._leases: dict[bytes, tuple[float, list[Entry], Callable[[], None] | None]] = {}
+        self.max_per_owner = max_per_owner
+        self._leases: dict[bytes, _Lease] = {}
         self._expiry: list[tuple[float, bytes]] = []
+        self._by_owner: dict[str, dict[bytes, None]] = {}  # insertion order: oldest first
 
     def __len__(self) -> int:
         return len(self._leases)
 
+    def held_by(self, owner: str) -> int:
+        return len(self._by_owner.get(owner, ()))
+
     def grant(self, entries: list[Entry], now: float, ttl_s: float,
-              on_end: Callable[[], None] | None = None) -> bytes:
+              on_end: Callable[[], None] | None = None, owner: str = "") -> bytes:
         lease_id = os.urandom(16)
         for e in entries:
             e.pins += 1
         expires = now + ttl_s
-        self._leases[lease_id] = (expires, entries, on_end)
+        self._leases[lease_id] = _Lease(expires, entries, on_end, owner)
         heapq.heappush(self._expiry, (expires, lease_id))
+        mine = self._by_owner.setdefault(owner, {})
+        mine[lease_id] = None
+        while len(mine) > self.max_per_owner:
+            self.release(next(iter(mine)))
         return lease_id
 
     def release(self, lease_id: bytes) -> bool:
         held = self._leases.pop(lease_id, None)
         if held is None:
             return False
+        mine = self._by_owner.get(held.owner)
+        if mine is not None:
+            mine.pop(lease_id, None)
+            if not mine:
+                del self._by_owner[held.owner]
         try:
-            for e in held[1]:
+            for e in held.entries:
                 self._unpin(e)
         finally:
-            if held[2] is not None:
-                held[2]()
+            if held.on_end is not None:
+                held.on_end()
         return True
 
     def expire(self, now: float) -> int:
@@ -70,5 +99,5 @@ class Leases:
             return False
         for e in entries:
             e.pins += 1
-        held[1].extend(entries)
+        held.entries.extend(entries)
         return True

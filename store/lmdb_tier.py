@@ -8,14 +8,25 @@ grows the map *outside* any transaction and retries; values read with
 
 Three named databases, keys carrying a format version byte::
 
-    meta     b"format"          -> format version
-             b"ns:" + ns_id     -> canonical namespace encoding
-    entries  v || kind || hash  -> msgpack record (what the index needs)
-    payloads v || kind || hash  -> raw payload bytes
+    meta     b"format"               -> format version
+             b"ns:" + ns_id          -> sealed canonical namespace encoding
+    entries  v || kind || ns || hash -> sealed msgpack record (what the index needs)
+    payloads v || kind || ns || hash -> raw payload bytes
 
 Records and payloads are separate so a restart rebuilds the index by scanning
 records only, without touching payload pages. Every payload read verifies the
-xxh3-64 checksum in its record before a byte is copied out.
+xxh3-64 checksum in its record before a byte is copied out. Records and
+namespace encodings are **sealed**: their own xxh3-64 follows them, and a
+record that does not verify is dropped at start-up (the store then also
+re-derives every key from the record's contents, store/core.py), so a flipped
+byte in a record can never make an entry answer for tokens it does not hold.
+
+**Damage.** LMDB checks page types as it walks its B-trees; a damaged file
+raises one of :data:`DAMAGE` instead of returning bytes. A read that meets it
+is answered as corrupt (the store drops that entry), never raised. An
+environment that cannot be opened or scanned, or a write that meets damage
+(:class:`TierDamaged`), is set aside (:meth:`LmdbTier.reset`): for a cache the
+right answer to a damaged file is to start empty, loudly, not to stop serving.
 
 **Pinned reads (the NIXL map READ).** :meth:`LmdbTier.pin` opens a read
 transaction (``buffers=True``), verifies the requested values and keeps the
@@ -41,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,39 +69,80 @@ from ..protocol import checksums
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: store keys scoped by namespace (kind || ns || hash) and sealed records. An environment of
+# another format is set aside and the tier starts empty (it is only cache).
+FORMAT_VERSION = 2
 _KEY_PREFIX = bytes((FORMAT_VERSION,))
 T = TypeVar("T")
+_SEAL_BYTES = 8
+#: What LMDB raises on a damaged file (a page of the wrong type, a bad meta page, a panic).
+DAMAGE: tuple[type[lmdb.Error], ...] = (
+    lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.BadTxnError, lmdb.InvalidError,
+    lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.BadRslotError)
+QUARANTINE_DIR = "quarantine"
 
 
-def _dbkey(entry_key: bytes) -> bytes:
+class FormatMismatch(Exception):
+    """The environment was written by another format version."""
+
+
+class TierDamaged(Exception):
+    """An LMDB write met a damaged file; the store resets the tier (:meth:`LmdbTier.reset`)."""
+
+
+def db_key(entry_key: bytes) -> bytes:
     return _KEY_PREFIX + entry_key
+
+
+def seal(raw: bytes) -> bytes:
+    """``raw`` followed by its xxh3-64 (little-endian)."""
+    return raw + xxhash.xxh3_64_intdigest(raw).to_bytes(_SEAL_BYTES, "little")
+
+
+def unseal(sealed: bytes) -> bytes | None:
+    """The bytes :func:`seal` sealed, or None when they do not verify."""
+    if len(sealed) < _SEAL_BYTES:
+        return None
+    raw, tag = sealed[:-_SEAL_BYTES], sealed[-_SEAL_BYTES:]
+    return raw if xxhash.xxh3_64_intdigest(raw).to_bytes(_SEAL_BYTES, "little") == tag else None
 
 
 @dataclass(frozen=True, slots=True)
 class StoredRecord:
     """What the index keeps of an entry, as persisted."""
 
-    key: bytes  # 17-byte entry key
+    key: bytes  # store key (store/index.py): kind || namespace id || hash
     namespace_id: bytes
     parent: bytes | None
     start: int
     tokens: bytes
     extra: bytes
-    container: bytes | None
+    container: bytes | None  # snapshots: store key of the container
     boundary: int
     size: int
     checksum: int
     origin: int = 0
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.key, self.namespace_id, self.parent, self.start, self.tokens,
-                              self.extra, self.container, self.boundary, self.size, self.checksum, self.origin],
-                             use_bin_type=True)
+        return seal(msgpack.packb([self.key, self.namespace_id, self.parent, self.start, self.tokens,
+                                   self.extra, self.container, self.boundary, self.size, self.checksum,
+                                   self.origin], use_bin_type=True))
 
     @classmethod
-    def decode(cls, raw: bytes) -> StoredRecord:
-        key, ns, parent, start, tokens, extra, container, boundary, size, checksum, origin = msgpack.unpackb(raw, raw=False)
+    def decode(cls, sealed: bytes) -> StoredRecord:
+        """The record, or ValueError when its seal or any field's type does not hold."""
+        raw = unseal(sealed)
+        if raw is None:
+            raise ValueError("record seal does not verify")
+        fields = msgpack.unpackb(raw, raw=False)
+        if not isinstance(fields, list) or len(fields) != 11:
+            raise ValueError("record: expected 11 fields")
+        key, ns, parent, start, tokens, extra, container, boundary, size, checksum, origin = fields
+        if not all(isinstance(v, bytes) for v in (key, ns, tokens, extra)) \
+                or not all(v is None or isinstance(v, bytes) for v in (parent, container)) \
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                           for v in (start, boundary, size, checksum, origin)):
+            raise ValueError("record: a field has the wrong type")
         return cls(key=key, namespace_id=ns, parent=parent, start=start, tokens=tokens, extra=extra,
                    container=container, boundary=boundary, size=size, checksum=checksum,
                    origin=origin)
@@ -159,18 +212,35 @@ class MapPin:
         self._tier._unpinned(self)
 
 
+@dataclass(frozen=True, slots=True)
+class Scan:
+    """What :meth:`LmdbTier.scan` found: sealed namespace encodings that verified (by id),
+    decodable records, keys whose record did not verify, and why the scan could not finish
+    (``damage``: the tier must be reset)."""
+
+    namespaces: dict[bytes, bytes]
+    records: list[StoredRecord]
+    broken: list[bytes]
+    damage: str | None = None
+
+
 class LmdbTier:
-    def __init__(self, path: Path, disk_bytes: int, sync: bool = False, max_pins: int = 0) -> None:
+    def __init__(self, path: Path, disk_bytes: int, sync: bool = False, max_pins: int = 0,
+                 keep_damaged: bool = False) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self._sync = sync
+        self.keep_damaged = keep_damaged
         # Headroom over the payload budget for B-tree pages, records and
         # freed-but-not-yet-reusable pages; grown on MapFullError.
-        self._map_size = max(disk_bytes + disk_bytes // 2, 64 << 20)
-        self.env = lmdb.open(str(path), map_size=self._map_size, max_dbs=4, subdir=True,
-                             sync=sync, metasync=sync, readahead=False, max_readers=256)
-        self._meta = self.env.open_db(b"meta")
-        self._entries = self.env.open_db(b"entries")
-        self._payloads = self.env.open_db(b"payloads")
+        self._map_size = self._initial_map_size = max(disk_bytes + disk_bytes // 2, 64 << 20)
+        self.resets: list[str] = []  # why the environment was set aside, oldest first
+        try:
+            self._open()
+        except (lmdb.Error, FormatMismatch) as err:
+            # A file LMDB cannot open, or another format's: set it aside and start empty.
+            self._set_aside(f"{type(err).__name__}: {err}")
+            self._open()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmdb-writer")
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmdb-reader")
         self._writer_thread: threading.Thread | None = None
@@ -187,20 +257,45 @@ class LmdbTier:
         self.before_grow: list[Callable[[], None]] = []  # run on the loop before the map moves
         self.after_grow: list[Callable[[], None]] = []  # ... and after it moved
         self._grow_lock = asyncio.Lock()
-        self._check_format()
         self.region = self._find_region()
 
     # ------------------------------------------------------------ lifecycle
 
-    def _check_format(self) -> None:
-        with self.env.begin(write=True, db=self._meta) as txn:
-            stored = txn.get(b"format")
-            if stored is None:
-                txn.put(b"format", str(FORMAT_VERSION).encode())
-            elif int(stored) != FORMAT_VERSION:
-                raise RuntimeError(
-                    f"data_dir {self.path}: LMDB format {int(stored)} is not {FORMAT_VERSION}; "
-                    "point data_dir elsewhere or remove it (it is only cache)")
+    def _open(self) -> None:
+        self.env = lmdb.open(str(self.path), map_size=self._map_size, max_dbs=4, subdir=True,
+                             sync=self._sync, metasync=self._sync, readahead=False, max_readers=256)
+        try:
+            self._meta = self.env.open_db(b"meta")
+            self._entries = self.env.open_db(b"entries")
+            self._payloads = self.env.open_db(b"payloads")
+            with self.env.begin(write=True, db=self._meta) as txn:
+                stored = txn.get(b"format")
+                if stored is None:
+                    txn.put(b"format", str(FORMAT_VERSION).encode())
+                elif stored != str(FORMAT_VERSION).encode():
+                    raise FormatMismatch(f"LMDB format {stored[:16]!r} is not {FORMAT_VERSION}")
+        except BaseException:
+            self.env.close()
+            raise
+
+    def _set_aside(self, reason: str) -> None:
+        """Move (keep_damaged) or delete this environment's files; the tier then opens empty.
+        The files go, not the directory: data_dir is often a volume's mount point."""
+        self.resets.append(reason)
+        aside = self.path / QUARANTINE_DIR
+        shutil.rmtree(aside, ignore_errors=True)  # one set aside at most: it is outside disk_bytes
+        if self.keep_damaged:
+            aside.mkdir()
+        for name in ("data.mdb", "lock.mdb"):
+            f = self.path / name
+            if f.exists():
+                if self.keep_damaged:
+                    os.replace(f, aside / name)
+                else:
+                    f.unlink()
+        self._map_size = self._initial_map_size
+        log.error("LMDB tier at %s could not be used (%s): %s; the tier starts empty", self.path, reason,
+                  f"its files were moved to {aside}" if self.keep_damaged else "its files were deleted")
 
     def close(self) -> None:
         with self._gate:
@@ -254,13 +349,16 @@ class LmdbTier:
     # ------------------------------------------------------------ writes
 
     def _write_txn(self, body: Callable[[lmdb.Transaction], None]) -> bool:
-        """Run one write transaction; False (nothing written) when the map is full."""
+        """Run one write transaction; False (nothing written) when the map is full. Damage met on
+        the way raises :class:`TierDamaged` (the store then resets the tier)."""
         try:
             with self.env.begin(write=True) as txn:
                 body(txn)
             return True
         except lmdb.MapFullError:
             return False
+        except DAMAGE as err:
+            raise TierDamaged(f"{type(err).__name__}: {err}") from err
 
     async def _write(self, body: Callable[[lmdb.Transaction], None]) -> None:
         """One write transaction on the writer thread, growing the map (outside any transaction)
@@ -293,6 +391,39 @@ class LmdbTier:
                 except Exception:  # a hook must not fail the write that grew the map
                     log.exception("LMDB after-grow hook failed")
 
+    async def reset(self, reason: str) -> None:
+        """Set the damaged environment aside and continue on an empty one (the caller has dropped
+        every entry from its index). The same dance as growing the map: no read in flight, pins
+        revoked, hooks told that the map moved."""
+        async with self._grow_lock:
+            with self._gate:
+                self._growing = True
+            try:
+                for hook in self.before_grow:
+                    hook()
+                for pin in list(self._pins):
+                    pin.end(revoked=True)
+                await self._run(self._writer, lambda: self._reopen(reason))
+            finally:
+                with self._gate:
+                    self._growing = False
+                    self._gate.notify_all()
+                for hook in self.after_grow:
+                    try:
+                        hook()
+                    except Exception:
+                        log.exception("LMDB after-grow hook failed")
+
+    def _reopen(self, reason: str) -> None:
+        with self._gate:
+            while self._active:
+                self._gate.wait()
+            self.env.close()
+            self._set_aside(reason)
+            self._open()
+            self.map_gen += 1
+            self.region = self._find_region()
+
     def _remap(self) -> None:
         with self._gate:
             while self._active:  # short reads in flight finish; pins were all ended
@@ -311,10 +442,10 @@ class LmdbTier:
 
         def body(txn: lmdb.Transaction) -> None:
             for key in deletes:
-                txn.delete(_dbkey(key), db=self._entries)
-                txn.delete(_dbkey(key), db=self._payloads)
+                txn.delete(db_key(key), db=self._entries)
+                txn.delete(db_key(key), db=self._payloads)
             for record, parts in puts:
-                k = _dbkey(record.key)
+                k = db_key(record.key)
                 value: bytes | memoryview = parts[0] if len(parts) == 1 else b"".join(parts)
                 txn.put(k, value, db=self._payloads)
                 txn.put(k, record.encode(), db=self._entries)
@@ -327,7 +458,13 @@ class LmdbTier:
 
     async def put_namespace(self, namespace_id: bytes, encoded: bytes) -> None:
         def body(txn: lmdb.Transaction) -> None:
-            txn.put(b"ns:" + namespace_id, encoded, db=self._meta)
+            txn.put(b"ns:" + namespace_id, seal(encoded), db=self._meta)
+
+        await self._write(body)
+
+    async def delete_namespace(self, namespace_id: bytes) -> None:
+        def body(txn: lmdb.Transaction) -> None:
+            txn.delete(b"ns:" + namespace_id, db=self._meta)
 
         await self._write(body)
 
@@ -337,7 +474,7 @@ class LmdbTier:
         self._enter()
         try:
             with self.env.begin(buffers=True) as txn:
-                value = txn.get(_dbkey(key), db=self._payloads)
+                value = txn.get(db_key(key), db=self._payloads)
                 if value is None:
                     return ReadOutcome.MISSING
                 if len(value) != size or xxhash.xxh3_64_intdigest(value) != checksum:
@@ -347,6 +484,9 @@ class LmdbTier:
                     run[:] = value[pos : pos + len(run)]
                     pos += len(run)
             return ReadOutcome.OK
+        except DAMAGE as err:  # a damaged page on the way to this value: it is lost, the tier serves on
+            log.warning("LMDB read of %s met damage (%s: %s)", key.hex(), type(err).__name__, err)
+            return ReadOutcome.CORRUPT
         finally:
             self._leave()
 
@@ -364,7 +504,14 @@ class LmdbTier:
                 return None, []
             try:
                 pin.txn = txn = self.env.begin(buffers=True)
-                values = [txn.get(_dbkey(key), db=self._payloads) for key, *_ in wanted]
+                try:
+                    values = [txn.get(db_key(key), db=self._payloads) for key, *_ in wanted]
+                except DAMAGE:  # let each value be read (and judged) on its own: _read_into
+                    pin.ended = True
+                    pin.txn.abort()
+                    pin.txn = None
+                    self._unpinned(pin)
+                    return None, []
                 # One check of the batch with the GIL released (protocol/checksums.py): hashing
                 # 64 KiB values one by one here would hold it, and the store's loop with it.
                 sized = [j for j, (v, w) in enumerate(zip(values, wanted)) if v is not None and len(v) == w[1]]
@@ -409,23 +556,33 @@ class LmdbTier:
         """Verify the stored payload against ``checksum`` and copy it into ``dest`` (views totalling size)."""
         return await self._run(self._readers, lambda: self._read_into(key, size, checksum, dest))
 
-    def scan(self) -> tuple[dict[bytes, bytes], list[StoredRecord], list[bytes]]:
+    def scan(self) -> Scan:
         """Namespaces, decodable records, and keys whose record is unreadable. Start-up only."""
         namespaces: dict[bytes, bytes] = {}
         records: list[StoredRecord] = []
         broken: list[bytes] = []
-        with self.env.begin() as txn:
-            for k, v in txn.cursor(db=self._meta):
-                if k.startswith(b"ns:"):
-                    namespaces[k[3:]] = v
-            for k, v in txn.cursor(db=self._entries):
-                if not k.startswith(_KEY_PREFIX):
-                    continue
-                try:
-                    records.append(StoredRecord.decode(v))
-                except Exception:  # a torn or foreign record: drop it, it is only cache
-                    broken.append(k[1:])
-        return namespaces, records, broken
+        try:
+            with self.env.begin() as txn:
+                for k, v in txn.cursor(db=self._meta):
+                    if k.startswith(b"ns:"):
+                        raw = unseal(v)
+                        if raw is not None:  # else dropped: its entries are dropped with it
+                            namespaces[k[3:]] = raw
+                for k, v in txn.cursor(db=self._entries):
+                    if not k.startswith(_KEY_PREFIX):
+                        continue
+                    try:
+                        record = StoredRecord.decode(v)
+                    except Exception:  # a torn, flipped or foreign record: drop it, it is only cache
+                        broken.append(k[1:])
+                        continue
+                    if record.key != k[1:]:
+                        broken.append(k[1:])
+                    else:
+                        records.append(record)
+        except DAMAGE as err:
+            return Scan({}, [], [], damage=f"{type(err).__name__}: {err}")
+        return Scan(namespaces, records, broken)
 
     def stat_bytes(self) -> int:
         info = self.env.info()

@@ -63,6 +63,12 @@ class StoreMetrics:
             "prefixstore_evictions", "Entries leaving a tier, by kind and reason "
             "(demoted: dropped from RAM, still on disk; capacity: deleted; corrupt; expired: uncommitted put).",
             ["kind", "reason"], registry=r)
+        self.lmdb_resets = Counter(
+            "prefixstore_lmdb_resets", "Times the LMDB tier was found damaged (or of another format) and set "
+            "aside, the node going on with an empty tier.", registry=r)
+        self.malformed_requests = Counter(
+            "prefixstore_malformed_requests", "HTTP requests aiohttp could not parse (answered 400 by it).",
+            registry=r)
         self.checksum_failures = Counter(
             "prefixstore_checksum_failures", "Payloads whose checksum did not verify, by where they were read.",
             ["tier"], registry=r)

@@ -30,7 +30,7 @@ from ..protocol.hashing import HASH_BYTES
 from ..protocol.probe import ProbeAnswer, ProbeRequest
 from ..protocol.wire import LookupAnswer, LookupRequest, split_hashes
 from .core import Store
-from .index import Entry
+from .index import Entry, scope
 
 Encoder = Callable[[list[int], int, int], bytes]
 """NixlTarget.descriptors: (pages, offset, length) -> (address, length) runs."""
@@ -41,8 +41,9 @@ def describe(store: Store, descriptors: Encoder, req: LookupRequest, answer: Loo
     """The ``nixl`` part of a lookup answer (None when there is no lease to pin anything by)."""
     if answer.lease_id is None:
         return None
-    entries = [store.index.get_block(h) for h in split_hashes(req.hashes[: answer.matched_blocks * HASH_BYTES])]
-    entries += [store.index.get(ref.key) for ref in (answer.child, answer.snapshot) if ref is not None]
+    ns_id = req.namespace_id  # every key below is scoped by the request's own namespace (store/index.py)
+    entries = [store.index.get_block(ns_id, h) for h in split_hashes(req.hashes[: answer.matched_blocks * HASH_BYTES])]
+    entries += [store.index.get(scope(ns_id, ref.key)) for ref in (answer.child, answer.snapshot) if ref is not None]
     return _place(store, descriptors, answer.lease_id, entries, agent, meta_gen)
 
 
@@ -57,8 +58,9 @@ def describe_probe(store: Store, descriptors: Encoder, req: ProbeRequest, answer
     for a in answer.levels:
         lv = by_level.get(a.level)
         if a.held and lv is not None and lv.next:
-            entries.append(store.index.get_block(lv.next))
-        entries += [store.index.get(ref.key) for ref in (a.child, a.snapshot) if ref is not None]
+            entries.append(store.index.get_block(req.namespace_id, lv.next))
+        entries += [store.index.get(scope(req.namespace_id, ref.key)) for ref in (a.child, a.snapshot)
+                    if ref is not None]
     return _place(store, descriptors, answer.lease_id, entries, agent, meta_gen)
 
 
@@ -73,7 +75,8 @@ def _place(store: Store, descriptors: Encoder, lease_id: bytes, candidates: list
             entries.append(e)
             seen.add(e.key)
     store.leases.extend(lease_id, entries)
-    listed = [[e.key, e.size, e.checksum, descriptors(e.pages, 0, e.size)] for e in entries if e.pages is not None]
+    listed = [[e.wire_key, e.size, e.checksum, descriptors(e.pages, 0, e.size)] for e in entries
+              if e.pages is not None]
     return {"agent": agent, "meta_gen": meta_gen, "lease_ttl_s": store.config.lease_ttl_s, "entries": listed}
 
 

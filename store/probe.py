@@ -29,12 +29,11 @@ from ..protocol.wire import EntryRef
 from .core import Store
 from .index import Entry, lcp_tokens
 
-_BLOCK = bytes((Kind.BLOCK,))
-
 
 def probe(store: Store, req: ProbeRequest, replicas_of: dict[bytes, tuple[str, ...]] | None = None) -> ProbeAnswer:
     """Answer every level of ``req`` this node can; lease what it reports when asked."""
     ns = store.namespace(req.namespace_id)
+    ns_id = ns.id  # every key probed below is scoped by the request's namespace (store/index.py)
     B = ns.block_tokens
     entries = store.index.entries
     children = store.index.children
@@ -45,8 +44,8 @@ def probe(store: Store, req: ProbeRequest, replicas_of: dict[bytes, tuple[str, .
     held_entries: list[Entry] = []
     for lv in req.levels:
         j, parent, seg = lv.level, lv.parent, lv.tokens
-        nxt = entries.get(_BLOCK + lv.next) if lv.next else None
-        held = nxt is not None and nxt.parent == parent and nxt.namespace_id == req.namespace_id
+        nxt = store.index.get_block(ns_id, lv.next) if lv.next else None
+        held = nxt is not None and nxt.parent == parent
         child: Entry | None = None
         usable = 0
         if held:
@@ -54,20 +53,20 @@ def probe(store: Store, req: ProbeRequest, replicas_of: dict[bytes, tuple[str, .
             held_entries.append(nxt)
             limit = j * B + B
         else:
-            kids = children.get(parent)
+            kids = children.get(ns_id + parent)
             if kids and seg:
                 for n, ck in enumerate(reversed(kids)):
                     if n >= scan:
                         break
                     c = entries[ck]
-                    if c.extra != lv.extra or c.namespace_id != req.namespace_id:
+                    if c.extra != lv.extra:
                         continue
                     a = lcp_tokens(c.tokens, seg)
                     if a > usable:
                         child, usable = c, a
             limit = j * B + usable
         snapshot = store.index.best_snapshot_under(
-            parent, seg, j * B, B, own_next=lv.next if held else None, extra=lv.extra, limit=limit, scan=scan)
+            ns_id + parent, seg, j * B, B, own_next=lv.next if held else None, extra=lv.extra, limit=limit, scan=scan)
         if child is not None:
             held_entries.append(child)
         if snapshot is not None:
@@ -87,13 +86,13 @@ def probe(store: Store, req: ProbeRequest, replicas_of: dict[bytes, tuple[str, .
         for e in held_entries:
             where = replicas_of.get(e.key)
             if where:
-                replicas[e.key] = where
+                replicas[e.wire_key] = where
     return ProbeAnswer(levels=tuple(answers), lease_id=lease_id,
                        lease_ttl_s=store.config.lease_ttl_s if lease_id else 0.0, replicas=replicas)
 
 
 def _ref(e: Entry, usable: int) -> EntryRef:
-    return EntryRef(key=e.key, num_tokens=e.num_tokens, usable_tokens=usable, size=e.size,
+    return EntryRef(key=e.wire_key, num_tokens=e.num_tokens, usable_tokens=usable, size=e.size,
                     tier="ram" if e.pages is not None else "disk")
 
 

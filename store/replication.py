@@ -60,7 +60,7 @@ from ..protocol.wire import (
     encode_frame,
 )
 from .core import Store
-from .index import Entry
+from .index import Entry, scope, unscope
 from .membership import Membership
 from .tasks import stop_task
 
@@ -267,14 +267,15 @@ class Replicator:
 
     def _spec(self, e: Entry) -> ItemSpec:
         if e.kind is Kind.STATE:
-            return ItemSpec(kind=e.kind, hash=e.hash, size=e.size, container=e.container, boundary=e.boundary,
+            assert e.container is not None
+            return ItemSpec(kind=e.kind, hash=e.hash, size=e.size, container=unscope(e.container), boundary=e.boundary,
                             checksum=e.checksum, origin=e.origin)
         return ItemSpec(kind=e.kind, hash=e.hash, size=e.size, parent=e.parent, tokens=e.tokens, extra=e.extra,
                         checksum=e.checksum, start=e.start)
 
     async def _payloads(self, entries: list[Entry]) -> list[bytes] | None:
         ns_id = entries[0].namespace_id
-        plan = await self.store.prepare_get(ns_id, [GetItem(key=e.key) for e in entries])
+        plan = await self.store.prepare_get(ns_id, [GetItem(key=e.wire_key) for e in entries])
         try:
             if any(s.status != STATUS_OK for s in plan.slots):
                 return None
@@ -332,7 +333,7 @@ class Replicator:
         if not self.pushed[e.key]:
             del self.pushed[e.key]
         try:
-            await self._post(node, "/v1/replica/drop", {"ns": e.namespace_id, "keys": [e.key]})
+            await self._post(node, "/v1/replica/drop", {"ns": e.namespace_id, "keys": [e.wire_key]})
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as err:
             log.debug("replica drop of %s on %s failed: %s", e.key.hex(), node, err)
 
@@ -345,9 +346,10 @@ class Replicator:
     async def drop(self, ns_id: bytes, keys: list[bytes]) -> int:
         """Delete entries this node holds as replicas (unpinned leaves only); returns how many."""
         dropped = 0
-        for key in keys:
+        for wire_key in keys:
+            key = scope(ns_id, wire_key)
             e = self.store.index.get(key)
-            if key not in self.replica_keys or e is None or e.namespace_id != ns_id:
+            if key not in self.replica_keys or e is None:
                 continue
             self.replica_keys.discard(key)
             if e.pins or not e.is_leaf:

@@ -19,6 +19,11 @@ knobs close those holes, both enforced here, in the one runner that both
   deadline: a slowloris client that never completes its head is cut off, and
   an idle keep-alive connection is closed after the same time. Bodies have
   their own deadline (``request_timeout_s``, store/server.py).
+
+aiohttp answers a request it cannot parse with 400 itself and logs it with a
+full traceback; anyone who can connect could flood the log that way.
+:class:`_ParserLog` counts them (``prefixstore_malformed_requests_total``) and
+logs one line, without the traceback, at most every ``MALFORMED_LOG_EVERY_S``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -35,6 +42,36 @@ from .config import StoreConfig
 from .server import STORE
 
 log = logging.getLogger("prefixstore.server")
+MALFORMED_LOG_EVERY_S = 10.0
+
+
+class _ParserLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """The logger aiohttp's connection handler is given: requests it could not parse are counted
+    and logged one line at a time, rate-limited; everything else goes through unchanged."""
+
+    def __init__(self, logger: logging.Logger, count: Callable[[], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(logger, {})
+        self._count = count
+        self._clock = clock
+        self._next_s = 0.0
+        self._quiet = 0
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        if not (isinstance(msg, str) and msg.startswith("Error handling request")):
+            self.logger.error(msg, *args, exc_info=exc_info, **kwargs)
+            return
+        self._count()
+        now = self._clock()
+        if now < self._next_s:
+            self._quiet += 1
+            return
+        self._next_s = now + MALFORMED_LOG_EVERY_S
+        err = exc_info if isinstance(exc_info, BaseException) else None
+        what = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}" if err else "unknown"
+        self.logger.warning("%s: %s (answered 400; %d more since the last such line, not logged)",
+                            msg % args if args else msg, what, self._quiet)
+        self._quiet = 0
 
 
 class _Refuse(asyncio.Protocol):
@@ -139,6 +176,7 @@ class StoreRunner(web.AppRunner):
 
     def __init__(self, app: web.Application, config: StoreConfig, **kwargs: Any) -> None:
         kwargs.setdefault("access_log", None)
+        kwargs.setdefault("logger", _ParserLog(log, lambda: app[STORE].metrics.malformed_requests.inc()))
         super().__init__(app, keepalive_timeout=config.header_timeout_s, **kwargs)
         self._config = config
 

@@ -16,7 +16,9 @@ Endpoints (all POST bodies are frames, see protocol/wire.py)::
     POST /v1/nixl/commit  {ns, keys, commit}          -> {results}
     GET  /v1/stats                                    (admin token when tenants are configured)
     POST /v1/admin/flush                              -> {flushed}   (admin token when tenants are configured)
-    GET  /healthz  /metrics                           (always open: no cache contents, no tenant names)
+    GET  /healthz  /metrics                           (always open: no cache contents or keys; /metrics
+                                                       names tenants in its quota label: scrape it over a
+                                                       trusted network)
 
 Tenants (``tenants_file``, see store/tenants.py): every /v1/* request then
 carries ``Authorization: Bearer TOKEN``; a missing or unknown token is 401
@@ -28,6 +30,12 @@ namespace of another tenant is answered exactly like an unknown namespace
 A request body that is not in within ``request_timeout_s`` is answered 408
 (a put's reserved pages are freed), and a get answer the client does not take
 within it is cut off (its pins dropped): a stalled client holds nothing.
+
+Browsers: every POST must carry the frame content type
+(``application/x-prefixstore-frame``, else 415 naming ``content-type``) and no
+``Origin`` header (403 naming ``origin``). A web page can make a browser send
+neither without a CORS preflight, which this server never grants, so a page
+cannot drive an open store (no tenants file) from a user's browser.
 
 Malformed input is answered 4xx with a JSON body ``{"error", "field"}``; an
 unexpected exception is logged and answered 500, and the server keeps
@@ -68,11 +76,13 @@ from ..protocol.wire import (
     req_entry_keys,
 )
 from .config import StoreConfig
-from .core import Store
+from .core import OPEN_TENANT, Store  # OPEN_TENANT: the tenant of every request without a tenants file
 from .membership import DnsResolver
 from .tenants import Tenant
 
-OPEN_TENANT = "default"  # the tenant of every request when no tenants file is configured
+NAMESPACE_BODY_BYTES = 16 << 10
+"""Most bytes a namespace registration may carry: a record within protocol/namespace.py's bounds
+is under 2 KiB, and the body is refused on its Content-Length before any of it is parsed."""
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +172,18 @@ def _bearer(request: web.Request) -> str | None:
 
 
 @web.middleware
+async def _browsers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse what only a browser sends (see the module docstring): checked before anything else,
+    so a cross-origin page cannot reach any endpoint of an open store."""
+    if request.method == "POST":
+        if "Origin" in request.headers:
+            return _error(403, "origin", "requests from web pages are refused (this store has no browser API)")
+        if request.content_type != CONTENT_TYPE:
+            return _error(415, "content-type", f"must be {CONTENT_TYPE}, got {request.content_type!r}")
+    return await handler(request)
+
+
+@web.middleware
 async def _authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bearer tokens to tenants (inside the error middleware, so refusals are counted)."""
     store = request.app[STORE]
@@ -211,7 +233,9 @@ def _frame_response(header: dict[str, object]) -> web.Response:
 
 async def register_namespace(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    header = await _control_header(request)
+    header, rest = decode_frame(await _read_control(request, NAMESPACE_BODY_BYTES), NAMESPACE_BODY_BYTES)
+    if len(rest):
+        raise WireError("frame", f"{len(rest)} bytes follow the header of a request that carries no payload")
     if "namespace" not in header:
         raise WireError("namespace", "missing")
     ns = Namespace.from_wire(header["namespace"])
@@ -303,7 +327,7 @@ async def put(request: web.Request) -> web.Response:
     store.verify_put(plan)
     results = plan.results
     if commit_now:
-        keys = [e.key for e in plan.entries if e is not None]
+        keys = [e.wire_key for e in plan.entries if e is not None]
         committed = iter(await store.commit(ns_id, keys))
         results = [next(committed) if e is not None else r for e, r in zip(plan.entries, results)]
         if req_bool(header, "replica", default=False):  # pushed by a hot entry's owner (store/replication.py)
@@ -395,7 +419,8 @@ def create_app(config: StoreConfig, clock: Callable[[], float] = time.monotonic,
     store = Store(config, clock)
     # Put bodies are streamed and bounded by max_body_bytes through Content-Length
     # checks; aiohttp's own limit applies to request.read(), which no handler uses.
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors_and_metrics, _authenticate])
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[_errors_and_metrics, _browsers, _authenticate])
     app[STORE] = store
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

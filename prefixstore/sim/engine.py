@@ -206,7 +206,7 @@ class Simulator:
         if not wanted:
             return
         plan = store.plan_put(ns_id, wanted)
-        keys = [e.key for e in plan.entries if e is not None]
+        keys = plan.keys
         if keys:
             self._loop.run_until_complete(store.commit(ns_id, keys))
 

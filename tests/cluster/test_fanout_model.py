@@ -96,7 +96,8 @@ class ClusterMachine(RuleBasedStateMachine):
 
 
 def test_fanout_lookup_matches_single_node_model(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(3, "--state-admission", "always", "--ram-bytes", "16MiB")
+    cluster = make_cluster(3, "--state-admission", "always", "--ram-bytes", "16MiB",
+                           "--max-namespaces-per-tenant", "4096")  # a namespace per example
     ClusterMachine.urls = cluster.urls
     ClusterMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=25, deadline=None,
                                                 derandomize=True,

@@ -31,7 +31,7 @@ def put(h: CoreHarness, p: Prompt, j: int, commit: bool = True):  # type: ignore
     h.store.verify_put(plan)
     if not commit:
         return plan
-    assert h.run(h.store.commit(h.ns.id, [plan.entries[0].key]))[0].status == STATUS_OK
+    assert h.run(h.store.commit(h.ns.id, plan.keys[:1]))[0].status == STATUS_OK
     return plan
 
 
@@ -46,11 +46,11 @@ def test_blocks_with_foreign_parents(tmp_path: Path) -> None:
         pending = put(h, p, 1, commit=False)  # block 2 put (pins nothing: its parent is foreign too)
         put(h, p, 0)  # block 1 arrives and commits while block 2 is pending
         h.store.check()
-        key = pending.entries[0].key
+        key = pending.keys[0]
         assert h.run(h.store.commit(ns.id, [key]))[0].status == STATUS_OK  # adopts block 3; unpins nothing
         h.store.check()
         assert all(e.pins == 0 for e in h.store.index.entries.values())
-        assert h.store.index.get(key).num_children == 1
+        assert h.store.entry(ns.id, key).num_children == 1
         h.restart()  # reloaded from LMDB in any order: the same index
         h.store.check()
         assert len(h.store.index.entries) == 3

@@ -24,7 +24,8 @@ from aiohttp.test_utils import TestServer
 from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.nixl_path import TransferFailed, address_of, descriptor_lists
 from prefixstore.store import STORE, Store, StoreConfig, create_app
-from prefixstore.store.lmdb_tier import LmdbTier, StoredRecord
+from prefixstore.store.index import scope
+from prefixstore.store.lmdb_tier import LmdbTier, StoredRecord, db_key
 from prefixstore.store.nixl_target import NIXL, NixlTarget
 
 from ..serve_process import StartServe, clean_env, serving
@@ -135,7 +136,7 @@ async def test_lmdb_resident_entries_are_read_from_the_map_and_corrupt_ones_neve
     assert proc.stop() == 0
 
     # Corrupt block 2's value on disk (same length, one byte flipped), then serve it again.
-    key = bytes([1]) + items[2].key  # the tier's key: format version byte + entry key
+    key = db_key(scope(client.namespace.id, items[2].key))  # the tier's key: version byte + scoped key
     env = lmdb.open(data, max_dbs=4, subdir=True)
     payloads = env.open_db(b"payloads")
     with env.begin(write=True, db=payloads) as txn:

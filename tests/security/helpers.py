@@ -52,6 +52,8 @@ async def raw_post(url: str, path: str, header: dict[str, object], token: str | 
 
 async def raw_get(url: str, path: str, token: str | None = None, method: str = "GET") -> int:
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    if method == "POST":
+        headers["Content-Type"] = CONTENT_TYPE
     async with aiohttp.ClientSession() as s:
         async with s.request(method, url + path, headers=headers) as resp:
             await resp.read()

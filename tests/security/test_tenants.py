@@ -12,8 +12,9 @@ from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.results import LookupResult
 from prefixstore.protocol import Kind, Namespace, make_entry_key
 from prefixstore.client.prompt import with_payload
-from prefixstore.protocol.wire import REASON_QUOTA, GetItem, encode_frame
+from prefixstore.protocol.wire import CONTENT_TYPE, REASON_QUOTA, GetItem, encode_frame
 from prefixstore.store import StoreConfig
+from prefixstore.store.core import Store
 from prefixstore.store.config import ConfigError
 from prefixstore.store.tenants import load_tenants, token_sha256
 
@@ -65,7 +66,10 @@ async def test_identical_tokens_of_two_tenants_are_distinct_entries(start_store:
             found = await c.lookup(TOKENS_LIST)
             assert found.kv_tokens == len(TOKENS_LIST)
             await read_and_check(c, found, TOKENS_LIST)
-        assert running.store.tenant_bytes["alpha"] == running.store.tenant_bytes["beta"] > 0
+        # Payload bytes alike; each tenant is also charged its namespace's record.
+        held = {t: running.store.tenant_bytes[t] - running.store.namespace_charge(c.namespace)
+                for t, c in (("alpha", a), ("beta", b))}
+        assert held["alpha"] == held["beta"] > 0
         assert a.failures == {} and b.failures == {}
     running.store.check()
 
@@ -121,7 +125,8 @@ async def test_missing_or_bad_tokens_are_refused_then_a_good_one_works(start_sto
         assert answer.status == 401 and answer.body["field"] == "authorization", (token, answer)
     # A scheme other than Bearer is refused too.
     async with aiohttp.ClientSession() as s:
-        async with s.post(running.url + "/v1/lookup", data=b"x", headers={"Authorization": f"Basic {TOKENS['alpha']}"}) as r:
+        async with s.post(running.url + "/v1/lookup", data=b"x", headers={"Authorization": f"Basic {TOKENS['alpha']}",
+                                                                          "Content-Type": CONTENT_TYPE}) as r:
             assert r.status == 401 and r.headers["WWW-Authenticate"].startswith("Bearer")
     # A client with a bad token: misses, counted, no exception; the bulk read path is refused as well.
     async with tenant_client(running, "alpha", ns, token="not-a-tenant") as bad:
@@ -147,7 +152,8 @@ async def test_missing_or_bad_tokens_are_refused_then_a_good_one_works(start_sto
 async def test_quota_exhaustion_rejects_items_and_frees_on_delete(start_store: StartStore, tmp_path: Path) -> None:
     ns = make_namespace(tenant="alpha")
     block_bytes = ns.block_bytes
-    running = await start_tenanted(start_store, tmp_path, quotas={"alpha": 2 * block_bytes})
+    record = Store.namespace_charge(ns)  # a registered namespace is charged too
+    running = await start_tenanted(start_store, tmp_path, quotas={"alpha": 2 * block_bytes + record})
     tokens = list(range(100, 100 + 4 * ns.block_tokens))  # 4 full blocks
     async with tenant_client(running, "alpha", ns) as a, tenant_client(running, "beta") as b:
         prompt = a.prompt(tokens)
@@ -162,25 +168,27 @@ async def test_quota_exhaustion_rejects_items_and_frees_on_delete(start_store: S
             frame = encode_frame({"ns": ns.id, "commit": True, "items": [
                 with_payload(sp, pl).to_wire() for sp, pl in zip(specs, payloads)]}, payloads)
             async with s.post(running.url + "/v1/put", data=frame,
-                              headers={"Authorization": f"Bearer {TOKENS['alpha']}"}) as r:
+                              headers={"Authorization": f"Bearer {TOKENS['alpha']}", "Content-Type": CONTENT_TYPE}) as r:
                 assert r.status == 413
                 body = await r.json()
                 assert body["field"] == "quota" and "alpha" in body["error"] and "items [2]" in body["error"]
-        assert running.store.tenant_bytes.get("alpha", 0) == 0 and not running.store.pending
+        assert running.store.tenant_bytes.get("alpha", 0) == record and not running.store.pending
         results = await a.put(list(zip(specs, payloads)))
         assert [(r.status, r.reason) for r in results] == [("dropped", REASON_QUOTA)] * 4
         assert a.failures["quota"] == 1  # never silent: counted and warned
         # What fits goes through.
         assert [r.status for r in await a.put(list(zip(specs[:2], payloads[:2])))] == ["ok", "ok"]
-        assert running.store.tenant_bytes["alpha"] == 2 * block_bytes
+        assert running.store.tenant_bytes["alpha"] == 2 * block_bytes + record
         assert (await a.lookup(tokens)).kv_tokens == 2 * ns.block_tokens
         # Another tenant is not limited by alpha's quota.
         await save_all(b, tokens)
         # Deleting entries returns their bytes to the quota.
         async with aiohttp.ClientSession() as s:
-            async with s.post(running.url + "/v1/admin/flush", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as r:
+            async with s.post(running.url + "/v1/admin/flush", headers={"Authorization": f"Bearer {ADMIN_TOKEN}",
+                                                                         "Content-Type": CONTENT_TYPE}) as r:
                 assert r.status == 200 and (await r.json())["flushed"] > 0
-        assert running.store.tenant_bytes.get("alpha", 0) == 0 and running.store.tenant_bytes.get("beta", 0) == 0
+        assert running.store.tenant_bytes.get("alpha", 0) == record
+        assert running.store.tenant_bytes.get("beta", 0) == Store.namespace_charge(b.namespace)
         assert len(running.store.index.entries) == 0
         results = await a.put(list(zip(specs[:2], payloads[:2])))
         assert [r.status for r in results] == ["ok", "ok"]

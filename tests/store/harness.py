@@ -68,7 +68,7 @@ class CoreHarness:
                     view[:] = pl[pos : pos + len(view)]
                     pos += len(view)
         self.store.verify_put(plan)
-        keys = [e.key for e in plan.entries if e is not None]
+        keys = plan.keys
         results = self.run(self.store.commit(self.ns.id, keys))
         return {"offered": len(specs), "wanted": len(wanted), "have": sum(d.status == "have" for d in decisions),
                 "committed": sum(r.status == STATUS_OK for r in results)}

@@ -117,7 +117,7 @@ def test_uncommitted_puts_are_invisible_and_expire(ns, harness, tmp_path: Path) 
     h.now[0] += 6
     h.store.sweep()
     assert h.store.arena.num_free == free_before and not h.store.pending
-    assert [r.status for r in h.run(h.store.commit(ns.id, [e.key for e in plan.entries if e]))] == ["missing"] * 2
+    assert [r.status for r in h.run(h.store.commit(ns.id, plan.keys))] == ["missing"] * 2
     assert h.lookup(toks, lease=False)[1].kv_tokens == 0
     h.store.check()
 
@@ -158,7 +158,7 @@ def test_snapshot_goes_before_its_block_under_pressure(ns, harness) -> None:  # 
     for i in range(60):
         h.save([2000 + i] * 4, 4)
         h.store.check()  # includes: every snapshot's container is stored
-        block = h.store.index.get(Prompt(ns, toks).block_key(0))
+        block = h.store.entry(ns.id, Prompt(ns, toks).block_key(0))
         states = [e for e in h.store.index.entries.values() if e.kind is Kind.STATE]
         if block is None:
             assert not states
@@ -202,12 +202,12 @@ def test_a_deleted_pinned_entry_frees_its_pages_even_if_its_key_is_put_again(ns,
     free_after_save = h.store.arena.num_free
     key = Prompt(ns, toks).block_key(0)
     plan = h.run(h.store.prepare_get(ns.id, [GetItem(key=key)]))
-    old = h.store.index.get(key)
+    old = h.store.entry(ns.id, key)
     assert old is not None
     h.store._delete(old, "corrupt")  # e.g. a corruption cascade while the read streams
     spec = with_payload(Prompt(ns, toks).kv_items(4)[0][0], kv_payload(ns, toks, 0, 4))
     put = h.store.plan_put(ns.id, [spec])  # the same key, pending again
-    assert put.entries[0] is not None and h.store.pending.get(key) is put.entries[0]
+    assert put.entries[0] is not None and h.store.pending_entry(ns.id, key) is put.entries[0]
     h.store.finish_get(plan)
     assert old.pages is None  # freed once the last pin dropped
     assert h.store.arena.num_free == free_after_save  # old pages back, the new put holds its own

@@ -21,6 +21,8 @@ import pytest
 from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.protocol import Kind, Namespace, make_entry_key
 from prefixstore.protocol.wire import GetItem
+from prefixstore.store.index import scope
+from prefixstore.store.lmdb_tier import db_key
 
 from ..factories import kv_payload, make_namespace, state_payload
 from ..serve_process import ServeProcess, StartServe, http_get, serving
@@ -197,7 +199,7 @@ async def test_corrupt_disk_payload_is_a_miss_and_deleted(tmp_path: Path, serve:
     prompt = c.prompt(A)
     victim = prompt.block_key(1)
     tail = prompt.kv_key_ending_at(11)
-    dbkey = b"\x01" + victim  # format version byte + entry key (store/lmdb_tier.py)
+    dbkey = db_key(scope(ns.id, victim))  # format version byte + namespace-scoped key (store/lmdb_tier.py)
     env = lmdb.open(str(data_dir), max_dbs=4, subdir=True)
     try:
         payloads = env.open_db(b"payloads")
@@ -247,7 +249,7 @@ async def test_corrupt_disk_payload_is_a_miss_and_deleted(tmp_path: Path, serve:
             for name in (b"payloads", b"entries"):
                 db = env.open_db(name, txn=txn, create=False)
                 assert txn.get(dbkey, db=db) is None, name
-                assert txn.get(b"\x01" + tail, db=db) is None, name
+                assert txn.get(db_key(scope(ns.id, tail)), db=db) is None, name
     finally:
         env.close()
 
