@@ -196,6 +196,12 @@ class RunningStore:
     url: str
     store: Store | None  # the Store itself when in-process, else None
     mode: str
+    data_dir: str = "none"  # the LMDB tier's directory (a temporary one), or "none"
+
+    def lmdb_file_bytes(self) -> int:
+        """Disk space LMDB's file takes now (allocated blocks: the file is sparse); 0 without a tier."""
+        path = os.path.join(self.data_dir, "data.mdb")
+        return os.stat(path).st_blocks * 512 if self.data_dir != "none" and os.path.exists(path) else 0
 
 
 @asynccontextmanager
@@ -223,7 +229,7 @@ async def serve_store(mode: str, *, ram_bytes: int, page_bytes: int, tier: str =
             await site.start()
             port = runner.addresses[0][1]
             try:
-                yield RunningStore(f"http://127.0.0.1:{port}", app[STORE], mode)
+                yield RunningStore(f"http://127.0.0.1:{port}", app[STORE], mode, data_dir)
             finally:
                 await runner.cleanup()
         elif mode == "subprocess":
@@ -233,7 +239,7 @@ async def serve_store(mode: str, *, ram_bytes: int, page_bytes: int, tier: str =
             async with _child(args) as port:
                 url = f"http://127.0.0.1:{port}"
                 await _wait_healthy(url)
-                yield RunningStore(url, None, mode)
+                yield RunningStore(url, None, mode, data_dir)
         else:
             raise ValueError(f"mode: expected inprocess or subprocess, got {mode!r}")
 

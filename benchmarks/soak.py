@@ -261,6 +261,7 @@ async def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - start
         reporter.cancel()
         fivexx = await server_5xx(rs.url)
+        lmdb_bytes = rs.lmdb_file_bytes()
     if fivexx:
         stats.errors["server 5xx"] += int(fivexx)
 
@@ -282,12 +283,16 @@ async def main(argv: list[str] | None = None) -> int:
                   ["op", "n", "ops/s", "p50 ms", "p99 ms", "max ms"], rows)
     errors = dict(stats.errors)
     H.progress(f"errors: {sum(errors.values())} {errors if errors else ''}")
+    if lmdb_bytes:
+        H.progress(f"LMDB file: {lmdb_bytes / (1 << 20):.1f} MiB on disk = {lmdb_bytes / args.disk_bytes:.2f} x "
+                   f"disk_bytes ({args.disk_bytes / (1 << 20):.0f} MiB)")
     args.out.mkdir(parents=True, exist_ok=True)
     H.write_json(args.out, "soak", {
         "benchmark": "soak", "argv": sys.argv[1:], "machine": H.machine_note(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "elapsed_s": elapsed, "results": results, "errors": errors, "read_bytes": stats.read_bytes,
-        "saved_entries": stats.saved_entries,
+        "saved_entries": stats.saved_entries, "lmdb_file_bytes": lmdb_bytes,
+        "lmdb_file_over_disk_bytes": lmdb_bytes / args.disk_bytes if lmdb_bytes else None,
     })
     plot(stats, elapsed, args.out / "soak.png")
     return 1 if errors else 0

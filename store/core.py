@@ -315,10 +315,12 @@ class Store:
     async def _flush_deletes(self) -> None:
         if self.tier is not None and self._doomed:
             doomed, self._doomed = self._doomed, []
+            epoch = self.tier.epoch
             try:
                 await self.tier.delete(doomed)
             except TierDamaged as err:
-                await self._reset_tier(f"delete failed: {err}")
+                if self.tier.epoch == epoch:  # not already reset under this write
+                    await self._reset_tier(f"delete failed: {err}")
 
     async def _reset_tier(self, reason: str) -> None:
         """LMDB met damage it cannot work around: drop every entry from the index (they are all
@@ -402,6 +404,12 @@ class Store:
                     self._remove_namespace(ns)
                 raise
         return ns_id
+
+    def held_by(self, owner: str) -> dict[str, int]:
+        """What one owner (owner_of: a tenant, or everyone on an open store) makes the store hold:
+        namespaces, leases, remembered offers, and bytes charged to its quota."""
+        return {"namespaces": self.tenant_namespaces.get(owner, 0), "leases": self.leases.held_by(owner),
+                "offers": len(self._wanted.get(owner, ())), "bytes": self.tenant_bytes.get(owner, 0)}
 
     def entry(self, ns_id: bytes, key: bytes) -> Entry | None:
         """The committed entry of wire key ``key`` in namespace ``ns_id`` (introspection, tests)."""
@@ -615,7 +623,8 @@ class Store:
                 new.append(None)
                 self.metrics.quota_rejections.labels(ns.tenant).inc()
                 continue
-            wanted = for_put and self._wanted.get(owner, {}).pop(key, None) is not None
+            offers = self._wanted.get(owner) if for_put else None
+            wanted = offers is not None and offers.pop(key, None) is not None
             if not wanted and not self.admission[item.kind].admit(item.kind, key, item.size, now, item.origin):
                 results.append(ItemResult(REJECTED, "admission"))
                 new.append(None)
@@ -779,18 +788,21 @@ class Store:
                 return results
             doomed, self._doomed = self._doomed, []
             puts = [(self._record(e), list(self.arena.runs(e.pages or [], 0, e.size))) for _, e in batch]
+            epoch = self.tier.epoch
             try:
                 await self.tier.write(puts, doomed)
+                if self.tier.epoch != epoch:  # reset meanwhile: written to the environment set aside
+                    raise TierDamaged("the tier was reset while this commit was written")
             except Exception as err:
                 log.exception("LMDB write failed; %d entries not committed", len(batch))
                 for i, e in batch:
                     if self.pending.get(e.key) is e:
                         self._drop_pending(e)
                     results[i] = ItemResult(STATUS_REJECTED, f"disk write failed: {type(err).__name__}")
-                if isinstance(err, TierDamaged):
-                    await self._reset_tier(f"commit failed: {err}")
-                else:
+                if not isinstance(err, TierDamaged):
                     self._doomed.extend(doomed)  # still to delete
+                elif self.tier.epoch == epoch:  # not already reset under this write
+                    await self._reset_tier(f"commit failed: {err}")
                 return results
         now = self.clock()
         for i, e in batch:

@@ -78,7 +78,8 @@ _SEAL_BYTES = 8
 #: What LMDB raises on a damaged file (a page of the wrong type, a bad meta page, a panic).
 DAMAGE: tuple[type[lmdb.Error], ...] = (
     lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.BadTxnError, lmdb.InvalidError,
-    lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.BadRslotError)
+    lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.BadRslotError,
+    lmdb.MapResizedError)  # resized: no other process shares the file, so its meta page is garbage
 QUARANTINE_DIR = "quarantine"
 
 
@@ -254,6 +255,7 @@ class LmdbTier:
         self.max_pins = max_pins
         self.pins_revoked = 0
         self.map_gen = 0  # bumped each time the map moves
+        self.epoch = 0  # bumped each time the environment is set aside (reset): what it held is gone
         self.before_grow: list[Callable[[], None]] = []  # run on the loop before the map moves
         self.after_grow: list[Callable[[], None]] = []  # ... and after it moved
         self._grow_lock = asyncio.Lock()
@@ -422,6 +424,7 @@ class LmdbTier:
             self._set_aside(reason)
             self._open()
             self.map_gen += 1
+            self.epoch += 1
             self.region = self._find_region()
 
     def _remap(self) -> None:

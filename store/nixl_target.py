@@ -224,7 +224,7 @@ class NixlTarget:
     def map_reads(self) -> bool:
         return self._map_reg is not None
 
-    def lease_pin(self, pin: MapPin, entries: list[Any]) -> bytes:
+    def lease_pin(self, pin: MapPin, entries: list[Any], owner: str) -> bytes:
         """A lease over ``entries`` that also ends ``pin`` when it ends (release, expiry, growth)."""
         box: list[bytes] = []
 
@@ -233,7 +233,8 @@ class NixlTarget:
             if box:
                 self._map_leases.discard(box[0])
 
-        lease = self.store.leases.grant(entries, self.store.clock(), self.store.config.lease_ttl_s, on_end=on_end)
+        lease = self.store.leases.grant(entries, self.store.clock(), self.store.config.lease_ttl_s, on_end=on_end,
+                                        owner=owner)
         box.append(lease)
         self._map_leases.add(lease)
         return lease
@@ -408,10 +409,11 @@ async def nixl_get(request: web.Request) -> web.Response:
             # The lease pins what the descriptors point into (and holds the read transaction of
             # those in LMDB's map); prepare_get's own pins drop below.
             if leased and in_map and pin is not None:
-                lease = target.lease_pin(pin, leased)
+                lease = target.lease_pin(pin, leased, store.owner_of(store.namespace(ns_id)))
                 pins.clear()  # the lease ends it now
             elif leased:
-                lease = store.leases.grant(leased, store.clock(), store.config.lease_ttl_s)
+                lease = store.leases.grant(leased, store.clock(), store.config.lease_ttl_s,
+                                           owner=store.owner_of(store.namespace(ns_id)))
         finally:
             store.finish_get(plan)
     finally:

@@ -80,7 +80,7 @@ def probe(store: Store, req: ProbeRequest, replicas_of: dict[bytes, tuple[str, .
     lease_id = None
     if req.lease and held_entries:
         unique: dict[bytes, Entry] = {e.key: e for e in held_entries}
-        lease_id = store.leases.grant(list(unique.values()), now, store.config.lease_ttl_s)
+        lease_id = store.leases.grant(list(unique.values()), now, store.config.lease_ttl_s, owner=store.owner_of(ns))
     replicas: dict[bytes, tuple[str, ...]] = {}
     if replicas_of:
         for e in held_entries:

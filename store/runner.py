@@ -45,7 +45,7 @@ log = logging.getLogger("prefixstore.server")
 MALFORMED_LOG_EVERY_S = 10.0
 
 
-class _ParserLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+class _ParserLog(logging.LoggerAdapter[logging.Logger]):
     """The logger aiohttp's connection handler is given: requests it could not parse are counted
     and logged one line at a time, rate-limited; everything else goes through unchanged."""
 

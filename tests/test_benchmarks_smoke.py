@@ -18,7 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lookup", "transfer", "soak"])
+@pytest.mark.parametrize("name", ["lookup", "transfer", "soak", "tenant_oracle"])
 def test_benchmark_quick_run(name: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out)],
