@@ -293,6 +293,15 @@ class Namespace:
     def encode(self) -> bytes:
         return msgpack.packb(self.to_wire(), use_bin_type=True)
 
+    @classmethod
+    def decode(cls, raw: bytes) -> Namespace:
+        """The record :meth:`encode` wrote; NamespaceError (or a msgpack error) when it is not one."""
+        try:
+            wire = msgpack.unpackb(raw, raw=False)
+        except Exception as err:  # msgpack raises several unrelated types on garbage
+            raise NamespaceError(f"namespace: not a msgpack record ({type(err).__name__})") from err
+        return cls.from_wire(wire)
+
     @cached_property
     def id(self) -> bytes:
         """xxh3-64 of the canonical encoding, big-endian, 8 bytes."""

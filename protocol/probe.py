@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from .hashing import HASH_BYTES, TOKEN_BYTES
 from .namespace import NAMESPACE_ID_BYTES
+from .errors import Problem
 from .wire import EntryRef, Limits, WireError, opt_bin, req_bin, req_bool, req_int, req_list
 
 
@@ -84,7 +85,7 @@ class ProbeRequest:
         raw = req_list(h, "levels", "", limits.max_lookup_blocks + 1)
         levels = tuple(ProbeLevel.from_wire(x, f"levels[{i}]", B) for i, x in enumerate(raw))
         if sum(len(lv.tokens) for lv in levels) // TOKEN_BYTES > limits.max_lookup_tokens:
-            raise WireError("levels", f"more than {limits.max_lookup_tokens} tokens in all", 413)
+            raise WireError("levels", f"more than {limits.max_lookup_tokens} tokens in all", Problem.TOO_LARGE)
         return cls(namespace_id=ns, levels=levels, lease=req_bool(h, "lease", default=True),
                    nixl=req_bool(h, "nixl", default=False))
 

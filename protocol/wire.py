@@ -23,6 +23,7 @@ from typing import Final
 
 import msgpack
 
+from .errors import ItemStatus, Problem, RequestError
 from .hashing import HASH_BYTES, TOKEN_BYTES, BlockHash
 from .keys import ENTRY_KEY_BYTES, Kind, Origin
 from .namespace import NAMESPACE_ID_BYTES
@@ -34,14 +35,12 @@ PREFIX_BYTES: Final = PREFIX.size
 CONTENT_TYPE: Final = "application/x-prefixstore-frame"
 
 
-class WireError(ValueError):
-    """Malformed input. ``field`` names what is wrong; ``status`` is the HTTP code to answer."""
+class WireError(RequestError):
+    """Malformed or out-of-bounds input: ``field`` names what is wrong, ``problem`` (protocol/errors.py)
+    why; the HTTP plane maps the problem to a status."""
 
-    def __init__(self, field: str, message: str, status: int = 400) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-        self.status = status
+    def __init__(self, field: str, message: str, problem: Problem = Problem.INVALID) -> None:
+        super().__init__(field, message, problem)
 
 
 # ---------------------------------------------------------------- framing
@@ -67,7 +66,7 @@ def parse_prefix(prefix: bytes, max_header_bytes: int) -> int:
     if version != WIRE_VERSION:
         raise WireError("frame.version", f"wire version {version} is not supported (this server speaks {WIRE_VERSION})")
     if header_len > max_header_bytes:
-        raise WireError("frame.header_len", f"{header_len} bytes exceeds the limit of {max_header_bytes}", 413)
+        raise WireError("frame.header_len", f"{header_len} bytes exceeds the limit of {max_header_bytes}", Problem.TOO_LARGE)
     return int(header_len)
 
 
@@ -139,7 +138,7 @@ def req_list(h: dict[str, object], name: str, ctx: str, max_len: int) -> list[ob
     if not isinstance(v, list):
         raise WireError(f"{ctx}{name}", f"expected a list, got {type(v).__name__}")
     if len(v) > max_len:
-        raise WireError(f"{ctx}{name}", f"{len(v)} items exceeds the limit of {max_len}", 413)
+        raise WireError(f"{ctx}{name}", f"{len(v)} items exceeds the limit of {max_len}", Problem.TOO_LARGE)
     return v
 
 
@@ -231,9 +230,9 @@ class LookupRequest:
         tokens = req_bin(h, "tokens", multiple=TOKEN_BYTES)
         num_blocks, num_tokens = len(hashes) // HASH_BYTES, len(tokens) // TOKEN_BYTES
         if num_blocks > limits.max_lookup_blocks:
-            raise WireError("hashes", f"{num_blocks} blocks exceeds the limit of {limits.max_lookup_blocks}", 413)
+            raise WireError("hashes", f"{num_blocks} blocks exceeds the limit of {limits.max_lookup_blocks}", Problem.TOO_LARGE)
         if num_tokens > limits.max_lookup_tokens:
-            raise WireError("tokens", f"{num_tokens} tokens exceeds the limit of {limits.max_lookup_tokens}", 413)
+            raise WireError("tokens", f"{num_tokens} tokens exceeds the limit of {limits.max_lookup_tokens}", Problem.TOO_LARGE)
         B = block_tokens_of(ns)
         if num_blocks != num_tokens // B:
             raise WireError("hashes", f"{num_blocks} hashes for {num_tokens} tokens; expected {num_tokens // B} at block size {B}")
@@ -438,50 +437,68 @@ def parse_get_items(h: dict[str, object], limits: Limits) -> list[GetItem]:
     return [GetItem.from_wire(x, f"items[{i}]") for i, x in enumerate(raw)]
 
 
-#: Per-item status in put, commit and get answers.
-STATUS_OK: Final = "ok"
-STATUS_HAVE: Final = "have"
-STATUS_PENDING: Final = "pending"
-STATUS_REJECTED: Final = "rejected"
-STATUS_MISSING: Final = "missing"
-STATUS_CORRUPT: Final = "corrupt"
+#: Per-item status in put, commit and get answers (protocol/errors.py ItemStatus; these names stay).
+STATUS_OK: Final = ItemStatus.OK
+STATUS_HAVE: Final = ItemStatus.HAVE
+STATUS_PENDING: Final = ItemStatus.PENDING
+STATUS_REJECTED: Final = ItemStatus.REJECTED
+STATUS_MISSING: Final = ItemStatus.MISSING
+STATUS_CORRUPT: Final = ItemStatus.CORRUPT
+STATUS_HTTP: Final = ItemStatus.HTTP
+STATUS_DROPPED: Final = ItemStatus.DROPPED
 
 #: The reason of a put or offer item refused because its tenant holds its quota_bytes.
 REASON_QUOTA: Final = "tenant quota exceeded"
 
 #: Offer decisions.
-WANT: Final = "want"
-HAVE: Final = "have"
-REJECTED: Final = "rejected"
+WANT: Final = ItemStatus.WANT
+HAVE: Final = ItemStatus.HAVE
+REJECTED: Final = ItemStatus.REJECTED
 
 
 @dataclass(frozen=True, slots=True)
 class ItemResult:
-    status: str
+    status: ItemStatus
     reason: str = ""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.status, ItemStatus):  # a plain string of a status: typed here, once
+            object.__setattr__(self, "status", _status(self.status, "status"))
+
     def to_wire(self) -> list[str]:
-        return [self.status, self.reason]
+        return [self.status.value, self.reason]
 
     @classmethod
     def from_wire(cls, raw: object) -> ItemResult:
         if not isinstance(raw, list) or len(raw) != 2 or not all(isinstance(x, str) for x in raw):
             raise WireError("results", "expected [status, reason] strings")
-        return cls(raw[0], raw[1])
+        return cls(_status(raw[0], "results"), raw[1])
+
+
+def _status(raw: object, ctx: str) -> ItemStatus:
+    try:
+        return ItemStatus(raw)
+    except ValueError:
+        raise WireError(ctx, f"unknown item status {raw!r}") from None
 
 
 @dataclass(frozen=True, slots=True)
 class GetResult:
-    status: str
+    status: ItemStatus
     size: int = 0
     checksum: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.status, ItemStatus):
+            object.__setattr__(self, "status", _status(self.status, "status"))
+
     def to_wire(self) -> list[object]:
-        return [self.status, self.size, self.checksum]
+        return [self.status.value, self.size, self.checksum]
 
     @classmethod
     def from_wire(cls, raw: object) -> GetResult:
         if not isinstance(raw, list) or len(raw) != 3 or not isinstance(raw[0], str):
             raise WireError("items", "expected [status, size, checksum]")
         h = {"size": raw[1], "checksum": raw[2]}
-        return cls(raw[0], req_int(h, "size", "items."), req_int(h, "checksum", "items.", 0, (1 << 64) - 1))
+        return cls(_status(raw[0], "items"), req_int(h, "size", "items."),
+                   req_int(h, "checksum", "items.", 0, (1 << 64) - 1))

@@ -6,7 +6,7 @@ it works unchanged)::
 
     GET  /v1/members[?key=HEX]   -> JSON {members, epoch, self, previous, changed_s_ago, owner_grace_s,
                                           refresh_s[, order]}   (order: rendezvous order of KEY)
-    POST /v1/probe        {ns, levels, lease}            -> ProbeAnswer    (protocol/probe.py, store/probe.py)
+    POST /v1/probe        {ns, levels, lease}            -> ProbeAnswer    (protocol/probe.py, store/lookups.py)
     POST /v1/lookup_report {ns, num_tokens, kv_tokens, state_tokens, junction, missing} -> {}
     POST /v1/replica/drop {ns, keys}                     -> {dropped}      (store/replication.py)
 """
@@ -19,22 +19,15 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from ..protocol.hashing import BlockHash
-from ..protocol.keys import Kind
-from ..protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
+from ..protocol.probe import LookupReport, ProbeRequest
 from ..protocol.wire import WireError, req_bin, req_entry_keys
 from .config import StoreConfig
-from .index import store_key
+from .http import PROBE_NIXL, STORE, control_header, frame_response, owned
 from .membership import DnsResolver, Membership
-from .probe import probe as probe_levels
 from .replication import Replicator
-from .server import STORE, _control_header, _frame_response, _owned
 
 MEMBERSHIP = web.AppKey("membership", Membership)
 REPLICATOR = web.AppKey("replicator", Replicator)
-ProbeExtension = Callable[[ProbeRequest, ProbeAnswer], dict[str, object] | None]
-PROBE_NIXL: web.AppKey[ProbeExtension] = web.AppKey("probe_nixl")
-"""Set by store/nixl_target.py where NIXL is served: the ``nixl`` part of a probe that asks for it."""
 
 
 async def members(request: web.Request) -> web.Response:
@@ -52,44 +45,31 @@ async def members(request: web.Request) -> web.Response:
 
 async def probe(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    header = await _control_header(request)
-    req = ProbeRequest.from_header(header, store.limits, lambda ns_id: _owned(request, ns_id).block_tokens)
-    answer = probe_levels(store, req, request.app[REPLICATOR].replicas_of())
+    header = await control_header(request)
+    req = ProbeRequest.from_header(header, store.limits, lambda ns_id: owned(request, ns_id).block_tokens)
+    answer = store.probe(req, request.app[REPLICATOR].replicas_of())
     if req.nixl and (extension := request.app.get(PROBE_NIXL)) is not None:
         answer = dataclasses.replace(answer, nixl=extension(req, answer))
-    return _frame_response(answer.to_header())
+    return frame_response(answer.to_header())
 
 
 async def lookup_report(request: web.Request) -> web.Response:
-    """What a single node's lookup would have taught its policies and metrics (store/core.py
-    ``_count_lookup``), reported by the client to the node that owns the junction."""
+    """What a single node's lookup would have taught its policies and metrics (store/lookups.py
+    ``learn``), reported by the client to the node that owns the junction."""
     store = request.app[STORE]
-    report = LookupReport.from_header(await _control_header(request), store.limits)
-    ns = _owned(request, report.namespace_id)
-    now = store.clock()
-    if report.junction is not None and ns.has_state:
-        junction = BlockHash(report.junction)
-        store.admission[Kind.STATE].on_sighting(Kind.STATE, store_key(ns.id, Kind.STATE, junction), now)
-        store.eviction.on_miss(Kind.STATE, ns.id + junction, now)
-    if report.missing_block is not None:
-        store.eviction.on_miss(Kind.BLOCK, ns.id + report.missing_block, now)
-    m = store.metrics
-    m.lookups.inc()
-    m.lookup_tokens.labels("kv", "hit").inc(report.kv_tokens)
-    m.lookup_tokens.labels("kv", "miss").inc(report.num_tokens - report.kv_tokens)
-    if ns.has_state:
-        m.lookup_tokens.labels("state", "hit").inc(report.state_tokens)
-        m.lookup_tokens.labels("state", "miss").inc(report.num_tokens - report.state_tokens)
-    return _frame_response({})
+    report = LookupReport.from_header(await control_header(request), store.limits)
+    owned(request, report.namespace_id)
+    store.report(report)
+    return frame_response({})
 
 
 async def replica_drop(request: web.Request) -> web.Response:
     store = request.app[STORE]
-    header = await _control_header(request)
+    header = await control_header(request)
     ns_id = req_bin(header, "ns", size=8)
-    _owned(request, ns_id)
+    owned(request, ns_id)
     keys = req_entry_keys(header, "keys", store.limits.max_items)
-    return _frame_response({"dropped": await request.app[REPLICATOR].drop(ns_id, keys)})
+    return frame_response({"dropped": await request.app[REPLICATOR].drop(ns_id, keys)})
 
 
 def install(app: web.Application, config: StoreConfig, clock: Callable[[], float] = time.monotonic,

@@ -304,19 +304,7 @@ class Index:
 
         # 2. Children of the last matched block: the match continues inside one of them.
         parent, seg = level(m)
-        child, usable = None, 0
-        kids = self.children.get(parent)
-        if kids and seg:
-            extra = extra_at(m, b"")
-            for n, ck in enumerate(reversed(kids)):
-                if n >= max_child_scan:
-                    break
-                c = entries[ck]
-                if c.extra != extra:
-                    continue
-                a = lcp_tokens(c.tokens, seg)
-                if a > usable:
-                    child, usable = c, a
+        child, usable = self.best_child(parent, seg, extra_at(m, b""), max_child_scan)
         kv_tokens = m * B + usable
 
         # 3. Snapshots: the largest boundary whose container agrees with the prompt
@@ -337,6 +325,27 @@ class Index:
                     state_tokens = snapshot.boundary
                     break
         return Match(m, last, child, usable, kv_tokens, snapshot, state_tokens)
+
+    def best_child(self, parent: bytes, seg: bytes, extra: bytes, scan: int) -> tuple[Entry | None, int]:
+        """Of the (``scan`` most recent) blocks and tails under ``parent`` (a :func:`node_key`)
+        stored with extra keys ``extra``, the one whose tokens agree longest with the prompt's
+        ``seg`` (packed), and how many tokens agree; (None, 0) if none does. Used by lookups
+        (``match``) and by cluster probes (store/lookups.py)."""
+        child, usable = None, 0
+        kids = self.children.get(parent)
+        if not kids or not seg:
+            return None, 0
+        entries = self.entries
+        for n, ck in enumerate(reversed(kids)):
+            if n >= scan:
+                break
+            c = entries[ck]
+            if c.extra != extra:
+                continue
+            a = lcp_tokens(c.tokens, seg)
+            if a > usable:
+                child, usable = c, a
+        return child, usable
 
     def best_snapshot_under(self, parent: bytes, seg: bytes, start: int, block_tokens: int, *,
                             own_next: bytes | None, extra: bytes, limit: int, scan: int) -> Entry | None:

@@ -26,6 +26,13 @@ class _IndexCollector(Collector):
         self._index = index
         self._gauges = gauges
 
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """Names only: registering must not read the gauges (the store is still being built)."""
+        yield GaugeMetricFamily("prefixstore_stored_bytes", "", labels=["kind", "tier"])
+        yield GaugeMetricFamily("prefixstore_entries", "", labels=["kind", "tier"])
+        for name in _GAUGE_HELP:
+            yield GaugeMetricFamily(name, "")
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         b = GaugeMetricFamily("prefixstore_stored_bytes", "Payload bytes held, by kind and tier.", labels=["kind", "tier"])
         n = GaugeMetricFamily("prefixstore_entries", "Entries held, by kind and tier.", labels=["kind", "tier"])

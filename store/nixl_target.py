@@ -86,9 +86,10 @@ from typing import Any
 
 from aiohttp import web
 
+from ..protocol.errors import Problem
 from ..protocol.nixl_agent import NixlUnavailable, import_nixl, make_agent
 from ..protocol.wire import (
-    REASON_QUOTA,
+    STATUS_HTTP,
     STATUS_OK,
     STATUS_PENDING,
     ItemResult,
@@ -99,12 +100,11 @@ from ..protocol.wire import (
     req_bool,
     req_entry_keys,
 )
+from . import nixl_lookup
 from .config import StoreConfig
 from .core import GetSlot, Store
+from .http import LOOKUP_NIXL, PROBE_NIXL, STORE, control_header, frame_response, owned
 from .lmdb_tier import MapPin, ReadOutcome
-from . import nixl_lookup
-from .cluster import PROBE_NIXL
-from .server import LOOKUP_NIXL, STORE, _control_header, _frame_response, _owned
 from .tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -122,9 +122,6 @@ IDLE_PROGRESS_S = 0.005
 BUSY_WINDOW_S = 5.0
 """Longest time a single outstanding lease or reservation keeps the progress task busy: a client
 that never releases must not keep the loop spinning until its lease expires."""
-
-STATUS_HTTP = "http"
-"""A /v1/nixl/get item whose payload is not in the registered arena: read it over HTTP."""
 
 _PAIR = struct.Struct("<2Q")
 
@@ -331,7 +328,7 @@ def _target(request: web.Request) -> NixlTarget:
     target = request.app[NIXL].target
     if target is None:
         raise WireError("nixl", "this store does not serve the NIXL data path (nixl = off, or not installed); "
-                        "use /v1/get and /v1/put", 404)
+                        "use /v1/get and /v1/put", Problem.UNKNOWN)
     return target
 
 
@@ -339,8 +336,8 @@ async def nixl_metadata(request: web.Request) -> web.Response:
     """The store agent's name and metadata (the registered arena). Behind the tenant token like
     every /v1 call: holding the metadata is what lets an agent read the arena (THREAT_MODEL.md)."""
     target = _target(request)
-    await _control_header(request)  # an empty map; read so a body cannot linger on the connection
-    return _frame_response({"agent": target.name, "metadata": target.metadata,
+    await control_header(request)  # an empty map; read so a body cannot linger on the connection
+    return frame_response({"agent": target.name, "metadata": target.metadata,
                             "region": [target.base, target.size], "meta_gen": target.meta_gen})
 
 
@@ -348,9 +345,9 @@ async def nixl_get(request: web.Request) -> web.Response:
     """Descriptors of the requested payloads under one lease (released by POST /v1/release)."""
     target = _target(request)
     store = request.app[STORE]
-    header = await _control_header(request)
+    header = await control_header(request)
     ns_id = req_bin(header, "ns", size=8)
-    _owned(request, ns_id)
+    owned(request, ns_id)
     items = parse_get_items(header, store.limits)
     pins: list[MapPin] = []  # the one read transaction of this request's LMDB-resident payloads
 
@@ -422,7 +419,7 @@ async def nixl_get(request: web.Request) -> web.Response:
     if lease is not None:
         target.expect_traffic(lease)
         store.metrics.transfer_bytes.labels("out", "nixl").inc(offered)
-    return _frame_response({"agent": target.name, "items": out, "lease": lease,
+    return frame_response({"agent": target.name, "items": out, "lease": lease,
                             "lease_ttl_s": store.config.lease_ttl_s if lease else 0.0, "meta_gen": target.meta_gen})
 
 
@@ -430,17 +427,11 @@ async def nixl_reserve(request: web.Request) -> web.Response:
     """Reserve arena pages for a put whose payloads the client WRITEs; answers their descriptors."""
     target = _target(request)
     store = request.app[STORE]
-    header = await _control_header(request)
+    header = await control_header(request)
     ns_id = req_bin(header, "ns", size=8)
-    _owned(request, ns_id)
+    owned(request, ns_id)
     items = parse_items(header, store.limits)
-    plan = store.plan_put(ns_id, items)
-    over = [i for i, r in enumerate(plan.results) if r.reason == REASON_QUOTA]
-    if over:  # refused whole, as a put over quota is (server.py)
-        store.abort_put(plan)
-        ns = store.namespace(ns_id)
-        raise WireError("quota", f"tenant {ns.tenant!r} would exceed its quota of {store.quota_of(ns)} bytes; "
-                        f"items {over[:8]} do not fit; nothing was reserved", 413)
+    plan = store.reserve(ns_id, items)  # refused whole over the tenant's quota, as a put is
     out: list[list[object]] = []
     for r, e in zip(plan.results, plan.entries):
         if e is not None and r.status == STATUS_PENDING and e.pages is not None:
@@ -448,7 +439,7 @@ async def nixl_reserve(request: web.Request) -> web.Response:
             target.expect_traffic(e.key)
         else:
             out.append([r.status, r.reason, b""])
-    return _frame_response({"agent": target.name, "results": out, "ttl_s": store.config.pending_ttl_s})
+    return frame_response({"agent": target.name, "results": out, "ttl_s": store.config.pending_ttl_s})
 
 
 async def nixl_commit(request: web.Request) -> web.Response:
@@ -456,9 +447,9 @@ async def nixl_commit(request: web.Request) -> web.Response:
     ``commit`` is false: verified and left pending for a later /v1/commit)."""
     _target(request)
     store = request.app[STORE]
-    header = await _control_header(request)
+    header = await control_header(request)
     ns_id = req_bin(header, "ns", size=8)
-    _owned(request, ns_id)
+    owned(request, ns_id)
     keys = req_entry_keys(header, "keys", store.limits.max_items)
     verified, received = store.verify_pending(ns_id, keys)
     store.metrics.transfer_bytes.labels("in", "nixl").inc(received)
@@ -468,7 +459,7 @@ async def nixl_commit(request: web.Request) -> web.Response:
         committed = await store.commit(ns_id, [keys[i] for i in todo])
         for i, r in zip(todo, committed):
             results[i] = r
-    return _frame_response({"results": [r.to_wire() for r in results]})
+    return frame_response({"results": [r.to_wire() for r in results]})
 
 
 def install(app: web.Application, config: StoreConfig) -> None:

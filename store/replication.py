@@ -292,7 +292,7 @@ class Replicator:
                 metrics.replication_pushes.labels("skipped").inc()
                 return
             batch = [c, e]
-        ns = self.store.namespaces.get(e.namespace_id)
+        ns = self.store.namespaces.find(e.namespace_id)
         if ns is None:
             return
         try:
@@ -357,7 +357,7 @@ class Replicator:
                 # children live by its hash, possibly here): it stays as an ordinary entry, no
                 # longer advertised as a replica, and eviction takes it when it is cold.
                 continue
-            self.store._delete(e, "replica_dropped")
+            self.store.delete(e, "replica_dropped")
             dropped += 1
         if dropped:
             await self.store.flush_deletes()

@@ -39,7 +39,7 @@ from typing import Any
 from aiohttp import web
 
 from .config import StoreConfig
-from .server import STORE
+from .http import STORE
 
 log = logging.getLogger("prefixstore.server")
 MALFORMED_LOG_EVERY_S = 10.0

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixstore.protocol import BlockHash, Kind, block_hashes, make_entry_key, pack_tokens, prefix_hash, root_hash
+from prefixstore.protocol.errors import HTTP_STATUS, Problem
 from prefixstore.protocol.wire import (
     MAGIC,
     PREFIX,
@@ -44,7 +45,7 @@ HASHES = block_hashes(NS, TOKENS)
 
 def block_tokens_of(ns_id: bytes) -> int:
     if ns_id != NS.id:
-        raise WireError("ns", "unknown namespace", 404)
+        raise WireError("ns", "unknown namespace", Problem.UNKNOWN)
     return B
 
 
@@ -101,7 +102,7 @@ def test_parse_prefix_rejects(prefix: bytes, field: str, status: int) -> None:
     with pytest.raises(WireError) as info:
         parse_prefix(prefix, 100)
     assert info.value.field == field
-    assert info.value.status == status
+    assert HTTP_STATUS[info.value.problem] == status
     assert str(info.value).startswith(f"{field}:")
 
 
@@ -109,7 +110,7 @@ def test_decode_frame_rejects_a_header_len_that_lies() -> None:
     frame = encode_header({"a": 1})
     with pytest.raises(WireError) as info:
         decode_frame(frame[:-1])
-    assert info.value.field == "frame.header_len" and info.value.status == 400
+    assert info.value.field == "frame.header_len" and HTTP_STATUS[info.value.problem] == 400
     with pytest.raises(WireError) as info:
         decode_frame(frame[:5])
     assert info.value.field == "frame"
@@ -119,7 +120,7 @@ def test_decode_frame_applies_the_header_limit() -> None:
     frame = encode_header({"blob": b"x" * 200})
     with pytest.raises(WireError) as info:
         decode_frame(frame, max_header_bytes=100)
-    assert info.value.status == 413
+    assert HTTP_STATUS[info.value.problem] == 413
 
 
 @pytest.mark.parametrize("raw", [b"\xc1", b"\x92\x01", b"\x81\xa1a\x01\x02", b"", b"\xdd\xff\xff\xff\xff",
@@ -254,7 +255,7 @@ def test_item_from_wire_names_the_field(field: str, raw: object) -> None:
     with pytest.raises(WireError) as info:
         parse_items({"items": [raw]}, LIMITS)
     assert info.value.field == field, str(info.value)
-    assert info.value.status == 400
+    assert HTTP_STATUS[info.value.problem] == 400
 
 
 def test_item_index_is_named() -> None:
@@ -272,7 +273,7 @@ def test_item_index_is_named() -> None:
 def test_parse_items_list(header: dict[str, object], field: str, status: int) -> None:
     with pytest.raises(WireError) as info:
         parse_items(header, LIMITS)
-    assert (info.value.field, info.value.status) == (field, status)
+    assert (info.value.field, HTTP_STATUS[info.value.problem]) == (field, status)
 
 
 def _lookup(**changes: object) -> dict[str, object]:
@@ -300,7 +301,7 @@ def _lookup(**changes: object) -> dict[str, object]:
 def test_lookup_request_names_the_field(header: dict[str, object], field: str, status: int) -> None:
     with pytest.raises(WireError) as info:
         LookupRequest.from_header(header, LIMITS, block_tokens_of)
-    assert (info.value.field, info.value.status) == (field, status), str(info.value)
+    assert (info.value.field, HTTP_STATUS[info.value.problem]) == (field, status), str(info.value)
 
 
 @pytest.mark.parametrize(("raw", "field"), [
@@ -372,7 +373,7 @@ def parse_everything(body: bytes) -> None:
             parse()
         except WireError as err:
             assert isinstance(err.field, str) and err.field
-            assert 400 <= err.status < 500
+            assert 400 <= HTTP_STATUS[err.problem] < 500
     raw = header.get("items")
     if isinstance(raw, list):
         for i, x in enumerate(raw):

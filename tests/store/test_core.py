@@ -204,7 +204,7 @@ def test_a_deleted_pinned_entry_frees_its_pages_even_if_its_key_is_put_again(ns,
     plan = h.run(h.store.prepare_get(ns.id, [GetItem(key=key)]))
     old = h.store.entry(ns.id, key)
     assert old is not None
-    h.store._delete(old, "corrupt")  # e.g. a corruption cascade while the read streams
+    h.store.delete(old, "corrupt")  # e.g. a corruption cascade while the read streams
     spec = with_payload(Prompt(ns, toks).kv_items(4)[0][0], kv_payload(ns, toks, 0, 4))
     put = h.store.plan_put(ns.id, [spec])  # the same key, pending again
     assert put.entries[0] is not None and h.store.pending_entry(ns.id, key) is put.entries[0]

@@ -1,0 +1,73 @@
+"""Refusals as values with a type, the same on both ends of the wire.
+
+A store refuses a request for one of a few reasons (:class:`Problem`), always naming the field
+that is wrong. The reason is not an HTTP status: the HTTP plane maps it to one (``HTTP_STATUS``,
+used by store/http.py) and the client maps the status it received back (``problem_of_status``),
+so code on either side branches on ``err.problem`` and ``err.field``, never on the text.
+
+Per item, offers, puts, commits and gets answer an :class:`ItemStatus` instead of failing the
+request; ``DROPPED`` exists only on the client (a save the client could not hand to a store).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Problem(enum.Enum):
+    """Why a request was refused, independent of transport."""
+
+    INVALID = "invalid"  # malformed input; the field says which
+    UNKNOWN = "unknown"  # a namespace (or path) this caller cannot see: unregistered, or another tenant's
+    FORBIDDEN = "forbidden"  # understood and refused (another tenant's registration, a limit on counts)
+    TOO_LARGE = "too_large"  # over a size or count bound
+    QUOTA = "quota"  # the tenant's quota_bytes would be exceeded
+    TIMEOUT = "timeout"  # the body did not arrive in time
+    UNSUPPORTED = "unsupported"  # a content type this endpoint does not take
+    UNAUTHORIZED = "unauthorized"  # missing or unknown bearer token
+    UNAVAILABLE = "unavailable"  # the store cannot serve it now (damage, overload); retry later
+    INTERNAL = "internal"  # a bug on the store's side (logged there)
+
+
+HTTP_STATUS: dict[Problem, int] = {
+    Problem.INVALID: 400, Problem.UNAUTHORIZED: 401, Problem.FORBIDDEN: 403, Problem.UNKNOWN: 404,
+    Problem.TIMEOUT: 408, Problem.TOO_LARGE: 413, Problem.QUOTA: 413, Problem.UNSUPPORTED: 415,
+    Problem.INTERNAL: 500, Problem.UNAVAILABLE: 503,
+}
+
+
+def problem_of_status(status: int, field: str = "") -> Problem:
+    """The problem behind an HTTP status a store answered (a 413 naming ``quota`` is QUOTA)."""
+    if status == 413 and field == "quota":
+        return Problem.QUOTA
+    for problem, code in HTTP_STATUS.items():
+        if code == status and problem is not Problem.QUOTA:
+            return problem
+    return Problem.INTERNAL if status >= 500 else Problem.INVALID
+
+
+class RequestError(ValueError):
+    """A refused request: ``field`` names what is wrong, ``problem`` why, ``message`` in words."""
+
+    def __init__(self, field: str, message: str, problem: Problem = Problem.INVALID) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+        self.problem = problem
+
+
+class ItemStatus(enum.StrEnum):
+    """Per-item answer of an offer, put, commit or get (the wire carries the value)."""
+
+    WANT = "want"  # offer: send it
+    HAVE = "have"  # offer/put/commit: already stored
+    OK = "ok"  # put/commit: stored; get: here are its bytes
+    PENDING = "pending"  # put without commit (or NIXL reserve): its pages are reserved
+    REJECTED = "rejected"  # offer/put/commit: not taken (the reason says why)
+    MISSING = "missing"  # get/commit: not stored (or expired)
+    CORRUPT = "corrupt"  # get: its bytes failed their checksum on the store; it was dropped
+    HTTP = "http"  # NIXL get: not in registered memory here; read it over HTTP
+    DROPPED = "dropped"  # client only: the save could not reach a store (a future miss)
+
+
+__all__ = ["HTTP_STATUS", "ItemStatus", "Problem", "RequestError", "problem_of_status"]

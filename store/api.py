@@ -1,0 +1,208 @@
+"""The store's data-plane routes: every POST body is a frame (protocol/wire.py)::
+
+    POST /v1/namespaces   {namespace}                 -> {ns}
+    POST /v1/lookup       {ns, hashes, tokens, ...}   -> LookupAnswer
+    POST /v1/offer        {ns, items}                 -> {results: [[want|have|rejected, reason]]}
+    POST /v1/put          {ns, items, commit} + payloads -> {results: [[status, reason]]}
+    POST /v1/commit       {ns, keys}                  -> {results}
+    POST /v1/get          {ns, items}                 -> {items: [[status, size, checksum]]} + payloads
+    POST /v1/release      {lease}                     -> {released}
+
+Put bodies are streamed straight into the arena pages the store reserved, and get bodies
+streamed out of them, so bulk bytes are never copied into intermediate Python objects here. A
+body that is not in within ``request_timeout_s`` is answered 408 (a put's reserved pages are
+freed); a get answer the client does not take within it is cut off (its pins dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from aiohttp import web
+
+from ..protocol.errors import ItemStatus, Problem
+from ..protocol.namespace import Namespace
+from ..protocol.stream import FrameReader
+from ..protocol.wire import (
+    CONTENT_TYPE,
+    PREFIX_BYTES,
+    GetResult,
+    LookupRequest,
+    WireError,
+    encode_header,
+    parse_get_items,
+    parse_items,
+    req_bin,
+    req_bool,
+    req_entry_keys,
+)
+from .http import LOOKUP_NIXL, PEER, STORE, TENANT, control_header, frame_response, owned, stalled
+
+log = logging.getLogger(__name__)
+
+NAMESPACE_HEADER_BYTES = 16 << 10
+"""Most header bytes a namespace registration may carry: a record within protocol/namespace.py's
+bounds is under 2 KiB, and the body is refused on its Content-Length before any of it is parsed."""
+
+
+async def register_namespace(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    header = await control_header(request, NAMESPACE_HEADER_BYTES)
+    if "namespace" not in header:
+        raise WireError("namespace", "missing")
+    ns = Namespace.from_wire(header["namespace"])
+    if store.tenants is not None and ns.tenant != request[TENANT] and request[TENANT] != PEER:
+        raise WireError("ns", f"the namespace's tenant {ns.tenant!r} is not the tenant of this token",
+                        Problem.FORBIDDEN)
+    return frame_response({"ns": await store.register_namespace(ns)})
+
+
+async def lookup(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    header = await control_header(request)
+    req = LookupRequest.from_header(header, store.limits, lambda ns_id: owned(request, ns_id).block_tokens)
+    answer = store.lookup(req)
+    if req.nixl and (extension := request.app.get(LOOKUP_NIXL)) is not None:
+        answer = dataclasses.replace(answer, nixl=extension(req, answer))
+    return frame_response(answer.to_header())
+
+
+async def offer(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    header = await control_header(request)
+    ns_id = req_bin(header, "ns", size=8)
+    owned(request, ns_id)
+    results = store.offer(ns_id, parse_items(header, store.limits))
+    return frame_response({"results": [r.to_wire() for r in results]})
+
+
+async def put(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    if request.content_length is not None and request.content_length > store.config.max_body_bytes:
+        raise WireError("body", f"{request.content_length} bytes exceeds max_body_bytes={store.config.max_body_bytes}",
+                        Problem.TOO_LARGE)
+    body = FrameReader(request.content)
+    # One deadline for the whole body (header and payloads), but not for the
+    # commit: cancelling a commit while its LMDB write is in flight would leave
+    # the entries half committed, and the commit does not wait on the client.
+    deadline = asyncio.get_running_loop().time() + store.config.request_timeout_s
+    try:
+        async with asyncio.timeout_at(deadline):
+            header, header_len = await body.read_header(store.config.max_header_bytes)
+    except asyncio.IncompleteReadError:
+        raise WireError("frame", "truncated before the end of the header") from None
+    except TimeoutError:
+        raise stalled(store) from None
+    ns_id = req_bin(header, "ns", size=8)
+    owned(request, ns_id)
+    items = parse_items(header, store.limits)
+    commit_now = req_bool(header, "commit", default=True)
+    replica = req_bool(header, "replica", default=False)
+    if request[TENANT] == PEER and not (commit_now and replica):
+        raise WireError("replica", "the cluster token may only push committed replicas", Problem.FORBIDDEN)
+    payload_bytes = sum(it.size for it in items)
+    if PREFIX_BYTES + header_len + payload_bytes > store.config.max_body_bytes:
+        raise WireError("body", f"the header lists {payload_bytes} payload bytes, more than "
+                        f"max_body_bytes={store.config.max_body_bytes} allows", Problem.TOO_LARGE)
+    declared = request.content_length
+    if declared is not None and declared != PREFIX_BYTES + header_len + payload_bytes:
+        raise WireError("frame", f"Content-Length is {declared} bytes but the header lists "
+                        f"{payload_bytes} payload bytes ({PREFIX_BYTES + header_len + payload_bytes} in all)")
+    plan = store.reserve(ns_id, items)
+    try:
+        async with asyncio.timeout_at(deadline):  # a stalled client must not hold its reserved pages
+            for i, target in enumerate(plan.targets):
+                if target is None:
+                    await body.skip(plan.sizes[i])
+                else:
+                    await body.readinto(target)
+            if not await body.at_eof():
+                raise WireError("frame", "bytes follow the last payload the header lists")
+    except asyncio.IncompleteReadError:
+        store.abort_put(plan)
+        raise WireError("frame", "body ended before every payload the header lists arrived") from None
+    except TimeoutError:
+        store.abort_put(plan)
+        raise stalled(store) from None
+    except BaseException:
+        store.abort_put(plan)
+        raise
+    store.metrics.transfer_bytes.labels("in", "http").inc(payload_bytes)
+    store.verify_put(plan)
+    results = plan.results
+    if commit_now:
+        committed = iter(await store.commit(ns_id, plan.keys))
+        results = [next(committed) if e is not None else r for e, r in zip(plan.entries, results)]
+        if replica:  # pushed by a hot entry's owner (store/replication.py)
+            store.replica_keys.update(e.key for e, r in zip(plan.entries, results)
+                                      if e is not None and r.status is ItemStatus.OK)
+    return frame_response({"results": [r.to_wire() for r in results]})
+
+
+async def commit(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    header = await control_header(request)
+    ns_id = req_bin(header, "ns", size=8)
+    owned(request, ns_id)
+    keys = req_entry_keys(header, "keys", store.limits.max_items)
+    results = await store.commit(ns_id, keys)
+    return frame_response({"results": [r.to_wire() for r in results]})
+
+
+async def get(request: web.Request) -> web.StreamResponse:
+    store = request.app[STORE]
+    header = await control_header(request)
+    ns_id = req_bin(header, "ns", size=8)
+    owned(request, ns_id)
+    items = parse_get_items(header, store.limits)
+    plan = await store.prepare_get(ns_id, items)
+    try:
+        results = [GetResult(s.status, s.length, s.checksum) if s.status is ItemStatus.OK else GetResult(s.status)
+                   for s in plan.slots]
+        head = encode_header({"items": [r.to_wire() for r in results]})
+        payload = plan.payload_bytes
+        response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
+        response.content_length = len(head) + payload
+        await response.prepare(request)
+        try:
+            # A client that stops reading would otherwise keep these entries
+            # pinned (never evicted) for as long as it holds the connection.
+            async with asyncio.timeout(store.config.request_timeout_s):
+                await response.write(head)
+                for slot in plan.slots:
+                    if slot.status is ItemStatus.OK:
+                        for view in store.payload_views(slot):
+                            await response.write(view)
+                await response.write_eof()
+        except TimeoutError:
+            log.warning("get: client took the answer off the wire slower than request_timeout_s=%g; disconnected",
+                        store.config.request_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("get answer not read within request_timeout_s") from None
+        store.metrics.transfer_bytes.labels("out", "http").inc(payload)
+        return response
+    finally:
+        store.finish_get(plan)
+
+
+async def release(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    header = await control_header(request)
+    lease_id = req_bin(header, "lease", size=16)
+    return frame_response({"released": store.release(lease_id)})
+
+
+def install(app: web.Application) -> None:
+    app.router.add_post("/v1/namespaces", register_namespace)
+    app.router.add_post("/v1/lookup", lookup)
+    app.router.add_post("/v1/offer", offer)
+    app.router.add_post("/v1/put", put)
+    app.router.add_post("/v1/commit", commit)
+    app.router.add_post("/v1/get", get)
+    app.router.add_post("/v1/release", release)
+
+
+__all__ = ["NAMESPACE_HEADER_BYTES", "install"]

@@ -1,0 +1,128 @@
+"""The store's side of the LMDB tier: whether there is one, what is still to delete from it, and
+how the store recovers when LMDB reports damage.
+
+Deletions from the index are collected (``doom``) and written in the next write transaction or
+by the sweeper (``flush``), never one transaction per entry. When a write meets damage
+(:class:`TierDamaged`) the tier is reset: the store drops every entry from its index (all were
+written through, so none would survive), the environment is set aside, and the registered
+namespaces are written to the new one. ``epoch`` counts resets, so a write that was in flight
+across one is known to have gone to the environment set aside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Sequence
+
+from ..protocol.namespace import Namespace
+from .config import StoreConfig
+from .lmdb_tier import LmdbTier, Scan, StoredRecord, TierDamaged
+from .metrics import StoreMetrics
+
+log = logging.getLogger(__name__)
+
+
+class Disk:
+    def __init__(self, config: StoreConfig, metrics: StoreMetrics) -> None:
+        self._config = config
+        self._metrics = metrics
+        self.tier: LmdbTier | None = None
+        self._doomed: list[bytes] = []  # deleted from the index, still to delete from LMDB
+        # Bound by the store once its parts exist (store/core.py):
+        self._drop_all: Callable[[str], int] = lambda reason: 0
+        self._namespaces: Callable[[], Iterable[Namespace]] = lambda: ()
+
+    def bind(self, drop_all: Callable[[str], int], namespaces: Callable[[], Iterable[Namespace]]) -> None:
+        """What a reset needs of the store: drop every entry (returns how many), and the namespaces."""
+        self._drop_all = drop_all
+        self._namespaces = namespaces
+
+    @property
+    def enabled(self) -> bool:
+        return self.tier is not None
+
+    @property
+    def epoch(self) -> int:
+        return self.tier.epoch if self.tier is not None else 0
+
+    def open(self) -> None:
+        path = self._config.lmdb_path
+        if path is None:
+            return
+        self.tier = LmdbTier(path, self._config.disk_bytes, sync=self._config.lmdb_sync,
+                             max_pins=self._config.nixl_map_txns, keep_damaged=self._config.keep_damaged_lmdb)
+        for _ in self.tier.resets:  # set aside while opening: counted like any reset
+            self._metrics.lmdb_resets.inc()
+
+    async def close(self) -> None:
+        if self.tier is not None:
+            await self.flush()
+            self.tier.close()
+            self.tier = None
+
+    def doom(self, key: bytes) -> None:
+        if self.tier is not None:
+            self._doomed.append(key)
+
+    async def scan(self) -> Scan:
+        assert self.tier is not None
+        return await asyncio.to_thread(self.tier.scan)
+
+    async def write(self, puts: Sequence[tuple[StoredRecord, Sequence[memoryview]]]) -> bool:
+        """Persist records with their payloads (and what is doomed), in one transaction. False when
+        they are not on disk afterwards because the tier was reset (damage met by this write or by
+        another one meanwhile): the caller must not index them. Other errors are raised and what
+        was doomed stays doomed."""
+        assert self.tier is not None
+        doomed, self._doomed = self._doomed, []
+        epoch = self.tier.epoch
+        try:
+            await self.tier.write(puts, doomed)
+        except TierDamaged as err:
+            if self.tier.epoch == epoch:  # not already reset under this write
+                await self.reset(f"write failed: {err}")
+            return False
+        except BaseException:
+            self._doomed.extend(doomed)
+            raise
+        return self.tier.epoch == epoch
+
+    async def flush(self) -> None:
+        """Delete from LMDB what was deleted from the index (the sweeper also does it each second)."""
+        if self.tier is None or not self._doomed:
+            return
+        doomed, self._doomed = self._doomed, []
+        epoch = self.tier.epoch
+        try:
+            await self.tier.delete(doomed)
+        except TierDamaged as err:
+            if self.tier.epoch == epoch:
+                await self.reset(f"delete failed: {err}")
+
+    async def put_namespace(self, ns: Namespace) -> None:
+        """Persist a namespace record; a damaged tier is reset (which writes every namespace again)."""
+        if self.tier is None:
+            return
+        try:
+            await self.tier.put_namespace(ns.id, ns.encode())
+        except TierDamaged as err:
+            await self.reset(f"namespace write failed: {err}")
+
+    async def reset(self, reason: str) -> None:
+        """LMDB met damage it cannot work around: drop every entry, set the environment aside and go
+        on empty. Loud: error log lines and ``prefixstore_lmdb_resets_total``."""
+        assert self.tier is not None
+        dropped = self._drop_all("damaged")
+        self._doomed.clear()
+        self._metrics.lmdb_resets.inc()
+        await self.tier.reset(reason)
+        log.error("LMDB tier reset (%s): %d entries dropped; serving on from an empty tier", reason, dropped)
+        for ns in list(self._namespaces()):
+            try:
+                await self.tier.put_namespace(ns.id, ns.encode())
+            except Exception:  # a namespace that is not persisted is registered again by its client
+                log.exception("re-writing namespace %s after the LMDB reset failed", ns.id.hex())
+
+
+__all__ = ["Disk"]

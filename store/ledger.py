@@ -1,0 +1,92 @@
+"""The tenant ledger: what each tenant makes the store hold, and its quota.
+
+An *owner* is whom resources are counted against: a namespace's tenant, or one owner for all on
+a store without a tenants file (``OPEN_TENANT``). Bytes are counted per tenant name (the quota's
+unit): entries' payload bytes, committed plus pending (a quota counts what a put was promised),
+plus each registered namespace's record. They are charged where entries are taken (offers are
+not: they move no bytes) and refunded where they leave, so ``bytes_of(t)`` is always what ``t``
+holds (``Store.check`` verifies it against the entries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..protocol.namespace import Namespace
+from .index import IndexInvariantError
+from .metrics import StoreMetrics
+from .tenants import Tenants
+
+OPEN_TENANT = "default"  # whom everything belongs to on a store without a tenants file
+NAMESPACE_RECORD_OVERHEAD = 64  # bytes charged per namespace beside its encoding (index, LMDB key)
+
+
+def namespace_charge(ns: Namespace) -> int:
+    """Bytes a registered namespace is charged to its tenant's quota (its record, kept for good)."""
+    return len(ns.encode()) + NAMESPACE_RECORD_OVERHEAD
+
+
+class TenantLedger:
+    def __init__(self, tenants: Tenants | None, metrics: StoreMetrics) -> None:
+        self.tenants = tenants
+        self._metrics = metrics
+        self._bytes: dict[str, int] = {}
+        self._namespaces: dict[str, int] = {}  # per owner
+
+    def owner_of(self, ns: Namespace) -> str:
+        return ns.tenant if self.tenants is not None else OPEN_TENANT
+
+    def quota_of(self, ns: Namespace) -> int | None:
+        return self.tenants.quota_of(ns.tenant) if self.tenants is not None else None
+
+    def bytes_of(self, tenant: str) -> int:
+        return self._bytes.get(tenant, 0)
+
+    def namespaces_of(self, owner: str) -> int:
+        return self._namespaces.get(owner, 0)
+
+    @property
+    def bytes(self) -> Mapping[str, int]:
+        """Bytes held per tenant (read-only view)."""
+        return self._bytes
+
+    def charge(self, ns: Namespace, nbytes: int) -> None:
+        """Count ``nbytes`` (negative: refund) against the namespace's tenant."""
+        self._bytes[ns.tenant] = self._bytes.get(ns.tenant, 0) + nbytes
+
+    def over_quota(self, ns: Namespace, nbytes: int, taken: int | None = None) -> bool:
+        """Whether holding ``nbytes`` more would take the tenant over its quota (``taken``: what it
+        holds counting a batch under way; default what it holds now). Counted when refused."""
+        quota = self.quota_of(ns)
+        if quota is None:
+            return False
+        over = (self.bytes_of(ns.tenant) if taken is None else taken) + nbytes > quota
+        if over:
+            self._metrics.quota_rejections.labels(ns.tenant).inc()
+        return over
+
+    def add_namespace(self, ns: Namespace) -> None:
+        owner = self.owner_of(ns)
+        self._namespaces[owner] = self._namespaces.get(owner, 0) + 1
+        self.charge(ns, namespace_charge(ns))
+
+    def remove_namespace(self, ns: Namespace) -> None:
+        owner = self.owner_of(ns)
+        self._namespaces[owner] -= 1
+        self.charge(ns, -namespace_charge(ns))
+
+    def check(self, namespaces: list[Namespace], entry_bytes: Mapping[str, int]) -> None:
+        """The counters equal what is held: ``entry_bytes`` per tenant of entries (committed and
+        pending) plus every namespace's record."""
+        owed = dict(entry_bytes)
+        owned: dict[str, int] = {}
+        for ns in namespaces:
+            owed[ns.tenant] = owed.get(ns.tenant, 0) + namespace_charge(ns)
+            owned[self.owner_of(ns)] = owned.get(self.owner_of(ns), 0) + 1
+        if {t: n for t, n in self._namespaces.items() if n} != owned:
+            raise IndexInvariantError(f"namespace counts {self._namespaces} differ from those held {owned}")
+        if {t: n for t, n in self._bytes.items() if n} != {t: n for t, n in owed.items() if n}:
+            raise IndexInvariantError(f"tenant bytes {self._bytes} differ from what is held {owed}")
+
+
+__all__ = ["NAMESPACE_RECORD_OVERHEAD", "OPEN_TENANT", "TenantLedger", "namespace_charge"]

@@ -1,0 +1,199 @@
+"""Lookups: the longest token-exact match of a prompt (DESIGN §5), a cluster node's per-level
+probe, and what both teach the policies and the metrics.
+
+A lookup's *answer* depends only on what is stored (store/index.py ``Index.match``; a lease pins
+what it reports); it never changes what a later lookup returns. What it *teaches* goes through
+one function, :meth:`LookupService.learn`, used by single-node lookups and by the cluster's
+lookup reports alike (a cluster client reports to the junction's owner what a single node would
+have counted): hits (the KV entry and the snapshot served), the junction sighting behind
+``checkpoint_hint`` (cache-on-second-sighting), and misses (the first missing block, the
+missing junction snapshot), plus ``prefixstore_lookup_tokens_total{kind,result}``.
+
+Probes (``/v1/probe``) answer, per level of the prompt that this node is asked about, exactly
+the single-node match restricted to one parent hash h_j:
+
+* ``held``: block h_{j+1} is indexed here under h_j;
+* else ``child``: of the (most recent ``max_child_scan``) children of h_j with the prompt's extra
+  keys, the one whose tokens agree longest with the level's tokens;
+* ``snapshot``: of the snapshots registered under h_j, the largest boundary b with
+  ``b - jB <= agreement of its container`` (B for the prompt's own block h_{j+1}) and
+  ``b <= jB + B`` when h_{j+1} is held here, ``b <= jB + child's usable tokens`` when it is not.
+
+so the client's merge (first level not held; best snapshot of levels <= m) is the single-node
+answer (protocol/probe.py). Probes teach nothing themselves; the client's report does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from ..admission import AdmissionPolicy, EvictionPolicy
+from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, tail_hash
+from ..protocol.keys import Kind
+from ..protocol.namespace import Namespace
+from ..protocol.probe import LevelAnswer, LookupReport, ProbeAnswer, ProbeRequest
+from ..protocol.wire import EntryRef, LookupAnswer, LookupRequest, split_hashes
+from .config import StoreConfig
+from .index import Entry, Index, store_key
+from .leases import Leases
+from .ledger import TenantLedger
+from .metrics import StoreMetrics
+from .namespaces import Namespaces
+
+
+def entry_ref(e: Entry, usable: int) -> EntryRef:
+    """How an answer names an entry: its wire key (never the store's scoped key), sizes, tier."""
+    return EntryRef(key=e.wire_key, num_tokens=e.num_tokens, usable_tokens=usable, size=e.size,
+                    tier="ram" if e.pages is not None else "disk")
+
+
+class LookupService:
+    def __init__(self, config: StoreConfig, index: Index, namespaces: Namespaces, leases: Leases,
+                 ledger: TenantLedger, admission: Mapping[Kind, AdmissionPolicy], eviction: EvictionPolicy,
+                 metrics: StoreMetrics, clock: Callable[[], float]) -> None:
+        self._config = config
+        self._index = index
+        self._namespaces = namespaces
+        self._leases = leases
+        self._ledger = ledger
+        self._admission = admission
+        self._eviction = eviction
+        self._metrics = metrics
+        self._clock = clock
+
+    # ------------------------------------------------------------ answers
+
+    def lookup(self, req: LookupRequest) -> LookupAnswer:
+        """Longest token-exact match (DESIGN §5). Creates a lease when asked; teaches the policies."""
+        ns = self._namespaces.get(req.namespace_id)
+        root = self._namespaces.root(ns.id)
+        assert root is not None
+        now = self._clock()
+        self._leases.expire(now)
+        m = self._index.match(ns.id, root, ns.block_tokens, req.hashes, req.tokens, self._config.max_child_scan,
+                              dict(req.extras) if req.extras else None)
+        hint = m.kv_tokens if ns.has_state and m.kv_tokens > m.state_tokens else 0
+        junction = self._junction(ns, req, m.kv_tokens) if hint else None
+        missing = req.hashes[m.matched_blocks * HASH_BYTES : (m.matched_blocks + 1) * HASH_BYTES] \
+            if m.matched_blocks < req.num_blocks else None
+        self.learn(ns, req.num_tokens, m.kv_tokens, m.state_tokens, (m.child or m.last_block, m.snapshot),
+                   junction, missing, now)
+        lease_id = None
+        if req.lease and m.kv_tokens:
+            held: list[Entry] = []
+            for e in (m.last_block, m.child, m.snapshot):
+                if e is not None and e not in held:
+                    held.append(e)
+            if m.snapshot is not None:
+                c = self._index.get(m.snapshot.container or b"")
+                if c is not None and c not in held:
+                    held.append(c)
+            lease_id = self._leases.grant(held, now, self._config.lease_ttl_s, owner=self._ledger.owner_of(ns))
+        tiers = None
+        if req.locations and m.matched_blocks:
+            tiers = bytes(0 if (e := self._index.get_block(ns.id, h)) is not None and e.pages is not None else 1
+                          for h in split_hashes(req.hashes[: m.matched_blocks * HASH_BYTES]))
+        return LookupAnswer(
+            num_tokens=req.num_tokens, matched_blocks=m.matched_blocks, kv_tokens=m.kv_tokens,
+            state_tokens=m.state_tokens, checkpoint_hint=hint, block_bytes=ns.block_bytes,
+            child=entry_ref(m.child, m.child_usable) if m.child is not None else None,
+            snapshot=entry_ref(m.snapshot, m.state_tokens) if m.snapshot is not None else None,
+            lease_id=lease_id, lease_ttl_s=self._config.lease_ttl_s if lease_id else 0.0, block_tiers=tiers,
+        )
+
+    def _junction(self, ns: Namespace, req: LookupRequest, kv_tokens: int) -> BlockHash:
+        """p(kv_tokens) of the prompt: the key a snapshot at the junction would have."""
+        B = ns.block_tokens
+        j = kv_tokens // B
+        if kv_tokens % B == 0:
+            return BlockHash(req.hashes[(j - 1) * HASH_BYTES : j * HASH_BYTES])
+        root = self._namespaces.root(ns.id)
+        assert root is not None
+        parent = BlockHash(req.hashes[(j - 1) * HASH_BYTES : j * HASH_BYTES]) if j else root
+        return tail_hash(parent, req.tokens[j * B * TOKEN_BYTES : kv_tokens * TOKEN_BYTES], dict(req.extras).get(j, b""))
+
+    def probe(self, req: ProbeRequest, replicas_of: Mapping[bytes, tuple[str, ...]] | None = None) -> ProbeAnswer:
+        """Answer every level of ``req`` this node can (module docstring); lease what it reports."""
+        ns = self._namespaces.get(req.namespace_id)
+        ns_id = ns.id  # every key probed below is scoped by the request's namespace (store/index.py)
+        B = ns.block_tokens
+        index = self._index
+        scan = self._config.max_child_scan
+        now = self._clock()
+        self._leases.expire(now)
+        answers: list[LevelAnswer] = []
+        held_entries: list[Entry] = []
+        for lv in req.levels:
+            j, parent, seg = lv.level, lv.parent, lv.tokens
+            nxt = index.get_block(ns_id, lv.next) if lv.next else None
+            held = nxt is not None and nxt.parent == parent
+            child: Entry | None = None
+            usable = 0
+            if held:
+                assert nxt is not None
+                held_entries.append(nxt)
+                limit = j * B + B
+            else:
+                child, usable = index.best_child(ns_id + parent, seg, lv.extra, scan)
+                limit = j * B + usable
+            snapshot = index.best_snapshot_under(
+                ns_id + parent, seg, j * B, B, own_next=lv.next if held else None, extra=lv.extra, limit=limit,
+                scan=scan)
+            if child is not None:
+                held_entries.append(child)
+            if snapshot is not None:
+                held_entries.append(snapshot)
+                container = index.get(snapshot.container or b"")
+                if container is not None:
+                    held_entries.append(container)
+            answers.append(LevelAnswer(level=j, held=held,
+                                       child=entry_ref(child, usable) if child is not None else None,
+                                       snapshot=entry_ref(snapshot, snapshot.boundary) if snapshot is not None else None))
+        lease_id = None
+        if req.lease and held_entries:
+            unique: dict[bytes, Entry] = {e.key: e for e in held_entries}
+            lease_id = self._leases.grant(list(unique.values()), now, self._config.lease_ttl_s,
+                                          owner=self._ledger.owner_of(ns))
+        replicas: dict[bytes, tuple[str, ...]] = {}
+        if replicas_of:
+            for e in held_entries:
+                where = replicas_of.get(e.key)
+                if where:
+                    replicas[e.wire_key] = where
+        return ProbeAnswer(levels=tuple(answers), lease_id=lease_id,
+                           lease_ttl_s=self._config.lease_ttl_s if lease_id else 0.0, replicas=replicas)
+
+    def report(self, report: LookupReport) -> None:
+        """A cluster client's account of a lookup it merged: taught as a single node's lookup would."""
+        ns = self._namespaces.get(report.namespace_id)
+        self.learn(ns, report.num_tokens, report.kv_tokens, report.state_tokens, (),
+                   BlockHash(report.junction) if report.junction is not None and ns.has_state else None,
+                   report.missing_block, self._clock())
+
+    # ------------------------------------------------------------ teaching (the one place)
+
+    def learn(self, ns: Namespace, num_tokens: int, kv_tokens: int, state_tokens: int,
+              served: tuple[Entry | None, ...], junction: BlockHash | None, missing_block: bytes | None,
+              now: float) -> None:
+        """What policies and metrics learn from a lookup: hits, the junction sighting, misses, token
+        counts. It only feeds future admission and eviction decisions, never an answer."""
+        for e in served:
+            if e is not None:
+                self._admission[e.kind].on_hit(e.kind, e.key, e.num_hits == 0, now, e.origin)
+                self._eviction.on_hit(e, now)
+                e.num_hits += 1
+        if junction is not None:
+            self._admission[Kind.STATE].on_sighting(Kind.STATE, store_key(ns.id, Kind.STATE, junction), now)
+            self._eviction.on_miss(Kind.STATE, ns.id + junction, now)
+        if missing_block is not None:
+            self._eviction.on_miss(Kind.BLOCK, ns.id + missing_block, now)
+        m = self._metrics
+        m.lookups.inc()
+        m.lookup_tokens.labels("kv", "hit").inc(kv_tokens)
+        m.lookup_tokens.labels("kv", "miss").inc(num_tokens - kv_tokens)
+        if ns.has_state:
+            m.lookup_tokens.labels("state", "hit").inc(state_tokens)
+            m.lookup_tokens.labels("state", "miss").inc(num_tokens - state_tokens)
+
+
+__all__ = ["LookupService", "entry_ref"]

@@ -1,0 +1,203 @@
+"""The read path: pin what a get asks for, bring disk-only entries into RAM, hand out views.
+
+``prepare_get`` decides (which entries, which byte ranges, from which tier) and pins; the HTTP
+plane (or the NIXL target) moves the bytes from ``payload_views`` and then calls
+``finish_get``. Every LMDB read verifies the payload's xxh3 before a byte is copied out; a
+mismatch or damaged page deletes the entry and everything that depends on it, and is answered
+as a miss (``corrupt``), never as wrong bytes. A read counts as a use (eviction priority) and is
+reported to ``read_hooks`` (hot-prefix replication, store/replication.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from ..protocol.errors import ItemStatus, Problem
+from ..protocol.keys import Kind
+from ..protocol.namespace import Namespace
+from ..protocol.wire import GetItem, WireError
+from .arena import Arena
+from .config import StoreConfig
+from .disk import Disk
+from .index import Entry, Index, scope
+from .lmdb_tier import ReadOutcome
+from .metrics import StoreMetrics
+from .space import Space
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GetSlot:
+    status: ItemStatus
+    entry: Entry | None = None
+    offset: int = 0
+    length: int = 0
+    buffer: bytearray | None = None  # when the payload could not be promoted into RAM
+    checksum: int = 0
+    address: int = 0  # set by prepare_get's map_disk: where the range lies in LMDB's map (pinned)
+
+
+@dataclass(slots=True)
+class GetPlan:
+    slots: list[GetSlot] = field(default_factory=list)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(s.length for s in self.slots if s.status is ItemStatus.OK)
+
+
+MapDisk = Callable[[list[GetSlot]], Awaitable[list[str | None]]]
+"""store/nixl_target.py's map READ: offered the disk-only slots of a get (see prepare_get)."""
+
+
+class ReadPath:
+    def __init__(self, config: StoreConfig, index: Index, arena: Arena, space: Space, disk: Disk,
+                 metrics: StoreMetrics, clock: Callable[[], float]) -> None:
+        self._config = config
+        self._index = index
+        self._arena = arena
+        self._space = space
+        self._disk = disk
+        self._metrics = metrics
+        self._clock = clock
+        self.read_hooks: list[Callable[[Entry], None]] = []  # called with each entry a get served
+
+    def _byte_range(self, ns: Namespace, e: Entry, item: GetItem, ctx: str) -> tuple[int, int]:
+        if item.layer_start == 0 and item.layer_end is None:
+            return 0, e.size
+        try:
+            return ns.payload_range(e.kind is Kind.STATE, e.num_tokens, item.layer_start, item.layer_end)
+        except ValueError as err:
+            raise WireError(f"{ctx}.layer_end", str(err)) from None
+
+    async def prepare_get(self, ns: Namespace, items: Sequence[GetItem], map_disk: MapDisk | None = None) -> GetPlan:
+        """Pin every requested entry and bring disk-only ones into RAM (checksum verified).
+
+        ``map_disk`` (the NIXL map READ, store/nixl_target.py) is first offered the disk-only
+        slots; per slot it answers a ReadOutcome (OK: it set ``slot.address`` and
+        ``slot.checksum`` and keeps the value readable in place; MISSING / CORRUPT: handled like
+        a failed promotion) or None (promote it as usual).
+
+        The caller streams the plan and must call :meth:`finish_get`."""
+        plan = GetPlan()
+        total = 0
+        try:
+            for i, item in enumerate(items):
+                e = self._index.get(scope(ns.id, item.key))
+                if e is None:
+                    plan.slots.append(GetSlot(ItemStatus.MISSING))
+                    continue
+                offset, length = self._byte_range(ns, e, item, f"items[{i}]")
+                total += length
+                if total > self._config.max_get_bytes:
+                    raise WireError("items", f"asks for more than max_get_bytes={self._config.max_get_bytes}; "
+                                    "split the batch", Problem.TOO_LARGE)
+                e.pins += 1
+                plan.slots.append(GetSlot(ItemStatus.OK, e, offset, length))
+        except BaseException:
+            self.finish_get(plan)
+            raise
+        disk: list[GetSlot] = []
+        for slot in plan.slots:
+            e = slot.entry
+            if e is None or e.pages is not None:
+                continue
+            if e.dead:
+                slot.status = ItemStatus.MISSING
+                continue
+            disk.append(slot)
+        mapped: list[str | None] = list(await map_disk(disk)) if map_disk is not None and disk else []
+        mapped += [None] * (len(disk) - len(mapped))
+        for slot, outcome in zip(disk, mapped):
+            e = slot.entry
+            assert e is not None
+            if outcome == ReadOutcome.OK:
+                continue
+            if outcome is not None:
+                slot.status = await self._read_failed(e, outcome)
+                continue
+            if e.pages is not None:  # promoted by a concurrent read meanwhile
+                continue
+            if e.dead:
+                slot.status = ItemStatus.MISSING
+                continue
+            status, buffer = await self._load(e)
+            slot.status, slot.buffer = status, buffer
+        now = self._clock()
+        for slot in plan.slots:
+            e = slot.entry
+            if slot.status is not ItemStatus.OK or e is None:
+                continue
+            if slot.address:
+                pass  # map_disk set its checksum
+            elif slot.offset == 0 and slot.length == e.size:
+                slot.checksum = e.checksum
+            elif slot.buffer is not None:
+                slot.checksum = xxhash.xxh3_64_intdigest(memoryview(slot.buffer)[slot.offset : slot.offset + slot.length])
+            else:
+                assert e.pages is not None
+                slot.checksum = self._arena.checksum(e.pages, slot.offset, slot.length)
+            e.last_access_s = now
+            if not e.dead:
+                self._space.requeue(e, now)
+            for hook in self.read_hooks:
+                hook(e)
+        return plan
+
+    def payload_views(self, slot: GetSlot) -> list[memoryview]:
+        assert slot.entry is not None
+        if slot.buffer is not None:
+            return [memoryview(slot.buffer)[slot.offset : slot.offset + slot.length]]
+        assert slot.entry.pages is not None
+        return list(self._arena.runs(slot.entry.pages, slot.offset, slot.length))
+
+    def finish_get(self, plan: GetPlan) -> None:
+        for slot in plan.slots:
+            if slot.entry is not None:
+                self._space.unpin(slot.entry)
+                slot.entry = None
+
+    async def _load(self, e: Entry) -> tuple[ItemStatus, bytearray | None]:
+        """Promote a disk-only entry into RAM (or a buffer when RAM is all pinned), verifying it."""
+        tier = self._disk.tier
+        assert tier is not None and e.on_disk
+        pages = self._space.allocate(e.size)
+        buffer = None
+        if pages is not None:
+            dest = list(self._arena.runs(pages, 0, e.size))
+        else:
+            buffer = bytearray(e.size)
+            dest = [memoryview(buffer)]
+        outcome = await tier.read_into(e.key, e.size, e.checksum, dest)
+        if outcome != ReadOutcome.OK:
+            if pages is not None:
+                self._arena.free(pages)
+            return await self._read_failed(e, outcome), None
+        if pages is None:
+            return ItemStatus.OK, buffer
+        if e.dead or e.pages is not None:  # deleted, or promoted by a concurrent read meanwhile
+            copy = bytearray(self._arena.read(pages, e.size)) if e.pages is None else None
+            self._arena.free(pages)
+            if copy is not None:
+                return ItemStatus.OK, copy
+            return ItemStatus.OK, None
+        self._index.set_tier(e, pages, True)
+        return ItemStatus.OK, None
+
+    async def _read_failed(self, e: Entry, outcome: str) -> ItemStatus:
+        """An LMDB read of ``e`` found it missing or corrupt: delete it (and its dependants)."""
+        if outcome == ReadOutcome.CORRUPT:
+            self._metrics.checksum_failures.labels("disk").inc()
+            log.warning("checksum mismatch (or damage) reading %s from LMDB; deleting it", e.key.hex())
+        if not e.dead:
+            self._space.delete(e, "corrupt")
+            await self._disk.flush()
+        return ItemStatus.CORRUPT if outcome == ReadOutcome.CORRUPT else ItemStatus.MISSING
+
+
+__all__ = ["GetPlan", "GetSlot", "MapDisk", "ReadPath"]

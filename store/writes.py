@@ -1,0 +1,493 @@
+"""The write path: offer, admit, reserve, verify, commit (DESIGN §6).
+
+Entry life cycle::
+
+    offer --want--> put --> pending (pages held, invisible) --commit--> committed
+                                |  expires after pending_ttl_s        |  LMDB (write-through) + index
+                                v                                     v
+                             reclaimed                     visible to lookups and reads
+
+Decided here: which items are taken (shape, hash, parent, room, quota, admission) — every key
+recomputed from its contents (store/validate.py) and scoped by its namespace (store/index.py).
+Moved elsewhere: payload bytes (the HTTP plane streams them into the pages ``plan_put``
+reserves; NIXL WRITEs them), and space (store/space.py makes room and deletes).
+
+Rules: a pending entry pins its parent or container (anchor) until it commits or is dropped, so
+they survive until the commit; a block whose parent is another node's (a cluster) pins nothing
+(``_unanchored``). Commit writes through to LMDB before indexing, so a SIGKILLed store serves
+every entry it acknowledged; a write that the tier's reset overtook is not indexed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ..admission import AdmissionPolicy, EvictionPolicy
+from ..protocol.errors import ItemStatus, Problem
+from ..protocol.hashing import HASH_BYTES, BlockHash
+from ..protocol.keys import Kind
+from ..protocol.namespace import Namespace
+from ..protocol.wire import REASON_QUOTA, ItemResult, ItemSpec, WireError
+from .arena import Arena
+from .config import StoreConfig
+from .disk import Disk
+from .index import STORE_KEY_BYTES, Entry, Index, scope, store_key
+from .ledger import TenantLedger
+from .lmdb_tier import StoredRecord
+from .metrics import StoreMetrics
+from .namespaces import Namespaces
+from .space import Space
+from .validate import check_item, snapshot_hash
+
+log = logging.getLogger(__name__)
+
+_COMMITTING = math.inf  # expires_s of a pending entry whose commit is in flight
+_ORDER = {Kind.BLOCK: 0, Kind.TAIL: 1, Kind.STATE: 2}  # parents before children
+
+
+@dataclass(slots=True)
+class PutPlan:
+    """Where each payload of a put body goes: arena views, or None to skip its bytes."""
+
+    namespace_id: bytes
+    sizes: list[int]
+    targets: list[list[memoryview] | None]
+    results: list[ItemResult]
+    entries: list[Entry | None]
+
+    @property
+    def keys(self) -> list[bytes]:
+        """Wire entry keys of the entries this put reserved, for :meth:`WritePath.commit`."""
+        return [e.wire_key for e in self.entries if e is not None]
+
+    @property
+    def over_quota(self) -> list[int]:
+        """Indices of the items refused because the tenant is at its quota."""
+        return [i for i, r in enumerate(self.results) if r.reason == REASON_QUOTA]
+
+
+def record_of(e: Entry) -> StoredRecord:
+    return StoredRecord(key=e.key, namespace_id=e.namespace_id, parent=e.parent, start=e.start, tokens=e.tokens,
+                        extra=e.extra, container=e.container, boundary=e.boundary, size=e.size,
+                        checksum=e.checksum, origin=e.origin)
+
+
+class WritePath:
+    def __init__(self, config: StoreConfig, index: Index, arena: Arena, namespaces: Namespaces,
+                 ledger: TenantLedger, space: Space, disk: Disk, admission: Mapping[Kind, AdmissionPolicy],
+                 eviction: EvictionPolicy, metrics: StoreMetrics, clock: Callable[[], float]) -> None:
+        self._config = config
+        self._index = index
+        self._arena = arena
+        self._namespaces = namespaces
+        self._ledger = ledger
+        self._space = space
+        self._disk = disk
+        self._admission = admission
+        self._eviction = eviction
+        self._metrics = metrics
+        self._clock = clock
+        # In a cluster a block usually lives on another node than its parent (protocol/placement.py),
+        # so prefix closure holds per cluster, not per node: a block or tail may name a parent this
+        # node does not hold.
+        self.foreign_parents = bool(config.peer_urls or config.peers_dns)
+        self.pending: dict[bytes, Entry] = {}
+        # Offered and wanted, per owner, oldest first: admitted at put without asking again.
+        # At most max_offers_per_tenant each (an owner flooding offers forgets its own oldest).
+        self._wanted: dict[str, OrderedDict[bytes, float]] = {}
+        self._unanchored: set[bytes] = set()  # pending keys whose parent was another node's: nothing pinned
+
+    def offers_of(self, owner: str) -> int:
+        return len(self._wanted.get(owner, ()))
+
+    # ------------------------------------------------------------ deciding
+
+    def _find(self, key: bytes, batch: Mapping[bytes, Entry]) -> Entry | None:
+        return batch.get(key) or self.pending.get(key) or self._index.get(key)
+
+    def _resolve(self, ns: Namespace, item: ItemSpec, key: bytes, batch: Mapping[bytes, Entry],
+                 now: float, ctx: str) -> Entry | str:
+        """A new (uncommitted) entry for the item, or the reason it cannot be taken."""
+        ns_id = ns.id
+        if item.kind is Kind.STATE:
+            assert item.container is not None
+            container = scope(ns_id, item.container)
+            c = self._find(container, batch)
+            if c is None:
+                return "container not stored"
+            expected = snapshot_hash(c, item.boundary)
+            if expected is None:
+                raise WireError(f"{ctx}boundary", f"{item.boundary} is outside the container's token range "
+                                f"({c.start}, {c.end}]")
+            if expected != item.hash:
+                raise WireError(f"{ctx}hash", f"does not equal p({item.boundary}) of the container's tokens")
+            return Entry(key=key, kind=Kind.STATE, hash=item.hash, namespace_id=ns_id, parent=None, start=0,
+                         tokens=b"", extra=b"", container=container, boundary=item.boundary,
+                         size=item.size, checksum=item.checksum or 0, last_access_s=now, origin=item.origin)
+        assert item.parent is not None
+        if item.parent == self._namespaces.root(ns_id):
+            start = 0
+        else:
+            p = self._find(store_key(ns_id, Kind.BLOCK, item.parent), batch)
+            if p is not None:
+                start = p.end
+            elif self.foreign_parents and item.start is not None:
+                # Cluster: the parent is another node's; the client says where the block starts.
+                B = ns.block_tokens
+                if item.start <= 0 or item.start % B:
+                    raise WireError(f"{ctx}start", f"{item.start} is not a positive multiple of the block size {B}")
+                start = item.start
+            else:
+                return "parent not stored"
+        return Entry(key=key, kind=item.kind, hash=item.hash, namespace_id=ns_id, parent=item.parent, start=start,
+                     tokens=item.tokens, extra=item.extra, container=None, boundary=0, size=item.size,
+                     checksum=item.checksum or 0, last_access_s=now)
+
+    def _triage(self, ns: Namespace, items: Sequence[ItemSpec], for_put: bool
+                ) -> tuple[list[ItemResult], list[Entry | None]]:
+        """First pass of offer and put: validate everything, allocate nothing."""
+        owner = self._ledger.owner_of(ns)
+        now = self._clock()
+        taken = self._ledger.bytes_of(ns.tenant)  # plus what this batch takes, below
+        batch: dict[bytes, Entry] = {}
+        results: list[ItemResult] = []
+        new: list[Entry | None] = []
+        for i, item in enumerate(items):
+            ctx = f"items[{i}]."
+            check_item(ns, item, ctx)
+            if for_put and item.checksum is None:
+                raise WireError(f"{ctx}checksum", "a put item needs the xxh3-64 of its payload")
+            key = store_key(ns.id, item.kind, item.hash)  # scoped: only this namespace's entries answer
+            if self._find(key, batch) is not None:
+                results.append(ItemResult(ItemStatus.HAVE))
+                new.append(None)
+                continue
+            got = self._resolve(ns, item, key, batch, now, ctx)
+            if isinstance(got, str):
+                results.append(ItemResult(ItemStatus.REJECTED, got))
+                new.append(None)
+                continue
+            if self._arena.pages_for(item.size) > self._arena.num_pages:
+                results.append(ItemResult(ItemStatus.REJECTED, "larger than the RAM arena"))
+                new.append(None)
+                continue
+            if self._ledger.over_quota(ns, item.size, taken):
+                results.append(ItemResult(ItemStatus.REJECTED, REASON_QUOTA))
+                new.append(None)
+                continue
+            offers = self._wanted.get(owner) if for_put else None
+            wanted = offers is not None and offers.pop(key, None) is not None
+            if not wanted and not self._admission[item.kind].admit(item.kind, key, item.size, now, item.origin):
+                results.append(ItemResult(ItemStatus.REJECTED, "admission"))
+                new.append(None)
+                continue
+            batch[key] = got
+            taken += item.size
+            results.append(ItemResult(ItemStatus.WANT))
+            new.append(got)
+        return results, new
+
+    def offer(self, ns: Namespace, items: Sequence[ItemSpec]) -> list[ItemResult]:
+        """Per item: want / have / rejected. Bytes move only for wanted items."""
+        results, _ = self._triage(ns, items, for_put=False)
+        now = self._clock()
+        wanted = self._wanted.setdefault(self._ledger.owner_of(ns), OrderedDict())
+        for item, r in zip(items, results):
+            self._metrics.admission.labels(item.kind.metric_kind, r.status).inc()
+            if r.status is ItemStatus.WANT:
+                key = store_key(ns.id, item.kind, item.hash)
+                wanted.pop(key, None)  # a repeat offer moves to the back, so expiry stays in order
+                wanted[key] = now + self._config.pending_ttl_s
+        while len(wanted) > self._config.max_offers_per_tenant:
+            wanted.popitem(last=False)  # the owner's oldest: its put will ask admission again
+        return results
+
+    # ------------------------------------------------------------ reserving
+
+    def _anchor_key(self, e: Entry) -> bytes | None:
+        if e.kind is Kind.STATE:
+            return e.container
+        assert e.parent is not None
+        return None if e.parent == self._namespaces.root(e.namespace_id) else e.parent_key
+
+    def plan_put(self, ns: Namespace, items: Sequence[ItemSpec]) -> PutPlan:
+        """Decide each item and reserve arena pages for the ones taken."""
+        results, new = self._triage(ns, items, for_put=True)
+        now = self._clock()
+        # Pin every anchor (parent / container) before allocating: making room
+        # may evict, and must not evict what this batch builds on.
+        in_batch = {e.key: e for e in new if e is not None}
+        anchors: list[Entry | None] = []
+        for e in new:
+            anchor_key = self._anchor_key(e) if e is not None else None
+            anchor = (in_batch.get(anchor_key) or self._find(anchor_key, {})) if anchor_key else None
+            if anchor is not None:
+                anchor.pins += 1  # held until the entry commits or is dropped
+            elif e is not None and anchor_key is not None:
+                self._unanchored.add(e.key)  # a cluster block whose parent is another node's
+            anchors.append(anchor)
+        targets: list[list[memoryview] | None] = []
+        failed: set[bytes] = set()
+        for i, (item, e) in enumerate(zip(items, new)):
+            if e is None:
+                targets.append(None)
+                decision = ItemStatus.HAVE if results[i].status is ItemStatus.HAVE else ItemStatus.REJECTED
+                self._metrics.admission.labels(item.kind.metric_kind, decision).inc()
+                continue
+            dep = self._anchor_key(e)
+            pages = None if dep in failed else self._space.allocate(e.size)
+            if pages is None:
+                failed.add(e.key)
+                self._unanchored.discard(e.key)
+                anchor = anchors[i]
+                if anchor is not None:
+                    self._space.unpin(anchor)
+                results[i] = ItemResult(ItemStatus.REJECTED, "parent not stored" if dep in failed else
+                                        "RAM arena full of pinned or uncommitted entries")
+                new[i] = None
+                targets.append(None)
+                self._metrics.admission.labels(item.kind.metric_kind, ItemStatus.REJECTED).inc()
+                continue
+            e.pages = pages
+            e.expires_s = now + self._config.pending_ttl_s
+            self.pending[e.key] = e
+            self._space.charge(e, 1)
+            targets.append(list(self._arena.runs(pages, 0, e.size)))
+            results[i] = ItemResult(ItemStatus.PENDING)
+            self._metrics.admission.labels(item.kind.metric_kind, ItemStatus.WANT).inc()
+        return PutPlan(namespace_id=ns.id, sizes=[it.size for it in items], targets=targets,
+                       results=results, entries=new)
+
+    def reserve(self, ns: Namespace, items: Sequence[ItemSpec]) -> PutPlan:
+        """:meth:`plan_put` for a put that moves bytes: refused *whole* (nothing reserved) when any
+        item would take the tenant over its quota, before any payload byte is read, so the engine
+        is told plainly (an offer, which moves no bytes, answers per item instead)."""
+        plan = self.plan_put(ns, items)
+        over = plan.over_quota
+        if over:
+            self.abort_put(plan)
+            raise WireError("quota", f"tenant {ns.tenant!r} would exceed its quota of {self._ledger.quota_of(ns)} "
+                            f"bytes (holds {self._ledger.bytes_of(ns.tenant)}); items {over[:8]} do not fit; "
+                            "nothing of this put was stored", Problem.QUOTA)
+        return plan
+
+    def abort_put(self, plan: PutPlan) -> None:
+        """The body did not arrive whole: forget every entry this put reserved."""
+        for e in plan.entries:
+            if e is not None and self.pending.get(e.key) is e:
+                self.drop_pending(e)
+
+    def verify_put(self, plan: PutPlan) -> None:
+        """After the body arrived: drop items whose bytes do not match their checksum."""
+        for i, e in enumerate(plan.entries):
+            if e is None or self.pending.get(e.key) is not e:
+                continue
+            assert e.pages is not None
+            if not self._arena.virtual and self._arena.checksum(e.pages, 0, e.size) != e.checksum:
+                self.drop_pending(e)
+                plan.entries[i] = None
+                plan.results[i] = ItemResult(ItemStatus.REJECTED, "payload does not match its checksum")
+                self._metrics.checksum_failures.labels("network").inc()
+
+    def verify_pending(self, ns_id: bytes, keys: Sequence[bytes]) -> tuple[list[ItemResult], int]:
+        """The NIXL path's verify_put: payloads were WRITTEN into reserved pages, not streamed.
+        Per wire key: pending (its pages hold bytes matching its checksum), rejected (dropped: they
+        do not), or missing; plus the payload bytes verified."""
+        out: list[ItemResult] = []
+        received = 0
+        for key in keys:
+            e = self.pending.get(scope(ns_id, key))
+            if e is None or e.pages is None or e.expires_s == _COMMITTING:
+                out.append(ItemResult(ItemStatus.MISSING, "not reserved, expired, or committing"))
+                continue
+            if self._arena.checksum(e.pages, 0, e.size) != e.checksum:
+                self.drop_pending(e)
+                out.append(ItemResult(ItemStatus.REJECTED, "payload does not match its checksum"))
+                self._metrics.checksum_failures.labels("network").inc()
+                continue
+            received += e.size
+            out.append(ItemResult(ItemStatus.PENDING))
+        return out, received
+
+    def drop_pending(self, e: Entry) -> None:
+        del self.pending[e.key]
+        self._space.charge(e, -1)
+        e.dead = True
+        if e.pages is not None:
+            self._arena.free(e.pages)
+            e.pages = None
+        anchor_key = self._anchor_key(e)
+        anchor = self._find(anchor_key, {}) if anchor_key else None
+        if e.key in self._unanchored:
+            self._unanchored.discard(e.key)
+        elif anchor is not None:
+            self._space.unpin(anchor)
+
+    def sweep(self, now: float) -> None:
+        """Reclaim expired pending puts; forget expired offers."""
+        for e in list(self.pending.values()):
+            if e.expires_s <= now:
+                self.drop_pending(e)
+                self._metrics.evictions.labels(e.metric_kind, "expired").inc()
+        for owner, wanted in list(self._wanted.items()):
+            while wanted and next(iter(wanted.values())) <= now:  # oldest first: same TTL for all
+                wanted.popitem(last=False)
+            if not wanted:
+                del self._wanted[owner]
+
+    # ------------------------------------------------------------ committing
+
+    def attachable(self, e: Entry) -> bool:
+        """Whether an entry can become visible: its container, or its parent (or a root, or, in a
+        cluster, a parent another node holds) is indexed and lines up with it."""
+        if e.kind is Kind.STATE:
+            c = self._index.get(e.container or b"")
+            return c is not None and c.start < e.boundary <= c.end
+        assert e.parent is not None
+        if e.parent == self._namespaces.root(e.namespace_id):
+            return e.start == 0
+        p = self._index.get_block(e.namespace_id, e.parent)
+        if p is None and self.foreign_parents:  # the parent lives on another node
+            ns = self._namespaces.find(e.namespace_id)
+            return ns is not None and e.start > 0 and e.start % ns.block_tokens == 0
+        return p is not None and p.end == e.start
+
+    async def commit(self, ns_id: bytes, keys: Sequence[bytes]) -> list[ItemResult]:
+        """Make pending entries visible: persist them (write-through), then index them.
+        ``keys`` are wire entry keys (kind || hash) of namespace ``ns_id``."""
+        self._namespaces.get(ns_id)
+        results: list[ItemResult] = [ItemResult(ItemStatus.MISSING, "not put, or expired")] * len(keys)
+        batch: list[tuple[int, Entry]] = []
+        for i, wire_key in enumerate(keys):
+            key = scope(ns_id, wire_key)
+            e = self.pending.get(key)
+            if e is None:
+                if self._index.get(key) is not None:
+                    results[i] = ItemResult(ItemStatus.HAVE)
+                continue
+            if e.expires_s == _COMMITTING:
+                results[i] = ItemResult(ItemStatus.PENDING, "a commit of this entry is in flight")
+                continue
+            e.expires_s = _COMMITTING
+            batch.append((i, e))
+        if not batch:
+            return results
+        # Parents before children whatever order the client listed them in.
+        batch.sort(key=lambda ie: (_ORDER[ie[1].kind], ie[1].start))
+        if self._disk.enabled:
+            if not self._space.enforce_disk_budget(sum(e.size for _, e in batch)):
+                for i, e in batch:
+                    self.drop_pending(e)
+                    results[i] = ItemResult(ItemStatus.REJECTED, "LMDB tier full of pinned entries")
+                return results
+            puts = [(record_of(e), list(self._arena.runs(e.pages or [], 0, e.size))) for _, e in batch]
+            failure: str | None = None
+            try:
+                if not await self._disk.write(puts):
+                    failure = "disk tier damaged and reset"
+            except Exception as err:
+                log.exception("LMDB write failed; %d entries not committed", len(batch))
+                failure = f"disk write failed: {type(err).__name__}"
+            if failure is not None:
+                for i, e in batch:
+                    if self.pending.get(e.key) is e:
+                        self.drop_pending(e)
+                    results[i] = ItemResult(ItemStatus.REJECTED, failure)
+                return results
+        now = self._clock()
+        for i, e in batch:
+            if self.pending.get(e.key) is not e:  # dropped while the write was in flight
+                results[i] = ItemResult(ItemStatus.REJECTED, "dropped before commit")
+                self._disk.doom(e.key)
+                continue
+            if not self.attachable(e) or e.key in self._index.entries:
+                gone = e.key not in self._index.entries
+                self.drop_pending(e)
+                if gone:
+                    self._disk.doom(e.key)
+                results[i] = ItemResult(ItemStatus.REJECTED, "parent or container gone") if gone \
+                    else ItemResult(ItemStatus.HAVE)
+                continue
+            del self.pending[e.key]
+            e.on_disk = self._disk.enabled
+            e.last_access_s = now
+            self._index.insert(e)
+            self._eviction.on_store(e, now)
+            anchor_key = self._anchor_key(e)
+            pinned = e.key not in self._unanchored
+            self._unanchored.discard(e.key)
+            if anchor_key is not None:
+                anchor = self._index.get(anchor_key)
+                if anchor is not None:
+                    self._space.delete_queue.discard(anchor)  # it has a dependant now
+                    if pinned:
+                        self._space.unpin(anchor)
+            self._space.requeue(e, now)
+            results[i] = ItemResult(ItemStatus.OK)
+        return results
+
+    # ------------------------------------------------------------ restart
+
+    def adopt(self, records: Sequence[StoredRecord]) -> list[bytes]:
+        """Index what LMDB held at start-up; returns the keys of records to delete from it.
+
+        Nothing read back is trusted: every record's key is re-derived from its contents (parent,
+        tokens and extra keys; a snapshot's p(t) from its container's tokens) and its sizes
+        checked against its namespace, exactly as a put is checked (store/validate.py). A record
+        that fails is dropped, so a flipped byte on disk is a miss, never an entry answering for
+        tokens it does not hold."""
+        usable = [r for r in records if len(r.key) == STORE_KEY_BYTES and r.key[0] in _ORDER]
+        dropped = [r.key for r in records if len(r.key) != STORE_KEY_BYTES or r.key[0] not in _ORDER]
+        usable.sort(key=lambda r: (_ORDER[Kind(r.key[0])], r.start))
+        for r in usable:
+            e = Entry(key=r.key, kind=Kind(r.key[0]), hash=BlockHash(r.key[-HASH_BYTES:]), namespace_id=r.namespace_id,
+                      parent=BlockHash(r.parent) if r.parent else None, start=r.start, tokens=r.tokens,
+                      extra=r.extra, container=r.container, boundary=r.boundary, size=r.size,
+                      checksum=r.checksum, on_disk=True, origin=r.origin)
+            if not self._rederives(e) or not self.attachable(e):
+                dropped.append(r.key)
+                continue
+            self._index.insert(e)
+            self._space.charge(e, 1)
+        for e in self._index.entries.values():
+            e.priority = self._eviction.priority(e, 0.0)
+            if e.is_leaf:
+                self._space.delete_queue.update(e, e.priority)
+        return dropped
+
+    def _rederives(self, e: Entry) -> bool:
+        """Whether a record read back from disk is what a put of it would have been: its key is
+        its namespace's, its hash follows from its contents, its sizes from its namespace."""
+        ns = self._namespaces.find(e.namespace_id)
+        if ns is None or e.key != store_key(ns.id, e.kind, e.hash) or e.size <= 0 or e.checksum >= 1 << 64:
+            return False
+        try:
+            if e.kind is Kind.STATE:
+                c = self._index.get(e.container or b"")
+                if c is None or c.namespace_id != ns.id or c.kind is Kind.STATE:
+                    return False
+                check_item(ns, ItemSpec(kind=e.kind, hash=e.hash, size=e.size), "")
+                return snapshot_hash(c, e.boundary) == e.hash
+            if e.parent is None or len(e.parent) != HASH_BYTES or e.container is not None:
+                return False
+            check_item(ns, ItemSpec(kind=e.kind, hash=e.hash, size=e.size, parent=e.parent, tokens=e.tokens,
+                                    extra=e.extra), "")
+        except WireError:
+            return False
+        return True
+
+    def pending_bytes(self) -> dict[str, int]:
+        """Bytes of pending entries per tenant (Store.check)."""
+        out: dict[str, int] = {}
+        for e in self.pending.values():
+            ns = self._namespaces.find(e.namespace_id)
+            if ns is not None:
+                out[ns.tenant] = out.get(ns.tenant, 0) + e.size
+        return out
+
+
+__all__ = ["PutPlan", "WritePath", "record_of"]
