@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import textwrap
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from ..admission import MODEL_PRESETS, crossover_tokens, get_model, optimal_interval
 from ..store.config import ConfigError, parse_size
+from . import plot
 from .engine import DEFAULT_POLICY, POLICIES, get_policy, simulate
 from .traces import WORKLOADS, TraceError, generate, read_trace, write_trace
 
@@ -119,6 +121,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError, TraceError, OSError) as err:
         print(f"prefixstore simulate: error: {err}", file=sys.stderr)
         return 2
+    if args.out is not None and importlib.util.find_spec("matplotlib") is None:
+        print("prefixstore simulate: error: --out draws its figure with matplotlib: pip install matplotlib",
+              file=sys.stderr)
+        return 2
     print(f"{len(requests)} requests, {sum(len(r.input_tokens) for r in requests)} input tokens, model {model.name}",
           file=sys.stderr)
     results = []
@@ -126,37 +132,23 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for pol in policies:
             r = simulate(requests, model, cap, pol, args.block_tokens, _progress(f"{pol.name} @ {cap / 2**30:.1f}GiB"))
             results.append(r)
-    header = f"{'policy':12s} {'capacity':>9s} {'token hit':>9s} {'kv-only':>8s} {'state hit':>9s} " \
-             f"{'FLOPs saved':>11s} {'kv GiB':>7s} {'state GiB':>9s} {'secs':>5s}"
-    print(header)
+    # Two header lines: the names, then what each one is a share of (per token, per request, ...).
+    print(f"{'policy':12s} {'capacity':>9s} {'token hit':>9s} {'kv-only':>9s} {'state hit':>9s} "
+          f"{'FLOPs saved':>11s} {'kv GiB':>7s} {'state GiB':>9s} {'secs':>5s}")
+    print(f"{'':12s} {'':>9s} {'per token':>9s} {'per token':>9s} {'per req':>9s} "
+          f"{'of prefill':>11s} {'in RAM':>7s} {'in RAM':>9s} {'wall':>5s}")
     for r in results:
-        print(f"{r.policy:12s} {r.capacity_bytes / 2**30:8.1f}G {r.token_hit_rate:9.3f} {r.kv_hit_rate:8.3f} "
+        print(f"{r.policy:12s} {r.capacity_bytes / 2**30:8.1f}G {r.token_hit_rate:9.3f} {r.kv_hit_rate:9.3f} "
               f"{r.state_hit_rate:9.3f} {r.flops_saved_fraction:10.1%} {r.bytes_held.get('kv', 0) / 2**30:7.2f} "
               f"{r.bytes_held.get('state', 0) / 2**30:9.2f} {r.seconds:5.1f}")
     if args.out:
+        source = f"trace {args.trace.name}" if args.trace else f"workload {args.workload}"
+        title = f"{source}: {len(requests)} requests, model {model.name}, {args.block_tokens}-token blocks"
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "simulate.json").write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
-        _plot(results, args.out / "simulate.png")
+        plot.save(results, title, args.out / "simulate.png")
         print(f"wrote {args.out / 'simulate.json'} and {args.out / 'simulate.png'}", file=sys.stderr)
     return 0
-
-
-def _plot(results: list, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name in dict.fromkeys(r.policy for r in results):
-        pts = sorted((r.capacity_bytes / 2**30, r.token_hit_rate) for r in results if r.policy == name)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
-    ax.set_xlabel("capacity (GiB)")
-    ax.set_ylabel("token hit rate (exact reuse)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
