@@ -345,12 +345,6 @@ def _url(host: str, port: int, scheme: str = "http") -> str:
 
 async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None) -> int:
     """Serve until SIGTERM/SIGINT. Returns the process exit status."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    # No access log: a store answers thousands of requests a second;
-    # /metrics counts them by endpoint and status instead.
     try:
         app = create_app(config)  # maps the RAM arena and allocates the sighting filter
     except (OSError, MemoryError) as err:
@@ -361,6 +355,12 @@ async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None)
                   "%s; lower ram_bytes", format_size(config.ram_bytes), format_size(config.sighting_filter_bytes),
                   err)
         return EXIT_FAILURE
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # No access log: a store answers thousands of requests a second;
+    # /metrics counts them by endpoint and status instead.
     runner = StoreRunner(app, config, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     lmdb_text = str(config.lmdb_path) if config.lmdb_path is not None else "none"
     try:
@@ -368,9 +368,11 @@ async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None)
             await runner.setup()  # opens the LMDB tier and loads its index
         except (OSError, RuntimeError, lmdb.Error) as err:
             # LMDB maps its whole file size up front, sized from disk_bytes: an impossible
-            # disk_bytes fails here as "Cannot allocate memory", which names no knob by itself.
-            hint = (f"; disk_bytes={format_size(config.disk_bytes)} sizes LMDB's memory map: lower it"
-                    if _out_of_memory(err) else "")
+            # disk_bytes fails here as "Cannot allocate memory", which names no knob by itself
+            # (nor would the arena's mmap, were it ever made here rather than in create_app).
+            hint = (f"; LMDB's memory map (sized from disk_bytes={format_size(config.disk_bytes)}) or the RAM "
+                    f"arena (ram_bytes={format_size(config.ram_bytes)}) is more than this process may map: "
+                    "lower it" if _out_of_memory(err) else "")
             log.error("cannot open the store (lmdb=%s): %s%s", lmdb_text, err, hint)
             return EXIT_FAILURE
         # Built (and its files read) by StoreConfig: a bad certificate failed at start-up, naming the knob.
