@@ -15,9 +15,14 @@
 # chain (protocol/_chain.c); the runtime stage has no compiler and no pip
 # cache, only the virtual environment the build stage made.
 
-ARG PYTHON_VERSION=3.11
+# The base image by digest (the tag alone moves under a rebuild: a different Python patch
+# release, Debian packages, or pip). Both stages use it. To move it: look up the digest of the
+# new tag (docker buildx imagetools inspect python:3.11-slim), change it here, rebuild, test.
+ARG PYTHON_IMAGE=python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7
+# pip itself, pinned like everything it installs (constraints.txt).
+ARG PIP_VERSION=26.3
 
-FROM python:${PYTHON_VERSION}-slim AS build
+FROM ${PYTHON_IMAGE} AS build
 
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -26,7 +31,7 @@ RUN apt-get update \
 WORKDIR /src
 # Only what the package is built from; .dockerignore keeps the rest (tests,
 # benchmarks, docs, the chart, local builds) out of the context.
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md constraints.txt ./
 COPY prefixstore ./prefixstore
 COPY protocol ./protocol
 COPY admission ./admission
@@ -38,16 +43,20 @@ COPY gpu_staging ./gpu_staging
 # GB). Empty by default: the store itself never needs torch or nixl, and with
 # nixl absent `nixl = "auto"` serves HTTP only.
 ARG EXTRAS=""
+ARG PIP_VERSION
+# Every distribution at the version constraints.txt pins, the build backend
+# included (no build isolation, so no unpinned setuptools is fetched for it).
 # The import check runs from / so that /src/prefixstore (the source tree, which
 # lacks the other packages) does not shadow the installed package; it also
 # proves the native hash chain was compiled.
 RUN python -m venv /opt/prefixstore \
-    && /opt/prefixstore/bin/pip install --no-cache-dir --upgrade pip \
-    && /opt/prefixstore/bin/pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
+    && /opt/prefixstore/bin/pip install --no-cache-dir "pip==${PIP_VERSION}" \
+    && /opt/prefixstore/bin/pip install --no-cache-dir -c constraints.txt setuptools \
+    && /opt/prefixstore/bin/pip install --no-cache-dir --no-build-isolation -c constraints.txt ".${EXTRAS:+[$EXTRAS]}" \
     && cd / && /opt/prefixstore/bin/python -c "import prefixstore.store, prefixstore.client, prefixstore.protocol._chain"
 
 
-FROM python:${PYTHON_VERSION}-slim
+FROM ${PYTHON_IMAGE}
 
 # A fixed numeric uid/gid: Kubernetes' runAsNonRoot can only verify a numeric
 # USER, and the chart's fsGroup (10001) matches it so the PVC is writable.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -249,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .sim.cli import add_commands
 
     add_commands(commands)
+    # A bad flag is reported by the command it was given to, with that command's usage
+    # (main() routes it there): argparse itself would print the top-level usage.
+    for command_parser in commands.choices.values():
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -266,17 +271,72 @@ def _source_of(knob: str, overrides: Mapping[str, object], env: Mapping[str, str
     return "default"
 
 
+def _config_file(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:
+    return args.config or env.get(CONFIG_ENV) or None
+
+
+def _with_source(err: ConfigError, args: argparse.Namespace, env: Mapping[str, str]) -> ConfigError:
+    """``err`` with where its knob's value came from appended (when the message starts with a knob)."""
+    overrides = {f.name: getattr(args, f.name) for f in StoreConfig.knobs()}
+    knob = str(err).split(":", 1)[0]
+    if knob not in overrides:
+        return err
+    return ConfigError(f"{err} (set by {_source_of(knob, overrides, env, _config_file(args, env))})")
+
+
 def load_config(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
     """StoreConfig from the parsed flags, the environment and the config file. Raises ConfigError."""
     overrides = {f.name: getattr(args, f.name) for f in StoreConfig.knobs()}
-    config_file = args.config or env.get(CONFIG_ENV) or None
     try:
-        return StoreConfig.from_sources(overrides, env=env, config_file=config_file)
+        return StoreConfig.from_sources(overrides, env=env, config_file=_config_file(args, env))
     except ConfigError as err:
-        knob = str(err).split(":", 1)[0]
-        if knob in overrides:
-            raise ConfigError(f"{err} (set by {_source_of(knob, overrides, env, config_file)})") from err
-        raise
+        raise _with_source(err, args, env) from err
+
+
+# Budgets the store allocates at start: the RAM arena (prefaulted, so resident), and the
+# sighting filter. Either larger than the memory this process may use is a configuration error:
+# mmap refuses it (ENOMEM) or, under a container's limit, the kernel kills the process later.
+ALLOCATED_AT_START = ("ram_bytes", "sighting_filter_bytes")
+
+
+def memory_limit_bytes() -> int | None:
+    """The memory this process may use: physical memory, or the cgroup's limit when lower (a container)."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max": no limit
+            limits.append(int(text))
+    positive = [n for n in limits if n > 0]
+    return min(positive) if positive else None
+
+
+def check_memory(config: StoreConfig, limit_bytes: int | None) -> None:
+    """Raise ConfigError, naming the knob, when a budget allocated at start exceeds ``limit_bytes``."""
+    if limit_bytes is None:
+        return
+    for knob in ALLOCATED_AT_START:
+        value = getattr(config, knob)
+        if value > limit_bytes:
+            raise ConfigError(f"{knob}: {format_size(value)} is more than the {_human_bytes(limit_bytes)} of memory "
+                              "this process may use (it is allocated at start)")
+    total = sum(getattr(config, knob) for knob in ALLOCATED_AT_START)
+    if total > limit_bytes:
+        raise ConfigError(f"ram_bytes: {format_size(config.ram_bytes)} plus sighting_filter_bytes "
+                          f"{format_size(config.sighting_filter_bytes)} is more than the {_human_bytes(limit_bytes)} "
+                          "of memory this process may use (both are allocated at start)")
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, (MemoryError, lmdb.MemoryError)) or (
+        isinstance(err, OSError) and err.errno == errno.ENOMEM)
 
 
 def _url(host: str, port: int, scheme: str = "http") -> str:
@@ -285,19 +345,35 @@ def _url(host: str, port: int, scheme: str = "http") -> str:
 
 async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None) -> int:
     """Serve until SIGTERM/SIGINT. Returns the process exit status."""
+    try:
+        app = create_app(config)  # maps the RAM arena and allocates the sighting filter
+    except (OSError, MemoryError) as err:
+        if not _out_of_memory(err):
+            raise
+        # What check_memory cannot see coming: the kernel's overcommit rules, an address-space limit.
+        log.error("cannot allocate the RAM arena (ram_bytes=%s) and the sighting filter (sighting_filter_bytes=%s): "
+                  "%s; lower ram_bytes", format_size(config.ram_bytes), format_size(config.sighting_filter_bytes),
+                  err)
+        return EXIT_FAILURE
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # No access log: a store answers thousands of requests a second;
     # /metrics counts them by endpoint and status instead.
-    runner = StoreRunner(create_app(config), config, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    runner = StoreRunner(app, config, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     lmdb_text = str(config.lmdb_path) if config.lmdb_path is not None else "none"
     try:
         try:
             await runner.setup()  # opens the LMDB tier and loads its index
         except (OSError, RuntimeError, lmdb.Error) as err:
-            log.error("cannot open the store (lmdb=%s): %s", lmdb_text, err)
+            # LMDB maps its whole file size up front, sized from disk_bytes: an impossible
+            # disk_bytes fails here as "Cannot allocate memory", which names no knob by itself
+            # (nor would the arena's mmap, were it ever made here rather than in create_app).
+            hint = (f"; LMDB's memory map (sized from disk_bytes={format_size(config.disk_bytes)}) or the RAM "
+                    f"arena (ram_bytes={format_size(config.ram_bytes)}) is more than this process may map: "
+                    "lower it" if _out_of_memory(err) else "")
+            log.error("cannot open the store (lmdb=%s): %s%s", lmdb_text, err, hint)
             return EXIT_FAILURE
         # Built (and its files read) by StoreConfig: a bad certificate failed at start-up, naming the knob.
         ssl_context = config.ssl_context()
@@ -330,6 +406,10 @@ async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None)
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args, os.environ)
+        try:
+            check_memory(config, memory_limit_bytes())
+        except ConfigError as err:
+            raise _with_source(err, args, os.environ) from err
     except ConfigError as err:
         print(f"prefixstore serve: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -460,7 +540,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # A flag no parser knows: the command it followed reports it, with its own usage
+        # (one given before the command is the top level's).
+        words = list(sys.argv[1:] if argv is None else argv)
+        top_level = unknown[0] in words[: words.index(args.command)] if args.command in words else True
+        parser_of_command: argparse.ArgumentParser = parser if top_level else args.command_parser
+        parser_of_command.error(f"unrecognized arguments: {' '.join(unknown)}")
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)

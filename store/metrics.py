@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -133,3 +133,8 @@ class StoreMetrics:
             for result in ("hit", "miss"):
                 self.lookup_tokens.labels(kind, result)
         r.register(_IndexCollector(index, gauges))
+        # The process itself (process_resident_memory_bytes, process_open_fds, CPU seconds, start time;
+        # read from /proc, so Linux only: elsewhere they are absent) and python_info. The arena is
+        # resident from start, so RSS minus prefixstore_arena_capacity_bytes is the node's overhead.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)

@@ -73,6 +73,35 @@ def test_every_command_explains_every_flag() -> None:
             assert action.help, (name, action.dest)
 
 
+def test_bad_flag_prints_the_usage_of_its_command(tmp_path: Path) -> None:
+    """`serve --bogus` is serve's mistake: serve's usage, not the top level's."""
+    for command, marker in (("serve", "--ram-bytes SIZE"), ("stats", "[URL]"), ("trace", "-o OUTPUT")):
+        given = {"trace": ["multi-turn", "-o", str(tmp_path / "t.jsonl")]}.get(command, [])  # its required args
+        out = run_cli([command, *given, "--bogus"])
+        assert out.returncode == 2, out
+        assert out.stderr.startswith(f"usage: prefixstore {command} "), out.stderr
+        assert marker in out.stderr
+        assert f"prefixstore {command}: error: unrecognized arguments: --bogus" in out.stderr
+    top = run_cli(["--bogus", "stats"])  # before the command: the top level's
+    assert top.returncode == 2 and top.stderr.startswith("usage: prefixstore [-h]"), top.stderr
+
+
+def test_trace_and_simulate_help_give_whole_descriptions() -> None:
+    """Each workload's and policy's description in full, not its first line cut mid-sentence."""
+    from prefixstore.sim.engine import POLICIES
+    from prefixstore.sim.traces import WORKLOADS
+
+    trace = _squash(run_cli(["trace", "--help"]).stdout)
+    for name, fn in WORKLOADS.items():
+        assert f"{name}: {_squash(fn.__doc__ or '')}" in trace, name
+    simulate = _squash(run_cli(["simulate", "--help"]).stdout)
+    for policy in POLICIES.values():
+        assert f"{policy.name}: {_squash(policy.description)}" in simulate, policy.name
+    for column in ("per token", "per request"):  # the table's units are explained
+        assert column in simulate
+    assert "(default: None)" not in trace + simulate
+
+
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).parent / "prefixstore"
     found = str(script) if script.exists() else shutil.which("prefixstore")
@@ -101,6 +130,54 @@ def test_bad_value_exits_2_naming_the_knob(args: list[str], env: dict[str, str],
     assert "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "serving on" not in out.stderr
+
+
+@pytest.mark.parametrize("args, knob", [
+    (["--ram-bytes", "100000TiB"], "ram_bytes"),  # no machine has it: refused before anything is mapped
+    (["--sighting-filter-bytes", "100000TiB"], "sighting_filter_bytes"),
+])
+def test_impossible_memory_size_exits_2_naming_the_knob(args: list[str], knob: str) -> None:
+    out = run_cli(["serve", "--data-dir", "none", "--port", "0", *args])
+    assert out.returncode == 2, out
+    assert out.stderr.startswith(f"prefixstore serve: error: {knob}: "), out.stderr
+    assert f"(set by flag {flag_name(knob)})" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_arena_that_cannot_be_mapped_fails_in_one_line_naming_ram_bytes() -> None:
+    """A size the machine has but this process may not map (an address-space limit, like a tight
+    overcommit policy): mmap's ENOMEM becomes one line naming ram_bytes, not a traceback."""
+    import resource
+
+    def limit_address_space() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    out = subprocess.run([sys.executable, "-m", "prefixstore", "serve", "--data-dir", "none", "--port", "0",
+                          "--ram-bytes", "8GiB"], env=clean_env(), capture_output=True, text=True, timeout=60,
+                         preexec_fn=limit_address_space)
+    assert out.returncode in (1, 2), out  # 2: this machine has less than 8 GiB, refused before the mmap
+    assert "ram_bytes" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_impossible_disk_size_fails_in_one_line_naming_disk_bytes(tmp_path: Path) -> None:
+    """LMDB maps 1.5x disk_bytes of address space at open: beyond what any process has."""
+    out = run_cli(["serve", "--data-dir", str(tmp_path / "lmdb"), "--port", "0", "--disk-bytes", "1000000TiB"])
+    assert out.returncode == 1, out
+    assert "disk_bytes=1000000TiB" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_memory_check_against_a_given_limit() -> None:
+    from prefixstore.cli import check_memory
+
+    config = StoreConfig(ram_bytes=3 << 30, sighting_filter_bytes=1 << 20)
+    check_memory(config, None)  # unknown limit: nothing to check
+    check_memory(config, 4 << 30)
+    with pytest.raises(ConfigError, match=r"^ram_bytes: 3GiB is more than the 2 GiB"):
+        check_memory(config, 2 << 30)
+    with pytest.raises(ConfigError, match=r"^ram_bytes: 3GiB plus sighting_filter_bytes 1MiB"):
+        check_memory(config, 3 << 30)
 
 
 def test_bad_config_file_exits_2(tmp_path: Path) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 from ..admission import MODEL_PRESETS, crossover_tokens, get_model, optimal_interval
 from ..store.config import ConfigError, parse_size
+from . import plot
 from .engine import DEFAULT_POLICY, POLICIES, get_policy, simulate
 from .traces import WORKLOADS, TraceError, generate, read_trace, write_trace
 
@@ -18,15 +21,40 @@ def _models_help() -> str:
     return ", ".join(sorted(MODEL_PRESETS))
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written (pre-wrapped paragraphs and lists), defaults shown, but no
+    "(default: None)" on options that have none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _described(intro: str, entries: dict[str, str]) -> str:
+    """An intro paragraph, then one wrapped, indented entry per name: whole texts, never first lines."""
+    out = [textwrap.fill(intro, 79)]
+    for name, text in entries.items():
+        out.append(textwrap.fill(f"{name}: {' '.join(text.split())}", 79, initial_indent="  ", break_on_hyphens=False,
+                                 subsequent_indent="    "))
+    return "\n".join(out)
+
+
 def add_commands(commands: argparse._SubParsersAction) -> None:
     sim = commands.add_parser(
         "simulate", help="replay a trace through the store's own policies; report hit rates",
-        description="Replay a JSONL trace (session_id, input_tokens, output_tokens, optional ts) through the "
-                    "store's index, admission and eviction code in-process, with page accounting but no payload "
-                    "bytes, and report token hit rate (exact reuse), KV-only hit rate, state hit rate (requests "
-                    "that found a snapshot), FLOPs saved and bytes held by kind. Several policies and capacities "
-                    "can be compared in one run; --out writes a JSON and a PNG beside the table.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=_described(
+            "Replay a JSONL trace (session_id, input_tokens, output_tokens, optional ts) through the store's "
+            "index, admission and eviction code in-process, with page accounting but no payload bytes, and "
+            "report, per policy and capacity (a table; --out also writes a JSON and a PNG):", {
+                "token hit": "share of input tokens reused exactly (KV and state), per token",
+                "kv-only": "share of input tokens whose KV was stored, per token",
+                "state hit": "share of requests that found a snapshot, per request",
+                "FLOPs saved": "share of prefill FLOPs not recomputed, per FLOP",
+                "kv GiB, state GiB": "bytes held in RAM by kind at the end of the replay",
+                "secs": "wall time of the replay"}) + "\n\n" + _described(
+            "Policies and baselines (--policy):", {p.name: p.description for p in POLICIES.values()}),
+        formatter_class=_HelpFormatter)
     src = sim.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", type=Path, help="JSONL trace file to replay")
     src.add_argument("--workload", choices=sorted(WORKLOADS), help="replay a synthetic workload instead of a file")
@@ -36,17 +64,20 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                      help="store byte budget; a comma-separated list compares several (e.g. 2GiB,8GiB,32GiB)")
     sim.add_argument("--model", default="mamba2-hybrid-7b", help=f"model preset: {_models_help()}")
     sim.add_argument("--policy", default=DEFAULT_POLICY,
-                     help="policy or baseline, or a comma-separated list, or 'all': "
-                          + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()).replace("%", "%%"))
+                     help=f"policy or baseline (listed above), or a comma-separated list, or 'all': "
+                          f"{', '.join(POLICIES)}")
     sim.add_argument("--block-tokens", type=int, default=16, help="store block size in tokens")
-    sim.add_argument("--out", type=Path, default=None, help="directory for simulate.json and simulate.png")
+    sim.add_argument("--out", type=Path, default=None,
+                     help="directory for simulate.json and simulate.png (bars for one capacity, lines over a "
+                          "log capacity axis for several)")
     sim.set_defaults(run=cmd_simulate)
 
     trace = commands.add_parser(
         "trace", help="write a synthetic workload as a JSONL trace",
-        description="Generate a seeded synthetic trace: " + "; ".join(
-            f"{name}: {(fn.__doc__ or '').strip().splitlines()[0]}" for name, fn in WORKLOADS.items()),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=_described("Generate a seeded synthetic trace (JSON lines: session_id, input_tokens, "
+                               "output_tokens, ts) of one of these workloads:",
+                               {name: fn.__doc__ or "" for name, fn in WORKLOADS.items()}),
+        formatter_class=_HelpFormatter)
     trace.add_argument("workload", choices=sorted(WORKLOADS), help="workload shape")
     trace.add_argument("-o", "--output", type=Path, required=True, help="trace file to write")
     trace.add_argument("--requests", type=int, default=1000, help="number of requests")
@@ -59,7 +90,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                     "of this many tokens) and the optimal snapshot interval I* = sqrt(2*T*S*alpha/beta) for a "
                     "context of T tokens, snapshot size S, storage price alpha (per byte held) and recompute "
                     "price beta (per token).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     plan.add_argument("--model", default="mamba2-hybrid-7b", help=f"model preset: {_models_help()}, or 'all'")
     plan.add_argument("--context-tokens", type=int, default=32768, help="T: typical context length")
     plan.add_argument("--storage-price", type=float, default=0.01,
@@ -90,6 +121,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError, TraceError, OSError) as err:
         print(f"prefixstore simulate: error: {err}", file=sys.stderr)
         return 2
+    if args.out is not None and importlib.util.find_spec("matplotlib") is None:
+        print("prefixstore simulate: error: --out draws its figure with matplotlib: pip install matplotlib",
+              file=sys.stderr)
+        return 2
     print(f"{len(requests)} requests, {sum(len(r.input_tokens) for r in requests)} input tokens, model {model.name}",
           file=sys.stderr)
     results = []
@@ -97,37 +132,23 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for pol in policies:
             r = simulate(requests, model, cap, pol, args.block_tokens, _progress(f"{pol.name} @ {cap / 2**30:.1f}GiB"))
             results.append(r)
-    header = f"{'policy':12s} {'capacity':>9s} {'token hit':>9s} {'kv-only':>8s} {'state hit':>9s} " \
-             f"{'FLOPs saved':>11s} {'kv GiB':>7s} {'state GiB':>9s} {'secs':>5s}"
-    print(header)
+    # Two header lines: the names, then what each one is a share of (per token, per request, ...).
+    print(f"{'policy':12s} {'capacity':>9s} {'token hit':>9s} {'kv-only':>9s} {'state hit':>9s} "
+          f"{'FLOPs saved':>11s} {'kv GiB':>7s} {'state GiB':>9s} {'secs':>5s}")
+    print(f"{'':12s} {'':>9s} {'per token':>9s} {'per token':>9s} {'per req':>9s} "
+          f"{'of prefill':>11s} {'in RAM':>7s} {'in RAM':>9s} {'wall':>5s}")
     for r in results:
-        print(f"{r.policy:12s} {r.capacity_bytes / 2**30:8.1f}G {r.token_hit_rate:9.3f} {r.kv_hit_rate:8.3f} "
+        print(f"{r.policy:12s} {r.capacity_bytes / 2**30:8.1f}G {r.token_hit_rate:9.3f} {r.kv_hit_rate:9.3f} "
               f"{r.state_hit_rate:9.3f} {r.flops_saved_fraction:10.1%} {r.bytes_held.get('kv', 0) / 2**30:7.2f} "
               f"{r.bytes_held.get('state', 0) / 2**30:9.2f} {r.seconds:5.1f}")
     if args.out:
+        source = f"trace {args.trace.name}" if args.trace else f"workload {args.workload}"
+        title = f"{source}: {len(requests)} requests, model {model.name}, {args.block_tokens}-token blocks"
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "simulate.json").write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
-        _plot(results, args.out / "simulate.png")
+        plot.save(results, title, args.out / "simulate.png")
         print(f"wrote {args.out / 'simulate.json'} and {args.out / 'simulate.png'}", file=sys.stderr)
     return 0
-
-
-def _plot(results: list, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name in dict.fromkeys(r.policy for r in results):
-        pts = sorted((r.capacity_bytes / 2**30, r.token_hit_rate) for r in results if r.policy == name)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
-    ax.set_xlabel("capacity (GiB)")
-    ax.set_ylabel("token hit rate (exact reuse)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:

@@ -36,7 +36,10 @@ FULL: dict[str, Any] = {
     "tls": {"enabled": True, "secretName": "ps-tls", "mutual": True},
     "auth": {"admin_token_sha256": HEX_A, "clusterToken": "cluster-token-0123456789abcdef",
              "tenants": {"team-a": {"token_sha256": HEX_B, "quota_bytes": "8GiB"}, "team-b": {"token_sha256": HEX_C}}},
-    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    # Mutual TLS: Prometheus scrapes with a client certificate of the CA (the chart adds serverName and the CA).
+    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"},
+                                   "tlsConfig": {"cert": {"secret": {"name": "scrape-tls", "key": "tls.crt"}},
+                                                 "keySecret": {"name": "scrape-tls", "key": "tls.key"}}},
                 "prometheusRule": {"enabled": True}, "dashboard": {"enabled": True}},
     "resources": {"requests": {"cpu": "8", "memory": "40Gi"}, "limits": {"memory": "48Gi"}},
     "persistence": {"size": "200Gi", "storageClassName": "fast-ssd"},
@@ -214,7 +217,7 @@ def test_a_config_change_rolls_the_pods_and_nothing_else_does() -> None:
     base = checksums({})
     assert checksums({}) == base  # deterministic
     assert checksums({"replicaCount": 7}) == base  # scaling does not restart nodes
-    assert checksums({"config": {"ram_bytes": "2GiB"}})["checksum/config"] != base["checksum/config"]
+    assert checksums({"config": {"ram_bytes": "1280MiB"}})["checksum/config"] != base["checksum/config"]
     with_tenant = checksums({"auth": {"tenants": {"t": {"token_sha256": HEX_B}}, "clusterToken": "c" * 32}})
     assert with_tenant["checksum/tenants"] != base["checksum/tenants"]
 

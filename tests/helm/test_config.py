@@ -58,6 +58,9 @@ def test_non_default_values_reach_the_store(tmp_path: Path) -> None:
                    "lmdb_sync": True, "lease_ttl_s": 12.5, "state_admission": "second-hit", "eviction": "lru",
                    "max_items": 8192, "replication_threshold": 7.5, "replication_max_replicas": 2,
                    "nixl": "off", "log_level": "debug", "owner_grace_s": 600},
+        # Sized for that config (the chart refuses a 32GiB arena under its default 2Gi limit).
+        "resources": {"requests": {"memory": "33Gi"}, "limits": {"memory": "34Gi"}},
+        "persistence": {"size": "250Gi"},
         "tls": {"enabled": True, "secretName": "ps-tls", "mutual": True},
         "auth": {"admin_token_sha256": "a" * 64, "clusterToken": "cluster-token-0123456789abcdef",
                  "tenants": {"team-a": {"token_sha256": "b" * 64, "quota_bytes": "8GiB"},
@@ -165,8 +168,8 @@ def test_schema_policy_names_are_the_registries() -> None:
 
 @pytest.mark.parametrize("size", ["64KiB", "4GiB", "1.5GB", "0.5GiB", "512mib", "100 MiB", "65536", 65536])
 def test_sizes_the_schema_accepts_parse_as_positive_sizes(size: object) -> None:
-    render({"config": {"sighting_filter_bytes": size}})  # the schema accepts it
-    assert _convert(StoreConfig, "sighting_filter_bytes", size) > 0  # and the store reads it
+    render({"config": {"max_get_bytes": size}})  # the schema accepts it (a knob that allocates nothing at start)
+    assert _convert(StoreConfig, "max_get_bytes", size) > 0  # and the store reads it
 
 
 def test_the_example_values_in_docs_operations_deploy(tmp_path: Path) -> None:

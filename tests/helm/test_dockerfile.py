@@ -11,11 +11,13 @@ dead port.
 from __future__ import annotations
 
 import fnmatch
+import re
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dockerfile
 import pytest
@@ -46,8 +48,7 @@ def test_runtime_stage_is_slim_python_and_runs_the_store_as_non_root(commands: l
     stages = [c for c in commands if c.cmd == "FROM"]
     assert len(stages) == 2  # build (with a compiler) and runtime (without)
     final = final_stage(commands)
-    assert final[0].value[0] == "python:${PYTHON_VERSION}-slim"
-    assert commands[0].cmd == "ARG" and commands[0].value[0] == "PYTHON_VERSION=3.11"  # before every FROM
+    assert [stage.value[0] for stage in stages] == ["${PYTHON_IMAGE}", "${PYTHON_IMAGE}"]  # one base, both stages
     user = one(final, "USER").value[0]
     uid = user.split(":")[0]
     assert uid.isdigit() and int(uid) != 0  # numeric, so Kubernetes' runAsNonRoot can verify it
@@ -146,3 +147,115 @@ def test_healthcheck_passes_on_a_live_store_and_fails_on_a_dead_port(commands: l
 def test_the_chart_points_the_image_healthcheck_at_the_configured_port() -> None:
     env = {e["name"]: e.get("value") for e in store_container(render({"config": {"port": 9100}}))["env"]}
     assert env["PREFIXSTORE_HEALTHCHECK_URL"] == "http://127.0.0.1:9100/healthz"
+
+
+# ---------------------------------------------------------------- pinned as tested
+
+CONSTRAINTS = ROOT / "constraints.txt"
+
+
+def _name(text: str) -> str:
+    return re.sub(r"[-_.]+", "-", text).lower()
+
+
+def _constraints() -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][A-Za-z0-9.+!]*)", line)
+            assert m, f"constraints.txt: {line!r} is not an exact pin (name==version)"
+            assert _name(m.group(1)) not in pins, f"constraints.txt: {m.group(1)} pinned twice"
+            pins[_name(m.group(1))] = m.group(2)
+    return pins
+
+
+def _pyproject() -> dict[str, Any]:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_base_image_is_pinned_by_digest_and_pip_by_version(commands: list[dockerfile.Command]) -> None:
+    args = dict(c.value[0].split("=", 1) for c in commands if c.cmd == "ARG" and "=" in c.value[0])
+    first_from = next(i for i, c in enumerate(commands) if c.cmd == "FROM")
+    assert any(c.cmd == "ARG" and c.value[0].startswith("PYTHON_IMAGE=") for c in commands[:first_from])
+    assert re.fullmatch(r"python:3\.11-slim@sha256:[0-9a-f]{64}", args["PYTHON_IMAGE"]), args["PYTHON_IMAGE"]
+    assert re.fullmatch(r"[0-9]+(\.[0-9]+)+", args["PIP_VERSION"]), args["PIP_VERSION"]
+    installs = [part.strip() for c in commands if c.cmd == "RUN" for part in c.value[0].split("&&")
+                if "pip install" in part]
+    assert installs, "no pip install in the Dockerfile"
+    for part in installs:
+        if '"pip==${PIP_VERSION}"' in part:
+            continue
+        assert "--upgrade pip" not in part and "-U pip" not in part
+        assert "-c constraints.txt" in part, f"an install not under the constraints: {part}"
+    assert any('"pip==${PIP_VERSION}"' in part for part in installs)
+    # The package is built with the pinned setuptools, not an unpinned one fetched for an isolated build.
+    assert any("--no-build-isolation" in part and "${EXTRAS" in part for part in installs)
+    assert any(part.endswith("-c constraints.txt setuptools") for part in installs)
+
+
+def test_every_extra_is_pinned_exactly() -> None:
+    from packaging.requirements import Requirement
+
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert {"test", "gpu"} <= set(extras)
+    for extra, requirements in extras.items():
+        for text in requirements:
+            spec = list(Requirement(text).specifier)
+            assert len(spec) == 1 and spec[0].operator == "==", f"[{extra}] {text}: not pinned as tested"
+
+
+def _closure(names: list[str]) -> set[str]:
+    """Every distribution ``names`` pull in here (markers evaluated for this interpreter, no extras)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = _name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = distribution(name).requires or []
+        except PackageNotFoundError:
+            continue  # pinned by name below; not installed here to follow further
+        for text in requires:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return seen
+
+
+def test_constraints_pin_everything_the_image_installs() -> None:
+    """The store's dependencies and the gpu extra's, with all they pull in, each pinned exactly, at a
+    version pyproject accepts: what the image installs is what was tested."""
+    from packaging.requirements import Requirement
+
+    pins = _constraints()
+    project = _pyproject()["project"]
+    base = [Requirement(t) for t in project["dependencies"]]
+    gpu = [Requirement(t) for t in project["optional-dependencies"]["gpu"]]
+    needed = _closure([r.name for r in base + gpu]) | {"setuptools"}  # the image's build backend too
+    missing = sorted(needed - set(pins))
+    assert not missing, f"constraints.txt does not pin {missing}"
+    for req in base + gpu:
+        assert req.specifier.contains(pins[_name(req.name)], prereleases=True), \
+            f"constraints.txt pins {req.name}=={pins[_name(req.name)]}, outside pyproject's {req}"
+    for req in gpu:  # the extra and the image agree exactly
+        assert str(req.specifier) == f"=={pins[_name(req.name)]}", req
+    test_extra = {_name(Requirement(t).name): Requirement(t) for t in project["optional-dependencies"]["test"]}
+    for name, version in pins.items():  # the test environment installs the same versions (.ci/run uses -c)
+        if name in test_extra:
+            assert test_extra[name].specifier.contains(version), (name, version, str(test_extra[name]))
+
+
+def test_ci_and_readme_install_under_the_constraints() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"pip install -c constraints\.txt -e '\.\[test\]'", ci), "CI installs without constraints.txt"
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install -c constraints.txt -e '.[test]'" in readme

@@ -35,6 +35,12 @@ DASHBOARD = CHART / "dashboards" / "prefixstore.json"
 # Labels Prometheus attaches to every scraped series (target labels), not the store.
 TARGET_LABELS = {"job", "namespace", "instance", "pod", "service", "endpoint_name"}
 PROMETHEUS_SERIES: dict[str, set[str]] = {"up": set()}  # series Prometheus writes itself, with their own labels
+# Series of the cluster, not of the store: the kubelet's volume stats (scraped by kube-prometheus-stack),
+# with the labels the kubelet gives them. The dashboard's disk-fill panel reads the LMDB volume's use there.
+CLUSTER_SERIES: dict[str, set[str]] = {
+    "kubelet_volume_stats_used_bytes": {"namespace", "persistentvolumeclaim"},
+    "kubelet_volume_stats_capacity_bytes": {"namespace", "persistentvolumeclaim"},
+}
 # Grafana's built-in variables, replaced by what Grafana would put there.
 GRAFANA_DURATIONS = re.compile(r"\$__(rate_interval|interval|range)\b")
 
@@ -139,12 +145,13 @@ def rule_expressions() -> list[tuple[str, str]]:
 
 def check(where: str, expr: str, exposition: Exposition) -> set[str]:
     """Assert every series and label of ``expr`` exists; returns the series names it uses."""
-    known = {**exposition.series, **PROMETHEUS_SERIES}
+    outside = {**PROMETHEUS_SERIES, **CLUSTER_SERIES}
+    known = {**exposition.series, **outside}
     selectors, groupings = selectors_and_groupings(expr)
     assert selectors, f"{where}: no series in {expr!r}"
     for s in selectors:
         assert s.name in known, f"{where}: {s.name} is not exported by a live store (expr {expr!r})"
-        if s.name in exposition.with_samples or s.name in PROMETHEUS_SERIES:
+        if s.name in exposition.with_samples or s.name in outside:
             unknown = s.labels - known[s.name] - TARGET_LABELS
             assert not unknown, f"{where}: {s.name} has no label(s) {sorted(unknown)}"
     for labels, under in groupings:
@@ -176,6 +183,9 @@ def test_dashboard_queries_name_only_exported_series(exposition: Exposition) -> 
             "prefixstore_admission_total", "prefixstore_evictions_total", "prefixstore_replication_pushes_total",
             "prefixstore_replication_bytes_total", "prefixstore_replicas", "prefixstore_transfer_bytes_total",
             "prefixstore_request_duration_seconds_bucket"} <= used
+    # Node resources: RSS (the process collector) against the arena, descriptors, the LMDB volume's fill.
+    assert {"process_resident_memory_bytes", "prefixstore_arena_capacity_bytes", "process_open_fds",
+            "process_max_fds", "kubelet_volume_stats_used_bytes", "kubelet_volume_stats_capacity_bytes"} <= used
 
 
 def test_alert_rules_name_only_exported_series(exposition: Exposition) -> None:

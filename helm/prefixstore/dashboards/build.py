@@ -20,6 +20,9 @@ OUT = Path(__file__).with_name("prefixstore.json")
 # Every query is scoped by the dashboard's variables (one release, chosen nodes).
 SEL = 'namespace="$namespace", job="$job", instance=~"$instance"'
 RATE = "$__rate_interval"
+# The kubelet's volume series carry the PVC's namespace and name, not the store's job: the
+# StatefulSet's claims are data-<statefulset>-<ordinal>, and the StatefulSet is named as the job.
+PVC = 'namespace="$namespace", persistentvolumeclaim=~"data-$job-[0-9]+"'
 
 Panel = dict[str, Any]
 
@@ -97,6 +100,25 @@ def panels() -> list[Panel]:
                    "for puts.",
                    [(f"1 - prefixstore_arena_free_bytes{{{SEL}}} / prefixstore_arena_capacity_bytes{{{SEL}}}",
                      "{{instance}}")], "percentunit", max_value=1),
+        row("Node resources"),
+        timeseries("Resident memory vs RAM arena", "Each node's resident set (RSS, process collector) and its "
+                   "arena (ram_bytes, resident from start). RSS minus the arena is what memoryHeadroom must "
+                   "cover; a pod whose RSS nears resources.limits.memory is about to be OOM-killed.",
+                   [(f"process_resident_memory_bytes{{{SEL}}}", "RSS {{instance}}"),
+                    (f"prefixstore_arena_capacity_bytes{{{SEL}}}", "arena {{instance}}")], "bytes"),
+        timeseries("LMDB volume fill", "Share of each node's LMDB volume (PVC data-<pod>) in use, from the "
+                   "kubelet's volume stats (needs the kubelet scraped, as kube-prometheus-stack does). The "
+                   "store keeps payloads within disk_bytes; the file grows past them by LMDB's own pages.",
+                   [(f'kubelet_volume_stats_used_bytes{{{PVC}}}\n/ kubelet_volume_stats_capacity_bytes{{{PVC}}}',
+                     "{{persistentvolumeclaim}}")], "percentunit", max_value=1),
+        timeseries("LMDB payload bytes per node", "Payload bytes held in the LMDB tier, by node (compare with "
+                   "config.disk_bytes, the budget eviction keeps them under).",
+                   [(f'sum by (instance) (prefixstore_stored_bytes{{{SEL}, tier="disk"}})', "{{instance}}")],
+                   "bytes"),
+        timeseries("Open file descriptors", "File descriptors each node holds, as a share of its limit "
+                   "(connections, LMDB, the NIXL agent). Near 1, new connections fail.",
+                   [(f"process_open_fds{{{SEL}}} / process_max_fds{{{SEL}}}", "{{instance}}")], "percentunit",
+                   max_value=1),
         row("Admission and eviction"),
         timeseries("Admission decisions", "Offer and put answers per second, by kind and decision "
                    "(want, have, rejected). Many rejected state offers: state_admission is holding snapshots "
@@ -181,8 +203,9 @@ def dashboard() -> dict[str, Any]:
     return {
         "title": "prefixstore",
         "uid": "prefixstore",
-        "description": "prefixstore cluster: hit rates (KV vs state), occupancy, admission, evictions, replication, "
-                       "data path bandwidth, latency. docs/operations.md explains each panel and alert.",
+        "description": "prefixstore cluster: hit rates (KV vs state), occupancy, node memory and disk, admission, "
+                       "evictions, replication, data path bandwidth, latency. docs/operations.md explains each panel "
+                       "and alert.",
         "tags": ["prefixstore", "llm", "kv-cache"],
         "timezone": "browser",
         "editable": True,

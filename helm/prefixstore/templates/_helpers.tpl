@@ -161,3 +161,61 @@ httpGet:
 {{- define "prefixstore.promSelector" -}}
 job="{{ include "prefixstore.fullname" . }}", namespace="{{ .Release.Namespace }}"
 {{- end }}
+
+{{/*
+Bytes of a StoreConfig size, as StoreConfig reads it (store/config.py): an
+integer, or a number with a unit, case-insensitive (64KiB, 4GiB, 1.5GB, 65536).
+Called with (list "knob.name" value); an unreadable value fails naming the knob.
+*/}}
+{{- define "prefixstore.sizeBytes" -}}
+{{- $name := index . 0 }}{{- $value := index . 1 }}
+{{- if not (kindIs "string" $value) }}{{ printf "%.0f" (float64 $value) }}
+{{- else }}
+{{- $units := dict "" 1.0 "b" 1.0 "k" 1e3 "kb" 1e3 "ki" 1024.0 "kib" 1024.0 "m" 1e6 "mb" 1e6 "mi" 1048576.0 "mib" 1048576.0 "g" 1e9 "gb" 1e9 "gi" 1073741824.0 "gib" 1073741824.0 "t" 1e12 "tb" 1e12 "ti" 1099511627776.0 "tib" 1099511627776.0 }}
+{{- $text := trim $value }}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $text }}
+{{- $unit := trimPrefix $number $text | trim | lower }}
+{{- if or (not $number) (not (hasKey $units $unit)) }}
+{{- fail (printf "%s: %q is not a size (examples: 65536, 64KiB, 4GiB)" $name $value) }}
+{{- end }}
+{{- printf "%.0f" (mulf (float64 $number) (get $units $unit)) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Bytes of a Kubernetes quantity (2Gi, 2048Mi, 2G, 2e9, 2147483648; suffixes are
+case-sensitive, as Kubernetes reads them). Called with (list "value.name" value).
+*/}}
+{{- define "prefixstore.quantityBytes" -}}
+{{- $name := index . 0 }}{{- $value := index . 1 }}
+{{- if not (kindIs "string" $value) }}{{ printf "%.0f" (float64 $value) }}
+{{- else if regexMatch "^[0-9]+(\\.[0-9]+)?([eE][0-9]+)?$" $value }}{{ printf "%.0f" (float64 $value) }}
+{{- else }}
+{{- $units := dict "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $value }}
+{{- $unit := trimPrefix $number $value }}
+{{- if or (not $number) (not (hasKey $units $unit)) }}
+{{- fail (printf "%s: %q is not a quantity this chart can read (examples: 2Gi, 2048Mi, 2G)" $name $value) }}
+{{- end }}
+{{- printf "%.0f" (mulf (float64 $number) (get $units $unit)) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The ServiceMonitor's tlsConfig when the store serves https. The certificate
+names the client Service (values.yaml, tls), not the pod IPs
+Prometheus scrapes, so serverName is that name unless given; the CA is the TLS
+Secret's ca.crt unless a ca (or caFile) is given. Under mutual TLS the scrape
+needs a client certificate the chart cannot invent: refused without one.
+*/}}
+{{- define "prefixstore.scrapeTlsConfig" -}}
+{{- $given := deepCopy (default dict .Values.metrics.serviceMonitor.tlsConfig) }}
+{{- $defaults := dict "serverName" (printf "%s.%s.svc" (include "prefixstore.fullname" .) .Release.Namespace) }}
+{{- if not (or (hasKey $given "ca") (hasKey $given "caFile") (hasKey $given "insecureSkipVerify")) }}
+{{- $_ := set $defaults "ca" (dict "secret" (dict "name" .Values.tls.secretName "key" "ca.crt")) }}
+{{- end }}
+{{- if and .Values.tls.mutual (not (or (and (hasKey $given "cert") (hasKey $given "keySecret")) (and (hasKey $given "certFile") (hasKey $given "keyFile")))) }}
+{{- fail "metrics.serviceMonitor.tlsConfig: tls.mutual makes every client, Prometheus included, present a certificate from the CA: set cert and keySecret (or certFile and keyFile) for the scrape, else every scrape fails and PrefixstoreNodeDown fires" }}
+{{- end }}
+{{- toYaml (merge $given $defaults) }}
+{{- end }}

@@ -1,0 +1,141 @@
+"""examples/ run as written against real store processes, and the READMEs show their code verbatim.
+
+Each example is a file a user runs (``python examples/NAME.py URL``); here it runs
+the same way, in a subprocess, against ``prefixstore serve`` on a free port (two
+nodes for the cluster example). The README's code blocks must be excerpts of
+these files, so the README's code is code that ran.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ..serve_process import StartServe, clean_env, serving
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+PUBLIC_API = {"prefixstore.client", "prefixstore.protocol", "prefixstore.gpu_staging"}
+
+
+@pytest.fixture
+def serve() -> Iterator[StartServe]:
+    with serving() as start:
+        yield start
+
+
+def run_example(name: str, *urls: str) -> str:
+    out = subprocess.run([sys.executable, str(EXAMPLES / name), *urls], env=clean_env(), capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, f"{name} failed:\n{out.stdout}\n{out.stderr}"
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.stdout
+
+
+def test_quickstart_async_saves_looks_up_and_reads_back_exactly(serve: StartServe) -> None:
+    store = serve("--port", "0", "--data-dir", "none")
+    assert store.url is not None
+    out = run_example("quickstart_async.py", store.url)
+    assert "saved 8 entries (0 already stored, 0 rejected)" in out  # 6 blocks, a tail, a snapshot
+    assert "lookup: kv_tokens=100 state_tokens=100" in out
+    assert "exact: True; snapshot exact: True" in out
+    assert "failures: none" in out
+    again = run_example("quickstart_async.py", store.url)  # the store has it all now: nothing is sent twice
+    assert "saved 0 entries (8 already stored, 0 rejected)" in again
+
+
+def test_quickstart_sync_releases_its_lease(serve: StartServe) -> None:
+    store = serve("--port", "0", "--data-dir", "none")
+    assert store.url is not None
+    out = run_example("quickstart_sync.py", store.url)
+    assert "lookup: kv_tokens=64 of 67" in out and "read 4 KV entries, exact: True" in out
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(store.url + "/v1/stats", timeout=5) as resp:
+        stats = json.loads(resp.read())
+    assert stats["leases"] == 0, stats["leases"]  # the example released what it leased
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_cluster_client_spreads_a_prompt_over_the_nodes(serve: StartServe) -> None:
+    urls = [f"http://127.0.0.1:{p}" for p in _free_ports(2)]
+    nodes = [serve("--port", url.rsplit(":", 1)[1], "--node-url", url, "--peers", ",".join(urls),
+                   "--data-dir", "none", ready=False) for url in urls]
+    for node in nodes:
+        node.wait_ready()
+    out = run_example("cluster_client.py", urls[0])  # one seed is enough
+    assert "saved 32 entries" in out
+    assert "lookup: kv_tokens=512; read 32 entries, exact: True" in out and "failures: none" in out
+    import json
+    import urllib.request
+
+    held = []
+    for url in urls:
+        with urllib.request.urlopen(url + "/v1/stats", timeout=5) as resp:
+            held.append(sum(json.loads(resp.read())["entries"].values()))
+    assert sum(held) >= 32 and min(held) > 0, held  # both nodes own some of the prompt's blocks
+
+
+def test_gpu_staging_load_reuses_the_first_turn_and_matches_a_recompute(serve: StartServe) -> None:
+    pytest.importorskip("torch")
+    store = serve("--port", "0", "--data-dir", "none", "--ram-bytes", "64MiB")
+    assert store.url is not None
+    out = run_example("gpu_staging_load.py", store.url)
+    assert "first:  computed 300 of 300 prompt tokens" in out
+    m = re.search(r"second: kv_tokens=(\d+) state_tokens=(\d+), loaded (\d+) bytes, computed (\d+) of (\d+)", out)
+    assert m, out
+    kv_tokens, state_tokens, loaded, computed, prompt = map(int, m.groups())
+    assert kv_tokens == state_tokens == 315  # the first turn's prompt + answer less its last token
+    assert loaded > 0 and computed == prompt - state_tokens
+    assert "same tokens as a full recompute: True" in out
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
+def test_examples_use_only_the_public_client_api(path: Path) -> None:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("prefixstore"):
+            assert node.module in PUBLIC_API, f"{path.name}: imports {node.module}"
+            for alias in node.names:
+                assert not alias.name.startswith("_"), f"{path.name}: imports private {alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                assert not alias.name.startswith("prefixstore") or alias.name in PUBLIC_API, alias.name
+
+
+def _python_blocks(markdown: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", markdown.read_text(), re.S)
+
+
+@pytest.mark.parametrize("readme", ["README.md", "gpu_staging/README.md"])
+def test_readme_code_is_the_examples_code(readme: str) -> None:
+    """Every Python block of the README is a verbatim run of lines of one example file."""
+    blocks = _python_blocks(ROOT / readme)
+    assert blocks, f"{readme}: no python block"
+    sources = {p.name: p.read_text() for p in EXAMPLES.glob("*.py")}
+    for block in blocks:
+        found = [name for name, text in sources.items() if block in text and (text.startswith(block) or
+                                                                              f"\n{block}" in text)]
+        assert found, f"{readme}: this block is in no examples/*.py file:\n{block}"
+
+
+def test_every_example_is_tested_here() -> None:
+    tested = set(re.findall(r'run_example\("([a-z_]+\.py)"', Path(__file__).read_text()))
+    assert tested == {p.name for p in EXAMPLES.glob("*.py")}
