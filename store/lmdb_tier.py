@@ -238,8 +238,10 @@ class LmdbTier:
         self.resets: list[str] = []  # why the environment was set aside, oldest first
         try:
             self._open()
-        except (lmdb.Error, FormatMismatch) as err:
-            # A file LMDB cannot open, or another format's: set it aside and start empty.
+        except (*DAMAGE, FormatMismatch) as err:
+            # A file LMDB cannot read, or another format's: set it aside and start empty. Not any
+            # lmdb.Error: a map larger than the process may map (disk_bytes) is a configuration
+            # error, and deleting the data for it would be wrong.
             self._set_aside(f"{type(err).__name__}: {err}")
             self._open()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmdb-writer")

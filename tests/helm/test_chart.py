@@ -42,7 +42,7 @@ FULL: dict[str, Any] = {
                                                  "keySecret": {"name": "scrape-tls", "key": "tls.key"}}},
                 "prometheusRule": {"enabled": True}, "dashboard": {"enabled": True}},
     "resources": {"requests": {"cpu": "8", "memory": "40Gi"}, "limits": {"memory": "48Gi"}},
-    "persistence": {"size": "200Gi", "storageClassName": "fast-ssd"},
+    "persistence": {"size": "240Gi", "storageClassName": "fast-ssd"},
     "config": {"ram_bytes": "32GiB", "disk_bytes": "160GiB", "eviction": "lru", "state_admission": "second-hit"},
     "podDisruptionBudget": {"maxUnavailable": "20%"},
 }
@@ -120,7 +120,7 @@ def test_non_default_values_render_valid_manifests() -> None:
     assert c["image"] == "registry.example.com/prefixstore:0.1.0-gpu"
     assert c["resources"] == FULL["resources"]
     claim = sts["spec"]["volumeClaimTemplates"][0]["spec"]
-    assert claim["resources"]["requests"]["storage"] == "200Gi" and claim["storageClassName"] == "fast-ssd"
+    assert claim["resources"]["requests"]["storage"] == "240Gi" and claim["storageClassName"] == "fast-ssd"
     assert r.one("PodDisruptionBudget")["spec"]["maxUnavailable"] == "20%"
     sm = r.one("ServiceMonitor")
     assert sm["spec"]["endpoints"][0]["scheme"] == "https"

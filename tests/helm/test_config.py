@@ -60,7 +60,7 @@ def test_non_default_values_reach_the_store(tmp_path: Path) -> None:
                    "nixl": "off", "log_level": "debug", "owner_grace_s": 600},
         # Sized for that config (the chart refuses a 32GiB arena under its default 2Gi limit).
         "resources": {"requests": {"memory": "33Gi"}, "limits": {"memory": "34Gi"}},
-        "persistence": {"size": "250Gi"},
+        "persistence": {"size": "300Gi"},
         "tls": {"enabled": True, "secretName": "ps-tls", "mutual": True},
         "auth": {"admin_token_sha256": "a" * 64, "clusterToken": "cluster-token-0123456789abcdef",
                  "tenants": {"team-a": {"token_sha256": "b" * 64, "quota_bytes": "8GiB"},

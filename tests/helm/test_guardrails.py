@@ -28,12 +28,12 @@ PROD = ROOT / "helm" / "examples" / "prod.yaml"
     # Decimal units are decimal: 1.5GB + 1MiB + 512Mi is above 2G (2e9 bytes).
     ({"config": {"ram_bytes": "1.5GB"}, "resources": {"limits": {"memory": "2G"}}}, "resources.limits.memory 2G"),
     ({"resources": {"limits": {"memory": "1500m"}}}, 'resources.limits.memory: "1500m" is not a quantity'),
-    ({"config": {"disk_bytes": "100GiB"}}, "config.disk_bytes 100GiB exceeds persistence.size 10Gi"),
-    ({"config": {"disk_bytes": "11GB"}}, "config.disk_bytes 11GB exceeds persistence.size 10Gi"),  # 11e9 > 10 * 2**30
+    ({"config": {"disk_bytes": "100GiB"}}, "config.disk_bytes 100GiB needs persistence.size of at least 1.5 x it (153600Mi), got 12Gi"),
+    ({"config": {"disk_bytes": "9GB"}}, "config.disk_bytes 9GB needs persistence.size of at least 1.5 x it (12875Mi), got 12Gi"),  # 13.5e9 > 12 * 2**30
     ({"tls": {"enabled": True, "secretName": "ps-tls", "mutual": True}, "metrics": {"serviceMonitor": {"enabled": True}}},
      "metrics.serviceMonitor.tlsConfig: tls.mutual"),
 ], ids=["ram-8GiB-under-2Gi", "ram-equal-to-limit", "headroom", "sighting-filter", "ram-integer", "decimal-units",
-        "unreadable-limit", "disk-100GiB-on-10Gi", "disk-decimal", "mutual-tls-scrape-without-client-cert"])
+        "unreadable-limit", "disk-100GiB-on-12Gi", "disk-decimal", "mutual-tls-scrape-without-client-cert"])
 def test_render_is_refused_naming_the_values(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmRenderError) as err:
         render(values)
@@ -41,12 +41,12 @@ def test_render_is_refused_naming_the_values(values: dict[str, Any], message: st
 
 
 @pytest.mark.parametrize("values", [
-    {},  # the defaults are consistent: 1GiB arena under 2Gi, 8GiB of payloads on 10Gi
+    {},  # the defaults are consistent: 1GiB arena under 2Gi, 8GiB of payloads on 12Gi
     {"config": {"ram_bytes": "1535MiB"}},  # 1535MiB + 1MiB + 512Mi = exactly 2Gi
     {"config": {"ram_bytes": "1.4GB"}, "resources": {"limits": {"memory": "2G"}}},
     {"config": {"ram_bytes": "8GiB"}, "resources": {"limits": {"memory": 9663676416}}},  # 9Gi as an integer
     {"config": {"ram_bytes": "64GiB"}, "resources": {"limits": None}},  # no limit: nothing to check against
-    {"config": {"disk_bytes": "10GiB"}},  # exactly the volume
+    {"config": {"disk_bytes": "8GiB"}},  # 1.5 x 8GiB: exactly the volume
     {"config": {"disk_bytes": "1TiB"}, "persistence": {"enabled": False}},  # an emptyDir has no size here
 ], ids=["defaults", "ram-at-the-limit", "decimal-units", "integer-limit", "no-limit", "disk-at-the-volume",
         "no-volume"])
