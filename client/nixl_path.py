@@ -36,7 +36,9 @@ import numpy as np
 from ..protocol import checksums
 from ..protocol.keys import make_entry_key
 from ..protocol.nixl_agent import NixlUnavailable, make_agent
-from ..protocol.wire import STATUS_OK, STATUS_PENDING, GetItem, ItemResult, ItemSpec
+from ..protocol.errors import ItemStatus
+from ..protocol.nixl_wire import NixlGetAnswer, NixlMetadata, NixlPlacements, NixlReserveAnswer
+from ..protocol.wire import GetItem, ItemResult, ItemSpec, WireError
 from .device import DeviceBuffer
 
 log = logging.getLogger(__name__)
@@ -366,23 +368,20 @@ Call = Callable[[str, dict[str, object]], Awaitable[dict[str, object]]]
 """PrefixClient._call: POST a control frame to the store, return the answer's header (raises the
 client's StoreUnavailable, which the client handles)."""
 
-STATUS_HTTP = "http"  # a /v1/nixl/get item the store serves over HTTP only (not in its arena)
-
-
 async def fetch_metadata(call: Call, gen: list[int] | None = None) -> tuple[str, bytes]:
     """The store agent's name and metadata, over the store's authenticated HTTP plane; appends
     the metadata's generation (``meta_gen``, 0 from a store that sends none) to ``gen``."""
-    answer = await call("/v1/nixl/metadata", {})
-    agent, metadata, meta_gen = answer.get("agent"), answer.get("metadata"), answer.get("meta_gen", 0)
-    if not isinstance(agent, str) or not isinstance(metadata, bytes) or not isinstance(meta_gen, int):
-        raise TransferFailed("/v1/nixl/metadata: expected {agent: str, metadata: bin, meta_gen: int}")
+    try:
+        m = NixlMetadata.from_header(await call("/v1/nixl/metadata", {}))
+    except WireError as err:
+        raise TransferFailed(f"/v1/nixl/metadata: {err}") from err
     if gen is not None:
-        gen.append(meta_gen)
-    return agent, metadata
+        gen.append(m.meta_gen)
+    return m.agent, m.metadata
 
 
 @dataclass(slots=True)
-class ReadOutcome:
+class BatchRead:
     """Per item of a batch: bytes read and verified over NIXL, or -1; which to read over HTTP."""
 
     sizes: list[int]
@@ -446,23 +445,15 @@ class LookupRuns:
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def add(self, part: dict[str, object], lease: bytes, sent_at: float) -> int:
-        """Remember a lookup answer's ``nixl`` part; returns how many payloads it described.
-        A malformed part is ignored whole (those reads then ask /v1/nixl/get)."""
-        agent, gen, ttl, entries = part.get("agent"), part.get("meta_gen"), part.get("lease_ttl_s"), part.get("entries")
-        if not isinstance(agent, str) or not isinstance(ttl, (int, float)) or not isinstance(entries, list):
-            return 0
-        deadline = sent_at + float(ttl) - max(LEASE_MARGIN_S, float(ttl) / 4)
+    def add(self, part: NixlPlacements, lease: bytes, sent_at: float) -> int:
+        """Remember a lookup answer's ``nixl`` part (validated by its record, protocol/nixl_wire.py);
+        returns how many payloads it described."""
+        ttl = part.lease_ttl_s
+        deadline = sent_at + ttl - max(LEASE_MARGIN_S, ttl / 4)
         if deadline <= time.monotonic():
             return 0
-        parsed: list[tuple[bytes, Described]] = []
-        for raw in entries:
-            if (not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[0], bytes)
-                    or not isinstance(raw[1], int) or not isinstance(raw[2], int) or not isinstance(raw[3], bytes)
-                    or not raw[3] or len(raw[3]) % 16):
-                return 0
-            parsed.append((raw[0], Described(lease, deadline, agent, gen if isinstance(gen, int) else None,
-                                             raw[1], raw[2], raw[3])))
+        parsed = [(p.key, Described(lease, deadline, part.agent, part.meta_gen, p.size, p.checksum, p.runs))
+                  for p in part.entries]
         for key, described in parsed:
             self._by_key.pop(key, None)  # newest last: the oldest go first when full
             self._by_key[key] = described
@@ -511,7 +502,7 @@ class NixlChannel:
                 raise TransferFailed(f"the store's agent changed again (now {self.path.remote}, answered {agent})")
 
     async def read(self, call: Call, ns_id: bytes, items: Sequence[GetItem], views: Sequence[Dest],
-                   verify: bool, timeout_s: float) -> ReadOutcome:
+                   verify: bool, timeout_s: float) -> BatchRead:
         """One batch: descriptors under a lease, one READ into ``views``, verify, release.
 
         A payload is counted only once its bytes are proven: by its xxh3 (host buffers, when
@@ -519,35 +510,33 @@ class NixlChannel:
         hashed here: :class:`DeviceBuffer`, or ``verify`` off). A host payload that fails is
         zeroed, so no mixed bytes are ever left looking like a result; a device payload that
         fails is reported -1 and left to the caller to zero (client/device.py)."""
-        out = ReadOutcome(sizes=[-1] * len(items))
+        out = BatchRead(sizes=[-1] * len(items))
         memory, device = memory_of(views)
         on_device = any(isinstance(v, DeviceBuffer) for v in views)
         hashed = verify and not on_device
-        answer = await call("/v1/nixl/get", {"ns": ns_id, "items": [it.to_wire() for it in items]})
-        lease = answer.get("lease")
-        raw = answer.get("items")
+        raw = await call("/v1/nixl/get", {"ns": ns_id, "items": [it.to_wire() for it in items]})
+        lease = raw.get("lease")
         ok: list[tuple[int, int, int]] = []  # (item, size, checksum)
         try:
-            if not isinstance(raw, list) or len(raw) != len(items):
-                raise TransferFailed(f"/v1/nixl/get: expected {len(items)} items")
+            try:
+                answer = NixlGetAnswer.from_header(raw, len(items))
+            except WireError as err:
+                raise TransferFailed(f"/v1/nixl/get: {err}") from err
             descs: list[object] = []
-            for i, r in enumerate(raw):
-                if not isinstance(r, list) or len(r) != 4 or not isinstance(r[0], str):
-                    raise TransferFailed(f"/v1/nixl/get: items[{i}] is not [status, size, checksum, descs]")
-                status, size, checksum = r[:3]
-                if status == STATUS_HTTP:
+            for i, it in enumerate(answer.items):
+                if it.status is ItemStatus.HTTP:
                     out.http.append(i)
-                elif status == STATUS_OK:
-                    if not isinstance(size, int) or not isinstance(checksum, int) or size > views[i].nbytes:
-                        out.problems.append(("read", f"items[{i}]: a {size}-byte payload for a "
+                elif it.status is ItemStatus.OK:
+                    if it.size > views[i].nbytes:
+                        out.problems.append(("read", f"items[{i}]: a {it.size}-byte payload for a "
                                                      f"{views[i].nbytes}-byte buffer"))
                         continue
-                    descs.append(r[3])
-                    ok.append((i, size, checksum))
-                elif status == "corrupt":
+                    descs.append(it.runs)
+                    ok.append((i, it.size, it.checksum))
+                elif it.status is ItemStatus.CORRUPT:
                     out.problems.append(("read", f"items[{i}]: the store found the payload corrupt"))
             if ok:
-                await self._same_store(call, answer.get("agent"), answer.get("meta_gen"))
+                await self._same_store(call, answer.agent, answer.meta_gen)
                 ok = await self._read_chunks(ok, descs, views, out, hashed, memory, device, timeout_s)
         except TransferFailed as err:
             out.problems.append(("nixl", str(err)))
@@ -571,13 +560,13 @@ class NixlChannel:
         return out
 
     async def read_described(self, views: Sequence[Dest], found: Sequence[tuple[Described, int, int]],
-                             verify: bool, timeout_s: float) -> ReadOutcome:
+                             verify: bool, timeout_s: float) -> BatchRead:
         """A batch whose payloads a lookup described: (payload, offset, length) per view. One READ
         from the lookup's runs; no /v1/nixl/get and no release (the lookup's lease is its owner's).
         Whole payloads landing in host memory are checked by xxh3 (``verify``), the rest by the
         lease's deadline (:class:`LookupRuns`). ``out.http`` lists the items to read the usual way
         (a failed or unproven READ, another agent or generation, a range outside the payload)."""
-        out = ReadOutcome(sizes=[-1] * len(views))
+        out = BatchRead(sizes=[-1] * len(views))
         memory, device = memory_of(views)
         on_device = any(isinstance(v, DeviceBuffer) for v in views)
         groups: dict[bool, tuple[list[tuple[int, int, int]], list[object]]] = {True: ([], []), False: ([], [])}
@@ -620,7 +609,7 @@ class NixlChannel:
         return out
 
     async def _read_chunks(self, ok: list[tuple[int, int, int]], descs: list[object], views: Sequence[Dest],
-                           out: ReadOutcome, hashed: bool, memory: str, device: int, timeout_s: float
+                           out: BatchRead, hashed: bool, memory: str, device: int, timeout_s: float
                            ) -> list[tuple[int, int, int]]:
         """READ the payloads ``ok`` names (item, size, checksum), checking each as it lands;
         returns the ones READ (their ``out.sizes`` set once verified, when ``hashed``).
@@ -685,31 +674,30 @@ class NixlChannel:
         """Reserve pages, WRITE the payloads into them, have the store verify and commit them.
         ``specs`` carry their checksums. Returns per-item results, problems and bytes written."""
         started = time.monotonic()
-        answer = await call("/v1/nixl/reserve", {"ns": ns_id, "items": [s.to_wire() for s in specs]})
-        raw = answer.get("results")
-        ttl = answer.get("ttl_s")
-        if not isinstance(raw, list) or len(raw) != len(specs) or not isinstance(ttl, (int, float)):
-            raise TransferFailed(f"/v1/nixl/reserve: expected {len(specs)} results and ttl_s")
+        raw = await call("/v1/nixl/reserve", {"ns": ns_id, "items": [s.to_wire() for s in specs]})
+        try:
+            answer = NixlReserveAnswer.from_header(raw, len(specs))
+        except WireError as err:
+            raise TransferFailed(f"/v1/nixl/reserve: {err}") from err
+        ttl = answer.ttl_s
         results: list[ItemResult] = []
         todo: list[tuple[int, object]] = []  # (item, its descriptors)
         problems: list[tuple[str, str]] = []
-        for i, r in enumerate(raw):
-            if not isinstance(r, list) or len(r) != 3 or not all(isinstance(x, str) for x in r[:2]):
-                raise TransferFailed(f"/v1/nixl/reserve: results[{i}] is not [status, reason, descs]")
-            results.append(ItemResult(r[0], r[1]))
-            if r[0] == STATUS_PENDING:
-                todo.append((i, r[2]))
+        for i, r in enumerate(answer.results):
+            results.append(ItemResult(r.status, r.reason))
+            if r.status is ItemStatus.PENDING:
+                todo.append((i, r.runs))
         if not todo:
             return results, problems, 0
 
         def dropped(reason: str) -> tuple[list[ItemResult], list[tuple[str, str]], int]:
             for i, _ in todo:
-                results[i] = ItemResult("dropped", reason)
+                results[i] = ItemResult(ItemStatus.DROPPED, reason)
             problems.append(("nixl", reason))
             return results, problems, 0
 
         try:
-            await self._same_store(call, answer.get("agent"))
+            await self._same_store(call, answer.agent)
             # Never start a WRITE late: past its reservation the pages may belong to another entry.
             if time.monotonic() - started > float(ttl) / 2:
                 return dropped("the reservation is too old to WRITE into")
@@ -732,10 +720,10 @@ class NixlChannel:
         written = 0
         for (i, _), r in zip(todo, committed):
             results[i] = ItemResult.from_wire(r)
-            if results[i].status in (STATUS_OK, STATUS_PENDING):
+            if results[i].status in (ItemStatus.OK, ItemStatus.PENDING):
                 written += views[i].nbytes
         return results, problems, written
 
 
-__all__ = ["Dest", "Described", "LookupRuns", "NixlChannel", "NixlPath", "NixlUnavailable", "ReadOutcome", "TransferFailed", "address_of",
+__all__ = ["Dest", "Described", "LookupRuns", "NixlChannel", "NixlPath", "NixlUnavailable", "BatchRead", "TransferFailed", "address_of",
            "descriptor_lists", "fetch_metadata", "hash_chunk_bytes", "memory_of", "slice_runs"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from .hashing import HASH_BYTES, TOKEN_BYTES
 from .namespace import NAMESPACE_ID_BYTES
 from .errors import Problem
+from .nixl_wire import NixlPlacements
 from .wire import EntryRef, Limits, WireError, opt_bin, req_bin, req_bool, req_int, req_list
 
 
@@ -116,12 +117,12 @@ class ProbeAnswer:
     lease_id: bytes | None = None
     lease_ttl_s: float = 0.0
     replicas: dict[bytes, tuple[str, ...]] = field(default_factory=dict)
-    nixl: dict[str, object] | None = None  # asked with ``nixl``: placements, as in a LookupAnswer
+    nixl: NixlPlacements | None = None  # asked with ``nixl``: placements, as in a LookupAnswer
 
     def to_header(self) -> dict[str, object]:
         return {"levels": [lv.to_wire() for lv in self.levels], "lease": self.lease_id,
                 "lease_ttl_s": self.lease_ttl_s, "replicas": {k.hex(): list(v) for k, v in self.replicas.items()},
-                "nixl": self.nixl}
+                "nixl": self.nixl.to_wire() if self.nixl is not None else None}
 
     @classmethod
     def from_header(cls, h: dict[str, object]) -> ProbeAnswer:
@@ -140,7 +141,8 @@ class ProbeAnswer:
         ttl = h.get("lease_ttl_s", 0.0)
         return cls(levels=tuple(LevelAnswer.from_wire(x, f"levels[{i}]") for i, x in enumerate(raw)),
                    lease_id=opt_bin(h, "lease"), lease_ttl_s=float(ttl) if isinstance(ttl, (int, float)) else 0.0,
-                   replicas=replicas, nixl=nixl if isinstance(nixl := h.get("nixl"), dict) else None)
+                   replicas=replicas,
+                   nixl=NixlPlacements.from_wire(h["nixl"]) if h.get("nixl") is not None else None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -23,8 +23,22 @@ from typing import Final
 
 import msgpack
 
-from .errors import ItemStatus, Problem, RequestError
+from .errors import ItemStatus, Problem
+from .fields import (  # noqa: F401  re-exported: the readers and WireError have always been importable from here
+    WireError,
+    is_entry_key,
+    opt_bin,
+    req_bin,
+    req_bool,
+    req_entry_keys,
+    req_int,
+    req_kind,
+    req_list,
+    req_map,
+    split_hashes,
+)
 from .hashing import HASH_BYTES, TOKEN_BYTES, BlockHash
+from .nixl_wire import NixlPlacements
 from .keys import ENTRY_KEY_BYTES, Kind, Origin
 from .namespace import NAMESPACE_ID_BYTES
 
@@ -33,14 +47,6 @@ WIRE_VERSION: Final = 1
 PREFIX = struct.Struct("<3sBI")
 PREFIX_BYTES: Final = PREFIX.size
 CONTENT_TYPE: Final = "application/x-prefixstore-frame"
-
-
-class WireError(RequestError):
-    """Malformed or out-of-bounds input: ``field`` names what is wrong, ``problem`` (protocol/errors.py)
-    why; the HTTP plane maps the problem to a status."""
-
-    def __init__(self, field: str, message: str, problem: Problem = Problem.INVALID) -> None:
-        super().__init__(field, message, problem)
 
 
 # ---------------------------------------------------------------- framing
@@ -87,92 +93,6 @@ def decode_frame(body: bytes, max_header_bytes: int = 1 << 26) -> tuple[dict[str
     if len(body) < end:
         raise WireError("frame.header_len", f"says {header_len} bytes but only {len(body) - PREFIX_BYTES} follow")
     return decode_header(memoryview(body)[PREFIX_BYTES:end]), memoryview(body)[end:]
-
-
-# ---------------------------------------------------------------- field readers
-
-
-def _get(h: dict[str, object], name: str, ctx: str) -> object:
-    if name not in h:
-        raise WireError(f"{ctx}{name}", "missing")
-    return h[name]
-
-
-def req_int(h: dict[str, object], name: str, ctx: str = "", lo: int = 0, hi: int = 1 << 62) -> int:
-    v = _get(h, name, ctx)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise WireError(f"{ctx}{name}", f"expected an integer, got {type(v).__name__}")
-    if not lo <= v <= hi:
-        raise WireError(f"{ctx}{name}", f"{v} is outside [{lo}, {hi}]")
-    return v
-
-
-def req_bool(h: dict[str, object], name: str, ctx: str = "", default: bool | None = None) -> bool:
-    if name not in h and default is not None:
-        return default
-    v = _get(h, name, ctx)
-    if not isinstance(v, bool):
-        raise WireError(f"{ctx}{name}", f"expected a boolean, got {type(v).__name__}")
-    return v
-
-
-def req_bin(h: dict[str, object], name: str, ctx: str = "", size: int | None = None, multiple: int = 1) -> bytes:
-    v = _get(h, name, ctx)
-    if not isinstance(v, bytes):
-        raise WireError(f"{ctx}{name}", f"expected binary, got {type(v).__name__}")
-    if size is not None and len(v) != size:
-        raise WireError(f"{ctx}{name}", f"expected {size} bytes, got {len(v)}")
-    if len(v) % multiple:
-        raise WireError(f"{ctx}{name}", f"length {len(v)} is not a multiple of {multiple}")
-    return v
-
-
-def opt_bin(h: dict[str, object], name: str, ctx: str = "", size: int | None = None) -> bytes | None:
-    if h.get(name) is None:
-        return None
-    return req_bin(h, name, ctx, size)
-
-
-def req_list(h: dict[str, object], name: str, ctx: str, max_len: int) -> list[object]:
-    v = _get(h, name, ctx)
-    if not isinstance(v, list):
-        raise WireError(f"{ctx}{name}", f"expected a list, got {type(v).__name__}")
-    if len(v) > max_len:
-        raise WireError(f"{ctx}{name}", f"{len(v)} items exceeds the limit of {max_len}", Problem.TOO_LARGE)
-    return v
-
-
-def is_entry_key(v: object) -> bool:
-    """17 bytes whose first is a Kind (protocol/keys.py)."""
-    return isinstance(v, bytes) and len(v) == ENTRY_KEY_BYTES and v[0] in _KIND_BYTES
-
-
-def req_entry_keys(h: dict[str, object], name: str, max_len: int) -> list[bytes]:
-    """A list of entry keys (commit, replica drop, NIXL commit); a bad one is named by its index."""
-    keys: list[bytes] = []
-    for i, k in enumerate(req_list(h, name, "", max_len)):
-        if not is_entry_key(k):
-            raise WireError(f"{name}[{i}]", f"expected a {ENTRY_KEY_BYTES}-byte entry key")
-        keys.append(k)  # type: ignore[arg-type]  # is_entry_key checked it is bytes
-    return keys
-
-
-_KIND_BYTES = frozenset(int(k) for k in Kind)
-
-
-def req_map(v: object, ctx: str) -> dict[str, object]:
-    if not isinstance(v, dict):
-        raise WireError(ctx, f"expected a map, got {type(v).__name__}")
-    return v
-
-
-def req_kind(h: dict[str, object], name: str, ctx: str) -> Kind:
-    v = req_int(h, name, ctx, 1, 3)
-    return Kind(v)
-
-
-def split_hashes(packed: bytes) -> list[BlockHash]:
-    return [BlockHash(packed[i : i + HASH_BYTES]) for i in range(0, len(packed), HASH_BYTES)]
 
 
 # ---------------------------------------------------------------- limits
@@ -298,14 +218,14 @@ class LookupAnswer:
     lease_id: bytes | None = None
     lease_ttl_s: float = 0.0
     block_tiers: bytes | None = None  # one byte per matched block: 0 ram, 1 disk
-    nixl: dict[str, object] | None = None
+    nixl: NixlPlacements | None = None
     """Asked with ``nixl``, from a store serving NIXL: where the matched payloads lie in its
     registered memory, pinned by the lease (store/nixl_lookup.py says what; client/nixl_path.py
     ``LookupRuns`` reads it)."""
 
     def to_header(self) -> dict[str, object]:
         return {
-            "nixl": self.nixl,
+            "nixl": self.nixl.to_wire() if self.nixl is not None else None,
             "num_tokens": self.num_tokens, "matched_blocks": self.matched_blocks,
             "kv_tokens": self.kv_tokens, "state_tokens": self.state_tokens,
             "checkpoint_hint": self.checkpoint_hint, "block_bytes": self.block_bytes,
@@ -326,7 +246,7 @@ class LookupAnswer:
             snapshot=EntryRef.from_wire(snap, "snapshot") if snap is not None else None,
             lease_id=opt_bin(h, "lease"), lease_ttl_s=float(ttl) if isinstance(ttl, (int, float)) else 0.0,
             block_tiers=opt_bin(h, "block_tiers"),
-            nixl=nixl if isinstance(nixl := h.get("nixl"), dict) else None,
+            nixl=NixlPlacements.from_wire(h["nixl"]) if h.get("nixl") is not None else None,
         )
 
 

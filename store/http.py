@@ -30,6 +30,7 @@ from aiohttp import web
 
 from ..protocol.errors import HTTP_STATUS, Problem, RequestError
 from ..protocol.namespace import Namespace, NamespaceError
+from ..protocol.nixl_wire import NixlPlacements
 from ..protocol.probe import ProbeAnswer, ProbeRequest
 from ..protocol.wire import CONTENT_TYPE, PREFIX_BYTES, LookupAnswer, LookupRequest, WireError, decode_frame, encode_frame
 from .core import Store
@@ -41,10 +42,10 @@ log = logging.getLogger(__name__)
 STORE = web.AppKey("store", Store)
 TENANT = web.RequestKey("tenant", str)  # the authenticated tenant (OPEN_TENANT on an open store)
 
-LookupExtension = Callable[[LookupRequest, LookupAnswer], "dict[str, object] | None"]
+LookupExtension = Callable[[LookupRequest, LookupAnswer], "NixlPlacements | None"]
 LOOKUP_NIXL: web.AppKey[LookupExtension] = web.AppKey("lookup_nixl")
 """Set by store/nixl_target.py where NIXL is served: the ``nixl`` part of a lookup that asks for it."""
-ProbeExtension = Callable[[ProbeRequest, ProbeAnswer], "dict[str, object] | None"]
+ProbeExtension = Callable[[ProbeRequest, ProbeAnswer], "NixlPlacements | None"]
 PROBE_NIXL: web.AppKey[ProbeExtension] = web.AppKey("probe_nixl")
 """The same for a cluster probe."""
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..protocol.hashing import HASH_BYTES
+from ..protocol.nixl_wire import NixlPlacement, NixlPlacements
 from ..protocol.probe import ProbeAnswer, ProbeRequest
 from ..protocol.wire import LookupAnswer, LookupRequest, split_hashes
 from .core import Store
@@ -37,7 +38,7 @@ Encoder = Callable[[list[int], int, int], bytes]
 
 
 def describe(store: Store, descriptors: Encoder, req: LookupRequest, answer: LookupAnswer,
-             agent: str, meta_gen: int) -> dict[str, object] | None:
+             agent: str, meta_gen: int) -> NixlPlacements | None:
     """The ``nixl`` part of a lookup answer (None when there is no lease to pin anything by)."""
     if answer.lease_id is None:
         return None
@@ -48,7 +49,7 @@ def describe(store: Store, descriptors: Encoder, req: LookupRequest, answer: Loo
 
 
 def describe_probe(store: Store, descriptors: Encoder, req: ProbeRequest, answer: ProbeAnswer,
-                   agent: str, meta_gen: int) -> dict[str, object] | None:
+                   agent: str, meta_gen: int) -> NixlPlacements | None:
     """The same for a cluster probe (store/probe.py): the blocks it reports held, children and
     snapshots, under the probe's lease."""
     if answer.lease_id is None:
@@ -65,7 +66,7 @@ def describe_probe(store: Store, descriptors: Encoder, req: ProbeRequest, answer
 
 
 def _place(store: Store, descriptors: Encoder, lease_id: bytes, candidates: list[Entry | None], agent: str,
-           meta_gen: int) -> dict[str, object] | None:
+           meta_gen: int) -> NixlPlacements | None:
     if not store.leases.holds(lease_id):
         return None
     entries: list[Entry] = []
@@ -75,9 +76,9 @@ def _place(store: Store, descriptors: Encoder, lease_id: bytes, candidates: list
             entries.append(e)
             seen.add(e.key)
     store.leases.extend(lease_id, entries)
-    listed = [[e.wire_key, e.size, e.checksum, descriptors(e.pages, 0, e.size)] for e in entries
-              if e.pages is not None]
-    return {"agent": agent, "meta_gen": meta_gen, "lease_ttl_s": store.config.lease_ttl_s, "entries": listed}
+    listed = tuple(NixlPlacement(e.wire_key, e.size, e.checksum, descriptors(e.pages, 0, e.size)) for e in entries
+                   if e.pages is not None)
+    return NixlPlacements(agent=agent, meta_gen=meta_gen, lease_ttl_s=store.config.lease_ttl_s, entries=listed)
 
 
 __all__ = ["describe", "describe_probe"]

@@ -86,12 +86,10 @@ from typing import Any
 
 from aiohttp import web
 
-from ..protocol.errors import Problem
+from ..protocol.errors import ItemStatus, Problem
 from ..protocol.nixl_agent import NixlUnavailable, import_nixl, make_agent
+from ..protocol.nixl_wire import RUN, NixlGetAnswer, NixlItem, NixlMetadata, NixlReservation, NixlReserveAnswer
 from ..protocol.wire import (
-    STATUS_HTTP,
-    STATUS_OK,
-    STATUS_PENDING,
     ItemResult,
     WireError,
     parse_get_items,
@@ -337,8 +335,8 @@ async def nixl_metadata(request: web.Request) -> web.Response:
     every /v1 call: holding the metadata is what lets an agent read the arena (THREAT_MODEL.md)."""
     target = _target(request)
     await control_header(request)  # an empty map; read so a body cannot linger on the connection
-    return frame_response({"agent": target.name, "metadata": target.metadata,
-                            "region": [target.base, target.size], "meta_gen": target.meta_gen})
+    return frame_response(NixlMetadata(agent=target.name, metadata=target.metadata, region=(target.base, target.size),
+                                       meta_gen=target.meta_gen).to_header())
 
 
 async def nixl_get(request: web.Request) -> web.Response:
@@ -380,27 +378,27 @@ async def nixl_get(request: web.Request) -> web.Response:
         plan = await store.prepare_get(ns_id, items, map_disk)
         pin = pins[0] if pins else None
         try:
-            out: list[list[object]] = []
+            out: list[NixlItem] = []
             leased = []
             offered = 0
             in_map = False
             for slot in plan.slots:
                 e = slot.entry
-                if slot.status != STATUS_OK or e is None:
-                    out.append([slot.status, 0, 0, b""])
+                if slot.status is not ItemStatus.OK or e is None:
+                    out.append(NixlItem(slot.status))
                 elif slot.address:
                     if pin is None or pin.ended:  # the map moved meanwhile: this one goes over HTTP
-                        out.append([STATUS_HTTP, slot.length, slot.checksum, b""])
+                        out.append(NixlItem(ItemStatus.HTTP, slot.length, slot.checksum))
                         continue
-                    out.append([STATUS_OK, slot.length, slot.checksum, struct.pack("<2Q", slot.address, slot.length)])
+                    out.append(NixlItem(ItemStatus.OK, slot.length, slot.checksum, RUN.pack(slot.address, slot.length)))
                     leased.append(e)
                     offered += slot.length
                     in_map = True
                 elif slot.buffer is not None or e.pages is None:
-                    out.append([STATUS_HTTP, slot.length, slot.checksum, b""])
+                    out.append(NixlItem(ItemStatus.HTTP, slot.length, slot.checksum))
                 else:
-                    out.append([STATUS_OK, slot.length, slot.checksum,
-                                target.descriptors(e.pages, slot.offset, slot.length)])
+                    out.append(NixlItem(ItemStatus.OK, slot.length, slot.checksum,
+                                        target.descriptors(e.pages, slot.offset, slot.length)))
                     leased.append(e)
                     offered += slot.length
             # The lease pins what the descriptors point into (and holds the read transaction of
@@ -419,8 +417,9 @@ async def nixl_get(request: web.Request) -> web.Response:
     if lease is not None:
         target.expect_traffic(lease)
         store.metrics.transfer_bytes.labels("out", "nixl").inc(offered)
-    return frame_response({"agent": target.name, "items": out, "lease": lease,
-                            "lease_ttl_s": store.config.lease_ttl_s if lease else 0.0, "meta_gen": target.meta_gen})
+    return frame_response(NixlGetAnswer(agent=target.name, items=tuple(out), lease=lease,
+                                        lease_ttl_s=store.config.lease_ttl_s if lease else 0.0,
+                                        meta_gen=target.meta_gen).to_header())
 
 
 async def nixl_reserve(request: web.Request) -> web.Response:
@@ -432,14 +431,15 @@ async def nixl_reserve(request: web.Request) -> web.Response:
     owned(request, ns_id)
     items = parse_items(header, store.limits)
     plan = store.reserve(ns_id, items)  # refused whole over the tenant's quota, as a put is
-    out: list[list[object]] = []
+    out: list[NixlReservation] = []
     for r, e in zip(plan.results, plan.entries):
-        if e is not None and r.status == STATUS_PENDING and e.pages is not None:
-            out.append([r.status, r.reason, target.descriptors(e.pages, 0, e.size)])
+        if e is not None and r.status is ItemStatus.PENDING and e.pages is not None:
+            out.append(NixlReservation(r.status, r.reason, target.descriptors(e.pages, 0, e.size)))
             target.expect_traffic(e.key)
         else:
-            out.append([r.status, r.reason, b""])
-    return frame_response({"agent": target.name, "results": out, "ttl_s": store.config.pending_ttl_s})
+            out.append(NixlReservation(r.status, r.reason))
+    return frame_response(NixlReserveAnswer(agent=target.name, results=tuple(out),
+                                            ttl_s=store.config.pending_ttl_s).to_header())
 
 
 async def nixl_commit(request: web.Request) -> web.Response:
@@ -455,7 +455,7 @@ async def nixl_commit(request: web.Request) -> web.Response:
     store.metrics.transfer_bytes.labels("in", "nixl").inc(received)
     results: list[ItemResult] = list(verified)
     if req_bool(header, "commit", default=True):
-        todo = [i for i, r in enumerate(results) if r.status == STATUS_PENDING]
+        todo = [i for i, r in enumerate(results) if r.status is ItemStatus.PENDING]
         committed = await store.commit(ns_id, [keys[i] for i in todo])
         for i, r in zip(todo, committed):
             results[i] = r
@@ -507,5 +507,5 @@ def install(app: web.Application, config: StoreConfig) -> None:
     app.router.add_post("/v1/nixl/commit", nixl_commit)
 
 
-__all__ = ["NIXL", "NixlSlot", "NixlTarget", "NixlUnavailable", "STATUS_HTTP", "import_nixl", "install", "make_agent",
+__all__ = ["NIXL", "NixlSlot", "NixlTarget", "NixlUnavailable", "import_nixl", "install", "make_agent",
            "run_descriptors"]

@@ -15,6 +15,8 @@ from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.device import DeviceBuffer
 import prefixstore.client.nixl_path as nixl_path
 from prefixstore.client.nixl_path import LookupRuns, coalesce, descriptor_lists, hash_chunk_bytes, slice_runs
+from prefixstore.protocol.nixl_wire import NixlPlacements
+from prefixstore.protocol.wire import WireError
 from prefixstore.protocol.wire import GetItem
 from prefixstore.store.nixl_target import run_descriptors
 
@@ -98,22 +100,28 @@ def test_hashing_overlaps_the_read_only_where_a_thread_can_take_the_work(monkeyp
     assert hash_chunk_bytes([mib]) == 8192
 
 
-def test_lookup_runs_ignore_malformed_parts_and_expire() -> None:
+def test_lookup_runs_refuse_malformed_parts_and_expire() -> None:
     cache = LookupRuns(max_entries=2)
     now = time.monotonic()
+    k1, k2, k3 = (bytes([1]) + bytes([i]) * 16 for i in (1, 2, 3))
     good = {"agent": "a", "meta_gen": 1, "lease_ttl_s": 30.0,
-            "entries": [[b"k1", 8, 7, runs(4096, 8)], [b"k2", 8, 7, runs(8192, 8)]]}
-    assert cache.add({**good, "entries": [[b"k1", 8, 7, b"\x00" * 15]]}, b"L", now) == 0  # not 16-byte pairs
-    assert cache.add({**good, "agent": None}, b"L", now) == 0
-    assert cache.add({**good, "lease_ttl_s": 0.5}, b"L", now) == 0  # no time left to trust it
-    assert cache.add(good, b"L1", now) == 2
-    d = cache.get(b"k1", now)
+            "entries": [[k1, 8, 7, runs(4096, 8)], [k2, 8, 7, runs(8192, 8)]]}
+    # Malformed parts never reach the cache: the record refuses them (the lookup then fails: a miss).
+    for bad, field in (({**good, "entries": [[k1, 8, 7, b"\x00" * 15]]}, "nixl.entries[0].runs"),  # not 16-byte pairs
+                       ({**good, "entries": [[b"k1", 8, 7, runs(4096, 8)]]}, "nixl.entries[0].key"),
+                       ({**good, "agent": None}, "nixl.agent")):
+        with pytest.raises(WireError) as info:
+            NixlPlacements.from_wire(bad)
+        assert info.value.field == field
+    assert cache.add(NixlPlacements.from_wire({**good, "lease_ttl_s": 0.5}), b"L", now) == 0  # no time left to trust it
+    assert cache.add(NixlPlacements.from_wire(good), b"L1", now) == 2
+    d = cache.get(k1, now)
     assert d is not None and d.deadline == pytest.approx(now + 30.0 - 7.5)  # a quarter of 30 s kept back
-    assert cache.get(b"k1", d.deadline) is None  # past its deadline: gone
-    cache.add({**good, "entries": [[b"k3", 8, 7, runs(1, 8)]]}, b"L2", now)
-    assert len(cache) == 2 and cache.get(b"k3", now) is not None  # bounded: oldest out
+    assert cache.get(k1, d.deadline) is None  # past its deadline: gone
+    cache.add(NixlPlacements.from_wire({**good, "entries": [[k3, 8, 7, runs(1, 8)]]}), b"L2", now)
+    assert len(cache) == 2 and cache.get(k3, now) is not None  # bounded: oldest out
     cache.forget_lease(b"L2")
-    assert cache.get(b"k3", now) is None and cache.get(b"k2", now) is not None
+    assert cache.get(k3, now) is None and cache.get(k2, now) is not None
 
 
 def record_paths(client: PrefixClient) -> list[str]:
