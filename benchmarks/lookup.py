@@ -161,7 +161,7 @@ async def bench_block_size(B: int, args: argparse.Namespace, tokens: np.ndarray)
                             lease=client.config.lease)
         req_body = encode_header(req.to_header())
         header, _ = decode_frame(req_body)
-        parsed = LookupRequest.from_header(header, store.limits, store.block_tokens_of)
+        parsed = LookupRequest.from_header(header, store.limits, lambda ns_id: store.namespace(ns_id).block_tokens)
         answer_body = encode_frame(store.lookup(parsed).to_header())
         H.progress(f"B={B}: request body {len(req_body):,} B ({len(prompt.hashes):,} hashes + {N:,} tokens), "
                    f"answer body {len(answer_body):,} B")
@@ -196,7 +196,7 @@ async def bench_block_size(B: int, args: argparse.Namespace, tokens: np.ndarray)
                 t_enc = clock() - t
                 t = clock()
                 h, _ = decode_frame(req_body)
-                r = LookupRequest.from_header(h, store.limits, store.block_tokens_of)
+                r = LookupRequest.from_header(h, store.limits, lambda ns_id: store.namespace(ns_id).block_tokens)
                 t_parse = clock() - t
                 t = clock()
                 a = store.lookup(r)

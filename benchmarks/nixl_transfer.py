@@ -287,8 +287,8 @@ async def bench_size(url: str, size: int, args: argparse.Namespace, raw: RawNixl
             got_b = await bare.read(items, outs)
             t_bare_get = clock() - t
             looked = await placed.lookup(get_tokens)  # untimed: an engine looks up before it reads
-            if looked.kv_tokens != n * BLOCK_TOKENS or len(placed._described) != n:
-                raise SystemExit(f"{size}: the lookup placed {len(placed._described)} of {n} payloads")
+            if looked.kv_tokens != n * BLOCK_TOKENS or len(placed.impl.data.placements) != n:
+                raise SystemExit(f"{size}: the lookup placed {len(placed.impl.data.placements)} of {n} payloads")
             t = clock()
             got_p = await placed.read(items, outs)  # one READ from the lookup's runs, xxh3 verified
             t_placed_get = clock() - t

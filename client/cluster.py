@@ -1,8 +1,11 @@
 """The cluster client: one lookup fans out to the nodes that own the prompt's levels, in parallel.
 
-``PrefixClient(ns, ClientConfig(urls=(...)))`` returns this class: the same
-methods and results as the single-node client, so an engine changes nothing
-but configuration.
+``PrefixClient(ns, ClientConfig(urls=(...)))`` uses this class: the same
+methods and results as the single-node client (client/client.py ``StoreClient``),
+so an engine changes nothing but configuration. It *composes* one
+:class:`NodeClient` per member (client/node.py) behind :class:`Node`, the one
+per-node call wrapper that counts requests in flight, smooths latency and
+opens the node's circuit breaker on failure.
 
 Placement (protocol/placement.py): level j of a prompt (parent hash h_j, h_0
 the root, and the prompt's token at jB) lives on the first member in
@@ -47,20 +50,22 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-import aiohttp
 import numpy as np
 
+from ..protocol.errors import ItemStatus, StoreError
 from ..protocol.hashing import BlockHash
 from ..protocol.keys import Kind, make_entry_key
 from ..protocol.namespace import Namespace
 from ..protocol.placement import level_key, normalize_url, rank
-from ..protocol.probe import LevelAnswer, LookupReport, ProbeAnswer, ProbeLevel, ProbeRequest
-from ..protocol.wire import WANT, EntryRef, GetItem, ItemResult, ItemSpec, WireError
-from .client import Buffer, PrefixClient, StoreUnavailable, _view
+from ..protocol.probe import LevelAnswer, LookupReport, ProbeAnswer, ProbeLevel
+from ..protocol.wire import EntryRef, GetItem, ItemResult, ItemSpec
 from .config import ClientConfig
+from .datapath import Buffer, as_view
 from .device import DeviceBuffer
+from .failures import Failures
+from .node import NodeClient, check_device_outs
 from .prompt import Prompt
 from .results import LookupResult, SaveResult
 
@@ -72,27 +77,70 @@ REPLICA_TTL_S = 5.0
 """How long a replica set learned from an answer is used to spread probes and reads."""
 MAX_FOLLOW_UPS = 3
 
-Reader = Callable[[PrefixClient, list[GetItem], list[Any]], Awaitable[list[int]]]
-"""PrefixClient.read or PrefixClient.read_device, as one node's client runs it."""
+Reader = Callable[[NodeClient, list[GetItem], list[Any]], Awaitable[list[int]]]
+"""NodeClient.read or NodeClient.read_device, as one node's client runs it."""
+T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class _Node:
-    url: str
-    client: PrefixClient
-    inflight: int = 0
-    latency_s: float = 0.002  # smoothed (EWMA) latency of its answers
-    failures_in_row: int = 0
-    closed_until: float = 0.0  # circuit open until then
+class Node:
+    """One member, as the cluster client uses it: its node client and the one wrapper every call
+    to it goes through (requests in flight, smoothed latency, circuit breaker)."""
+
+    def __init__(self, url: str, client: NodeClient, config: ClientConfig, failures: Failures) -> None:
+        self.url = url
+        self.client = client
+        self._config = config
+        self._failures = failures
+        self.inflight = 0
+        self.latency_s = 0.002  # smoothed (EWMA) latency of its answers
+        self.failures_in_row = 0
+        self.closed_until = 0.0  # circuit open until then
+
+    def usable(self, now: float) -> bool:
+        return self.closed_until <= now
+
+    def succeeded(self, seconds: float) -> None:
+        self.failures_in_row = 0
+        self.closed_until = 0.0
+        self.latency_s += 0.2 * (seconds - self.latency_s)
+
+    def failed(self, op: str, err: BaseException | str) -> None:
+        self.failures_in_row += 1
+        backoff = min(self._config.max_retry_after_s, self._config.retry_after_s * 2 ** (self.failures_in_row - 1))
+        self.closed_until = time.monotonic() + backoff
+        self._failures.record(op, f"{self.url}: {err} (skipped for {backoff:g}s)")
+
+    async def run(self, op: str, fn: Callable[[NodeClient], Awaitable[T]],
+                  unanswered: Callable[[T], bool] = lambda result: False) -> T | None:
+        """Call the node. A StoreError (a node call that raises) or an ``unanswered`` result that
+        came with new failures on the node client (an engine-facing call that turned a dead store
+        into misses) opens its breaker; None for the former."""
+        before = self.client.failures.total()
+        self.inflight += 1
+        started = time.monotonic()
+        try:
+            result = await fn(self.client)
+        except StoreError as err:
+            self.failed(op, err)
+            return None
+        finally:
+            self.inflight -= 1
+        if self.client.failures.total() > before and unanswered(result):
+            self.failed(op, f"{op} failed")
+        else:
+            self.succeeded(time.monotonic() - started)
+        return result
 
 
-class ClusterClient(PrefixClient):
+class ClusterClient:
     def __init__(self, namespace: Namespace, config: ClientConfig | None = None) -> None:
         config = config or ClientConfig()
         if not config.urls:
             raise ValueError("urls: a cluster client needs at least one seed URL")
-        self._nodes: dict[str, _Node] = {}
-        super().__init__(namespace, config)
+        self.namespace = namespace
+        self.config = config
+        self._failures = Failures(config.warn_interval_s, "prefixstore cluster")
+        self._nodes: dict[str, Node] = {}
         self.seeds = tuple(normalize_url(u) for u in config.urls)
         self.members: tuple[str, ...] = self.seeds
         self.previous: tuple[str, ...] = ()
@@ -108,18 +156,23 @@ class ClusterClient(PrefixClient):
         self._background: set[asyncio.Task[None]] = set()
         self._buffers: list[Buffer | DeviceBuffer] = []  # staging buffers registered by the engine (NIXL)
 
-    # ------------------------------------------------------------ failures: own plus every node's
+    async def __aenter__(self) -> ClusterClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def prompt(self, tokens: Sequence[int] | np.ndarray | bytes, extra_keys: Sequence[bytes] | None = None) -> Prompt:
+        return Prompt(self.namespace, tokens, extra_keys)
+
+    # ------------------------------------------------------------ failures and paths: own plus every node's
 
     @property
     def failures(self) -> collections.Counter[str]:
-        total: collections.Counter[str] = collections.Counter(self._own_failures)
+        total: collections.Counter[str] = collections.Counter(self._failures.counts)
         for node in self._nodes.values():
             total.update(node.client.failures)
         return total
-
-    @failures.setter
-    def failures(self, value: collections.Counter[str]) -> None:
-        self._own_failures = value
 
     @property
     def path_bytes(self) -> collections.Counter[str]:
@@ -129,17 +182,15 @@ class ClusterClient(PrefixClient):
             total.update(node.client.path_bytes)
         return total
 
-    @path_bytes.setter
-    def path_bytes(self, value: collections.Counter[str]) -> None:
-        pass  # the base class initialises it; the nodes' own counters are the truth
-
-    # ------------------------------------------------------------ data path: every node's
-
     @property
     def data_path(self) -> str:
         """'nixl' when any node's payloads take NIXL, 'http' when they take HTTP, else 'undecided'."""
         paths = {node.client.data_path for node in self._nodes.values()}
         return "nixl" if "nixl" in paths else "http" if "http" in paths else "undecided"
+
+    def nodes(self) -> list[NodeClient]:
+        """The node clients met so far (a documented seam: per-node state in tests and diagnostics)."""
+        return [node.client for node in self._nodes.values()]
 
     def register_buffer(self, buf: Buffer | DeviceBuffer) -> bool:
         """Register a staging buffer with every node's data path, now and for nodes met later."""
@@ -154,39 +205,20 @@ class ClusterClient(PrefixClient):
         self._buffers = [b for b in self._buffers if b is not buf]
         return any([node.client.unregister_buffer(buf) for node in self._nodes.values()])
 
-    def _fail(self, op: str, err: BaseException) -> None:
-        self._own_failures[op] += 1
-        now = time.monotonic()
-        if now - self._last_warning.get(op, -1e18) >= self.config.warn_interval_s:
-            self._last_warning[op] = now
-            log.warning("prefixstore cluster %s failed (%d so far), treated as a miss: %s", op,
-                        self._own_failures[op], err)
-
     # ------------------------------------------------------------ members and nodes
 
-    def _node(self, url: str) -> _Node:
+    def _node(self, url: str) -> Node:
         node = self._nodes.get(url)
         if node is None:
             cfg = dataclasses.replace(self.config, url=url, urls=())
-            node = self._nodes[url] = _Node(url, PrefixClient(self.namespace, cfg))
+            node = self._nodes[url] = Node(url, NodeClient(self.namespace, cfg), self.config, self._failures)
             for buf in self._buffers:
                 node.client.register_buffer(buf)
         return node
 
     def _usable(self, url: str, now: float) -> bool:
         node = self._nodes.get(url)
-        return node is None or node.closed_until <= now
-
-    def _succeeded(self, node: _Node, seconds: float) -> None:
-        node.failures_in_row = 0
-        node.closed_until = 0.0
-        node.latency_s += 0.2 * (seconds - node.latency_s)
-
-    def _failed(self, node: _Node, op: str, err: BaseException) -> None:
-        node.failures_in_row += 1
-        backoff = min(self.config.max_retry_after_s, self.config.retry_after_s * 2 ** (node.failures_in_row - 1))
-        node.closed_until = time.monotonic() + backoff
-        self._fail(op, StoreUnavailable(f"{node.url}: {err} (skipped for {backoff:g}s)"))
+        return node is None or node.usable(now)
 
     def owners(self, key: bytes) -> list[str]:
         """The members in rendezvous order of a placement key (the owner first), as this client sees them."""
@@ -204,16 +236,11 @@ class ClusterClient(PrefixClient):
                 continue
             node = self._node(url)
             try:
-                async with node.client._http().get("/v1/members", timeout=aiohttp.ClientTimeout(
-                        total=self.config.timeout_s, sock_connect=self.config.connect_timeout_s)) as resp:
-                    if resp.status != 200:
-                        raise StoreUnavailable(f"/v1/members answered {resp.status}")
-                    body = await resp.json()
-                members = tuple(sorted(normalize_url(str(u)) for u in body["members"]))
+                body = await node.client.members()
+                members = tuple(sorted(normalize_url(str(u)) for u in body["members"]))  # type: ignore[union-attr]
                 grace = body.get("owner_grace_s")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, StoreUnavailable, ValueError,
-                    KeyError, TypeError) as err:
-                self._failed(node, "members", err)
+            except (StoreError, KeyError, TypeError, ValueError) as err:
+                node.failed("members", err)
                 continue
             if self.config.owner_grace_s is None and isinstance(grace, (int, float)):
                 self.owner_grace_s = float(grace)
@@ -250,7 +277,9 @@ class ClusterClient(PrefixClient):
         a, b = random.sample(live, 2)
         return a if self._node(a).inflight <= self._node(b).inflight else b
 
-    def _replicas_of(self, key: bytes, now: float) -> tuple[str, ...]:
+    def replicas_of(self, key: bytes, now: float | None = None) -> tuple[str, ...]:
+        """The nodes holding replicas of an entry, as learned from recent answers (hot prefixes)."""
+        now = time.monotonic() if now is None else now
         known = self._replicas.get(key)
         if known is None:
             return ()
@@ -286,30 +315,13 @@ class ClusterClient(PrefixClient):
                 pass
         for node in self._nodes.values():
             await node.client.close()
-        await super().close()
 
     # ------------------------------------------------------------ lookup
 
     async def _probe(self, url: str, levels: list[ProbeLevel], lease: bool) -> tuple[str, ProbeAnswer | None]:
-        node = self._node(url)
         # On the NIXL path the node also places the payloads it reports (store/nixl_lookup.py):
         # the node's client then reads them with one READ, as after a single node's lookup.
-        req = ProbeRequest(namespace_id=self.namespace.id, levels=tuple(levels), lease=lease,
-                           nixl=lease and node.client._on_nixl())
-        node.inflight += 1
-        started = time.monotonic()
-        try:
-            raw = await node.client._call("/v1/probe", req.to_header())
-            answer = ProbeAnswer.from_header(raw)
-        except (StoreUnavailable, WireError) as err:
-            self._failed(node, "lookup", err)
-            return url, None
-        finally:
-            node.inflight -= 1
-        self._succeeded(node, time.monotonic() - started)
-        if answer.nixl is not None and answer.lease_id is not None:
-            node.client._described.add(answer.nixl, answer.lease_id, started)
-        return url, answer
+        return url, await self._node(url).run("lookup", lambda c: c.probe(levels, lease))
 
     async def lookup(self, prompt: Prompt | Sequence[int] | np.ndarray, lease: bool | None = None) -> LookupResult:
         """One parallel round trip to the owners of the prompt's levels, merged into the single-node answer."""
@@ -331,7 +343,7 @@ class ClusterClient(PrefixClient):
         plan: dict[str, list[ProbeLevel]] = collections.defaultdict(list)
         for lv in levels:
             order = rank(self.members, level_key(lv.parent, lv.tokens))
-            candidates = [order[0], *self._replicas_of(make_entry_key(Kind.BLOCK, BlockHash(lv.next)), now)] \
+            candidates = [order[0], *self.replicas_of(make_entry_key(Kind.BLOCK, BlockHash(lv.next)), now)] \
                 if lv.next else [order[0]]
             url = self._pick(candidates, now)
             if url is not None:  # None: the owner's circuit is open: this level is a miss
@@ -432,12 +444,8 @@ class ClusterClient(PrefixClient):
                               state_tokens=state, junction=junction,
                               missing_block=p.hashes[m] if m < len(p.hashes) else None)
         url = rank(self.members, level)[0]
-        if not self._usable(url, time.monotonic()):
-            return
-        try:
-            await self._node(url).client._call("/v1/lookup_report", report.to_header())
-        except StoreUnavailable as err:
-            self._failed(self._node(url), "lookup_report", err)
+        if self._usable(url, time.monotonic()):
+            await self._node(url).run("lookup_report", lambda c: c.report(report))
 
     async def release(self, lease_id: bytes | None) -> bool:
         held = self._leases.pop(lease_id, None) if lease_id is not None else None
@@ -453,10 +461,10 @@ class ClusterClient(PrefixClient):
         that answered the lookup. Per item: bytes written, or -1 for a miss."""
         if len(items) != len(outs):
             raise ValueError("read: one output buffer per item")
-        views = [_view(o) for o in outs]
+        views = [as_view(o) for o in outs]
         if any(v.readonly for v in views):
             raise ValueError("read: output buffers must be writable")
-        return await self._read_routed(items, views, PrefixClient.read)
+        return await self._read_routed(items, views, NodeClient.read)
 
     @property
     def reads_device(self) -> bool:
@@ -464,14 +472,9 @@ class ClusterClient(PrefixClient):
             node.client.reads_device for node in self._nodes.values()))
 
     async def read_device(self, items: Sequence[GetItem], outs: Sequence[DeviceBuffer]) -> list[int]:
-        """:meth:`PrefixClient.read_device` from the holders of each entry, routed as :meth:`read`."""
-        if len(items) != len(outs):
-            raise ValueError("read_device: one output buffer per item")
-        if not all(isinstance(o, DeviceBuffer) for o in outs):
-            raise TypeError("read_device: outputs must be DeviceBuffer (DeviceBuffer.of(tensor))")
-        if self.config.verify_checksums:
-            raise ValueError("read_device: needs verify_checksums=False (GPU memory cannot be hashed here)")
-        return await self._read_routed(items, outs, PrefixClient.read_device)
+        """:meth:`NodeClient.read_device` from the holders of each entry, routed as :meth:`read`."""
+        check_device_outs(items, outs, self.config)
+        return await self._read_routed(items, outs, NodeClient.read_device)
 
     async def _read_routed(self, items: Sequence[GetItem], views: Sequence[Any], reader: Reader) -> list[int]:
         done = [-1] * len(items)
@@ -480,9 +483,9 @@ class ClusterClient(PrefixClient):
         for i, item in enumerate(items):
             home = self._where.get(item.key)
             if home is None:  # never named by a lookup of this client: nowhere to ask
-                self._fail("read", StoreUnavailable(f"entry {item.key.hex()} was not in a lookup answer"))
+                self._failures.record("read", f"entry {item.key.hex()} was not in a lookup answer")
                 continue
-            url = self._pick([home, *self._replicas_of(item.key, now)], now)
+            url = self._pick([home, *self.replicas_of(item.key, now)], now)
             if url is not None:
                 plan[url].append(i)
         await self._read_from(plan, items, views, done, reader)
@@ -500,19 +503,9 @@ class ClusterClient(PrefixClient):
     async def _read_from(self, plan: Mapping[str, list[int]], items: Sequence[GetItem], views: Sequence[Any],
                          done: list[int], reader: Reader) -> None:
         async def one(url: str, idx: list[int]) -> None:
-            node = self._node(url)
-            before = sum(node.client.failures.values())
-            node.inflight += 1
-            started = time.monotonic()
-            try:
-                got = await reader(node.client, [items[i] for i in idx], [views[i] for i in idx])
-            finally:
-                node.inflight -= 1
-            if sum(node.client.failures.values()) > before and all(g < 0 for g in got):
-                self._failed(node, "read", StoreUnavailable("read failed"))
-            else:
-                self._succeeded(node, time.monotonic() - started)
-            for i, g in zip(idx, got):
+            got = await self._node(url).run("read", lambda c: reader(c, [items[i] for i in idx], [views[i] for i in idx]),
+                                            unanswered=lambda sizes: all(g < 0 for g in sizes))
+            for i, g in zip(idx, got or []):
                 done[i] = g
 
         await asyncio.gather(*(one(url, idx) for url, idx in plan.items()))
@@ -534,7 +527,8 @@ class ClusterClient(PrefixClient):
             out.append(rank(self.members, level)[0] if level is not None and self.members else None)
         return out
 
-    async def _per_node(self, items: Sequence[ItemSpec], call: Callable[[PrefixClient, list[int]], object],
+    async def _per_node(self, items: Sequence[ItemSpec],
+                        call: Callable[[NodeClient, list[int]], Awaitable[list[ItemResult]]],
                         unavailable: ItemResult) -> list[ItemResult]:
         await self._ensure_members()
         owners = self._route(items)
@@ -546,23 +540,12 @@ class ClusterClient(PrefixClient):
                 groups[url].append(i)
         dropped = len(items) - sum(len(g) for g in groups.values())
         if dropped:
-            self._fail("save", StoreUnavailable(f"{dropped} item(s): owner unavailable or unknown"))
+            self._failures.record("save", f"{dropped} item(s): owner unavailable or unknown")
 
         async def one(url: str, idx: list[int]) -> None:
-            node = self._node(url)
-            before = sum(node.client.failures.values())
-            node.inflight += 1
-            started = time.monotonic()
-            try:
-                results = await call(node.client, idx)  # type: ignore[misc]
-            finally:
-                node.inflight -= 1
-            if sum(node.client.failures.values()) > before and all(
-                    r.reason == "store unavailable" for r in results):
-                self._failed(node, "save", StoreUnavailable("offer/put failed"))
-            else:
-                self._succeeded(node, time.monotonic() - started)
-            for i, r in zip(idx, results):
+            results = await self._node(url).run("save", lambda c: call(c, idx), unanswered=lambda rs: all(
+                r.reason == "store unavailable" for r in rs))
+            for i, r in zip(idx, results or []):
                 out[i] = r
 
         await asyncio.gather(*(one(url, idx) for url, idx in groups.items()))
@@ -571,14 +554,14 @@ class ClusterClient(PrefixClient):
     async def offer(self, items: Sequence[ItemSpec]) -> list[ItemResult]:
         """want / have / rejected per item, each asked of its owner."""
         return await self._per_node(items, lambda c, idx: c.offer([items[i] for i in idx]),
-                                    ItemResult("rejected", "store unavailable"))
+                                    ItemResult(ItemStatus.REJECTED, "store unavailable"))
 
     async def put(self, items: Sequence[tuple[ItemSpec, Buffer]], commit: bool = True) -> list[ItemResult]:
         """Payloads to each item's owner. Blocks and tails need ``ItemSpec.start`` in a cluster
         (``save`` sets it); their parent usually lives on another node."""
         specs = [s for s, _ in items]
         return await self._per_node(specs, lambda c, idx: c.put([items[i] for i in idx], commit),
-                                    ItemResult("dropped", "store unavailable"))
+                                    ItemResult(ItemStatus.DROPPED, "store unavailable"))
 
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
                    snapshots: Mapping[int, Buffer] | None = None, start: int = 0) -> SaveResult:
@@ -600,11 +583,12 @@ class ClusterClient(PrefixClient):
             specs.append(spec)
             payload_of.append(functools.partial((snapshots or {}).__getitem__, t))
         decisions = await self.offer(specs)
-        wanted = [i for i, d in enumerate(decisions) if d.status == WANT]
+        wanted = [i for i, d in enumerate(decisions) if d.status is ItemStatus.WANT]
         results = await self.put([(specs[i], payload_of[i]()) for i in wanted]) if wanted else []
-        stored = sum(r.status == "ok" for r in results)
-        have = sum(d.status == "have" for d in decisions) + sum(r.status == "have" for r in results)
-        dropped = sum(d.reason == "store unavailable" for d in decisions) + sum(r.status == "dropped" for r in results)
+        stored = sum(r.status is ItemStatus.OK for r in results)
+        have = sum(d.status is ItemStatus.HAVE for d in decisions) + sum(r.status is ItemStatus.HAVE for r in results)
+        dropped = sum(d.reason == "store unavailable" for d in decisions) + sum(
+            r.status is ItemStatus.DROPPED for r in results)
         saved = [(specs[i].kind, r) for i, r in zip(wanted, results)]
         return SaveResult(stored=stored, already=have, rejected=len(specs) - stored - have - dropped,
                           dropped=dropped, results=saved)

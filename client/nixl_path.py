@@ -210,6 +210,15 @@ class NixlPath:
                 return True
         return False
 
+    @property
+    def registered_memory(self) -> list[str]:
+        """The memory kind ('DRAM', 'VRAM') of each region registered once (staging buffers)."""
+        return [r.memory for r in self._regions]
+
+    def covers(self, start: int, end: int, memory: str = "DRAM", device: int = 0) -> bool:
+        """Whether bytes [start, end) lie inside one region registered once."""
+        return self._covered(start, end, memory, device)
+
     def _covered(self, start: int, end: int, memory: str = "DRAM", device: int = 0) -> bool:
         return any(r.start <= start and end <= r.end and r.memory == memory and r.device == device
                    for r in self._regions)
@@ -365,8 +374,8 @@ def _zero(view: Dest, size: int) -> None:
         view[:size] = bytes(size)
 
 Call = Callable[[str, dict[str, object]], Awaitable[dict[str, object]]]
-"""PrefixClient._call: POST a control frame to the store, return the answer's header (raises the
-client's StoreUnavailable, which the client handles)."""
+"""POST a control frame to the store and return the answer's header (client/node.py ``call`` or
+``post``; raises protocol.errors.StoreError, which the data path handles)."""
 
 async def fetch_metadata(call: Call, gen: list[int] | None = None) -> tuple[str, bytes]:
     """The store agent's name and metadata, over the store's authenticated HTTP plane; appends
@@ -481,23 +490,24 @@ class NixlChannel:
     reserve, WRITE, commit. Store failures surface as the ``call``'s exceptions; transfer failures
     as problems, with the items handed back for HTTP."""
 
-    def __init__(self, path: NixlPath) -> None:
+    def __init__(self, path: NixlPath, post: Call) -> None:
         self.path = path
+        self._post = post  # a call that names no namespace (/v1/nixl/metadata)
 
-    async def connect(self, call: Call) -> None:
+    async def connect(self) -> None:
         """Fetch the store agent's metadata over the HTTP plane and load it."""
         gen: list[int] = []
-        agent, metadata = await fetch_metadata(call, gen)  # call: PrefixClient._post (no namespace needed)
+        agent, metadata = await fetch_metadata(self._post, gen)
         self.path.connect(agent, metadata, gen[0])
 
-    async def _same_store(self, call: Call, agent: object, meta_gen: object = None) -> None:
+    async def follow(self, agent: object, meta_gen: object = None) -> None:
         """The answer came from agent ``agent`` with metadata generation ``meta_gen``; load its
         metadata if it is another incarnation, or the same one whose registrations changed
         (LMDB's map moved: the metadata loaded earlier does not describe the new map)."""
         if not isinstance(agent, str):
             raise TransferFailed("answer names no agent")
         if not self.path.knows(agent, meta_gen):
-            await self.connect(call)  # the store restarted (new agent), its map moved, or this is the first call
+            await self.connect()  # the store restarted (new agent), its map moved, or this is the first call
             if not self.path.knows(agent):
                 raise TransferFailed(f"the store's agent changed again (now {self.path.remote}, answered {agent})")
 
@@ -536,7 +546,7 @@ class NixlChannel:
                 elif it.status is ItemStatus.CORRUPT:
                     out.problems.append(("read", f"items[{i}]: the store found the payload corrupt"))
             if ok:
-                await self._same_store(call, answer.agent, answer.meta_gen)
+                await self.follow(answer.agent, answer.meta_gen)
                 ok = await self._read_chunks(ok, descs, views, out, hashed, memory, device, timeout_s)
         except TransferFailed as err:
             out.problems.append(("nixl", str(err)))
@@ -697,7 +707,7 @@ class NixlChannel:
             return results, problems, 0
 
         try:
-            await self._same_store(call, answer.agent)
+            await self.follow(answer.agent)
             # Never start a WRITE late: past its reservation the pages may belong to another entry.
             if time.monotonic() - started > float(ttl) / 2:
                 return dropped("the reservation is too old to WRITE into")

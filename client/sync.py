@@ -6,7 +6,7 @@ the work (and keeps its contract: store failures become misses or dropped
 saves, never exceptions), so this file holds no protocol logic.
 
 Running the loop on its own thread, rather than ``asyncio.run`` per call,
-keeps one aiohttp session and its keep-alive connections across calls, and
+keeps the frame transport's keep-alive connections across calls, and
 works when the calling thread already runs a loop of its own (that loop is
 blocked for the duration of the call, as with any blocking I/O).
 

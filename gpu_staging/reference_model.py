@@ -39,7 +39,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal, cast
+from typing import Literal, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +47,20 @@ from torch import Tensor, nn
 
 from ..protocol.namespace import KVLayout, Namespace, StateLayout
 
-if TYPE_CHECKING:
-    from .paged_kv import SequenceKV
+
+
+class SequenceKV(Protocol):
+    """What the model needs of one sequence's paged KV (gpu_staging/paged_kv.py ``SequenceKV``
+    is the implementation; the model names only this, so the two modules do not import each other)."""
+
+    def reserve(self, num_tokens: int) -> None:
+        """Make room for tokens [0, num_tokens)."""
+
+    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> None:
+        """Append K/V ``(n, heads, head_dim)`` of positions [start, start + n) in ``layer``."""
+
+    def read(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
+        """K and V ``(end, heads, head_dim)`` of positions [0, end) in ``layer``."""
 
 LayerKind = Literal["linear", "attention"]
 LogitsFor = Literal["last", "all", "none"]

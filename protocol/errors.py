@@ -56,6 +56,30 @@ class RequestError(ValueError):
         self.problem = problem
 
 
+class StoreError(Exception):
+    """A call to a store that did not succeed, as its caller sees it (protocol/transport.py raises
+    it; the client turns it into a miss or a dropped save).
+
+    ``path``: the endpoint; ``status``: the HTTP status the store answered (None: no answer — a
+    connection error, a timeout, a malformed answer); ``field``: the field the store named in its
+    refusal (``"ns"``, ``"quota"``, ``"nixl"``, ...); ``problem``: why, from the status and field."""
+
+    def __init__(self, path: str, message: str, *, status: int | None = None, field: str = "",
+                 problem: Problem | None = None) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+        self.status = status
+        self.field = field
+        if problem is None:
+            problem = problem_of_status(status, field) if status is not None else Problem.UNAVAILABLE
+        self.problem = problem
+
+    def is_refusal(self, problem: Problem, field: str | None = None) -> bool:
+        """Whether the store answered this refusal (``problem``, naming ``field`` when given)."""
+        return self.status is not None and self.problem is problem and (field is None or self.field == field)
+
+
 class ItemStatus(enum.StrEnum):
     """Per-item answer of an offer, put, commit or get (the wire carries the value)."""
 
@@ -70,4 +94,4 @@ class ItemStatus(enum.StrEnum):
     DROPPED = "dropped"  # client only: the save could not reach a store (a future miss)
 
 
-__all__ = ["HTTP_STATUS", "ItemStatus", "Problem", "RequestError", "problem_of_status"]
+__all__ = ["HTTP_STATUS", "ItemStatus", "Problem", "RequestError", "StoreError", "problem_of_status"]

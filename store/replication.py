@@ -42,23 +42,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import ssl
 import time
 from collections.abc import Callable, Sequence
 
-import aiohttp
-
+from ..protocol.errors import StoreError
 from ..protocol.keys import Kind
 from ..protocol.placement import level_key
-from ..protocol.wire import (
-    CONTENT_TYPE,
-    STATUS_HAVE,
-    STATUS_OK,
-    GetItem,
-    ItemResult,
-    ItemSpec,
-    decode_frame,
-    encode_frame,
-)
+from ..protocol.transport import FramePool, post
+from ..protocol.wire import STATUS_HAVE, STATUS_OK, GetItem, ItemResult, ItemSpec
 from .core import Store
 from .index import Entry, scope, unscope
 from .membership import Membership
@@ -112,7 +104,7 @@ class Replicator:
         self.membership = membership
         self.config = store.config
         token = self.config.cluster_token()  # checked at start-up (StoreConfig)
-        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self._auth = f"Bearer {token}" if token else None
         self.clock = clock
         self.enabled = self.config.replication_max_replicas > 1
         self.half_life_s = self.config.replication_half_life_s
@@ -120,7 +112,7 @@ class Replicator:
         self.pushed: dict[bytes, tuple[str, ...]] = {}  # owner side: entry key -> nodes holding a replica
         self.replica_keys = store.replica_keys  # receiver side: entries this node took as replicas
         self.bucket = TokenBucket(self.config.replication_bytes_per_s, clock)
-        self._session: aiohttp.ClientSession | None = None
+        self._pools: dict[str, FramePool] = {}  # per other node
         self._registered: set[tuple[str, bytes]] = set()
         self._task: asyncio.Task[None] | None = None
         self.interval_s = max(0.05, min(1.0, self.half_life_s / 8))
@@ -166,9 +158,9 @@ class Replicator:
     async def close(self) -> None:
         await stop_task(self._task)
         self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
     async def _run(self) -> None:
         while True:
@@ -249,21 +241,19 @@ class Replicator:
 
     # ------------------------------------------------------------ node-to-node calls
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            timeout = aiohttp.ClientTimeout(total=max(5.0, self.config.request_timeout_s / 4), sock_connect=1.0)
-            self._session = aiohttp.ClientSession(timeout=timeout)
-        return self._session
+    def _pool(self, node: str) -> FramePool:
+        pool = self._pools.get(node)
+        if pool is None or pool.closed:
+            context = ssl.create_default_context() if node.startswith("https://") else None
+            pool = self._pools[node] = FramePool(node, connect_timeout_s=1.0, ssl_context=context,
+                                                 authorization=self._auth)
+        return pool
 
     async def _post(self, node: str, path: str, header: dict[str, object],
                     payloads: Sequence[bytes] = ()) -> dict[str, object]:
-        body = encode_frame(header, payloads)
-        async with self._http().post(node + path, data=body, headers={"Content-Type": CONTENT_TYPE, **self._auth}) as resp:
-            raw = await resp.read()
-            if resp.status != 200:
-                raise OSError(f"{node}{path} answered {resp.status}: {raw[:200]!r}")
-        answer, _ = decode_frame(raw)
-        return answer
+        """One call to another node over the frame transport (protocol/transport.py); raises StoreError."""
+        return await post(self._pool(node), path, header, payloads,
+                          timeout_s=max(5.0, self.config.request_timeout_s / 4))
 
     def _spec(self, e: Entry) -> ItemSpec:
         if e.kind is Kind.STATE:
@@ -315,7 +305,7 @@ class Replicator:
                 "items": [self._spec(x).to_wire() for x in batch]}, payloads)
             raw = answer.get("results")
             results = [ItemResult.from_wire(r) for r in raw] if isinstance(raw, list) else []
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as err:
+        except (StoreError, ValueError) as err:
             metrics.replication_pushes.labels("failed").inc()
             self._registered.discard((node, e.namespace_id))
             log.debug("replica push of %s to %s failed: %s", e.key.hex(), node, err)
@@ -334,7 +324,7 @@ class Replicator:
             del self.pushed[e.key]
         try:
             await self._post(node, "/v1/replica/drop", {"ns": e.namespace_id, "keys": [e.wire_key]})
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as err:
+        except (StoreError, ValueError) as err:
             log.debug("replica drop of %s on %s failed: %s", e.key.hex(), node, err)
 
     # ------------------------------------------------------------ receiver side

@@ -36,7 +36,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, parse_size
+from .knobs import ConfigError, parse_size
 
 KNOB = "tenants_file"
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixstore.client import ClientConfig, PrefixClient
-from prefixstore.client.client import _batches
+from prefixstore.client.datapath import batches as _batches
 
 from ..conftest import RunningStore
 from ..factories import kv_payload, make_namespace, state_payload

@@ -22,7 +22,7 @@ def test_nodes_and_client_agree_on_placement(make_cluster) -> None:  # type: ign
     ns = make_namespace()
 
     async def client_orders(keys: list[bytes]) -> list[list[str]]:
-        client = PrefixClient(ns, ClientConfig(urls=(cluster.urls[0],)))
+        client = PrefixClient(ns, ClientConfig(urls=(cluster.urls[0],))).impl
         assert isinstance(client, ClusterClient)
         try:
             await client.refresh_members()

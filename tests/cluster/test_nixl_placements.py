@@ -20,21 +20,18 @@ async def test_probes_place_payloads_and_reads_skip_the_get_call(make_cluster) -
     ns = make_namespace(block_tokens=16)
     toks = [int(t) for t in np.random.default_rng(3).integers(0, 50_000, 16 * 12)]
     async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls), data_path="nixl")) as client:
-        assert isinstance(client, ClusterClient)
+        assert isinstance(client.impl, ClusterClient)
         saved = await client.save(client.prompt(toks), len(toks), lambda a, b: kv_payload(ns, toks, a, b))
         assert saved.stored == 12  # the saves went over NIXL: every node's agent is connected now
         paths: list[str] = []
-        for node in client._nodes.values():
-            original = node.client._call
+        async def observe(p: str, header: dict[str, object], answer: dict[str, object]) -> None:
+            paths.append(p)
 
-            async def call(p, header, payloads=(), _original=original):  # type: ignore[no-untyped-def]
-                paths.append(p)
-                return await _original(p, header, payloads)
-
-            node.client._call = call  # type: ignore[method-assign]
+        for node in client.impl.nodes():
+            node.observers.append(observe)
         looked = await client.lookup(toks)
         assert looked.kv_tokens == len(toks)
-        placed = sum(len(node.client._described) for node in client._nodes.values())
+        placed = sum(len(node.data.placements) for node in client.impl.nodes())
         assert placed == 12  # each block placed by the node that reported it
         p = client.prompt(toks)
         items = [GetItem(key=p.block_key(j)) for j in range(12)]
@@ -43,4 +40,4 @@ async def test_probes_place_payloads_and_reads_skip_the_get_call(make_cluster) -
         assert [o.tobytes() for o in outs] == [kv_payload(ns, toks, 16 * j, 16 * (j + 1)) for j in range(12)]
         assert "/v1/nixl/get" not in paths and "/v1/get" not in paths
         assert await client.release(looked.lease_id)
-        assert sum(len(node.client._described) for node in client._nodes.values()) == 0
+        assert sum(len(node.data.placements) for node in client.impl.nodes()) == 0

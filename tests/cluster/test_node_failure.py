@@ -23,7 +23,7 @@ def expected_kv(client: PrefixClient, tokens: list[int], dead: str | None) -> in
     p = client.prompt(tokens)
     for j in range(len(p.hashes) + 1):
         key = level_key(p.parent_of_block(j), p.tokens(j * B, j * B + 1))
-        if dead is not None and rank(client.members, key)[0] == dead:  # type: ignore[attr-defined]
+        if dead is not None and rank(client.impl.members, key)[0] == dead:  # type: ignore[attr-defined]
             return j * B
     return len(tokens)
 

@@ -29,7 +29,8 @@ def test_scale_out_keeps_hits_through_the_grace_window(serve, tmp_path) -> None:
 
     async def run(grace_s: float, fill: bool) -> list[int]:
         config = ClientConfig(urls=(a,), owner_grace_s=grace_s)
-        async with PrefixClient(ns, config) as client:
+        async with PrefixClient(ns, config) as facade:
+            client = facade.impl
             assert isinstance(client, ClusterClient)
             await client.refresh_members([a])
             assert client.members == tuple(sorted([a, b]))

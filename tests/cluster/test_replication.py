@@ -47,7 +47,7 @@ def test_hot_block_is_replicated_spread_and_dropped_when_cold(make_cluster) -> N
                 got = await client.read([it for it, _, _ in res.kv_reads(4)], [buf])
                 assert got == [len(buf)] and bytes(buf) == kv_payload(ns, tokens, 0, 4)
                 await client.release(res.lease_id)
-                if len(client._replicas_of(hot, time.monotonic())) == 3:
+                if len(client.impl.replicas_of(hot, time.monotonic())) == 3:
                     break
                 assert time.monotonic() < deadline, "no replicas were pushed"
             assert metric(primary, "prefixstore_replication_pushes_total", 'result="ok"') >= 2

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
+from prefixstore.client.node import NodeClient
 from prefixstore.client import PrefixClient
 from prefixstore.protocol import Namespace
 from prefixstore.protocol.wire import GetItem
@@ -76,18 +77,19 @@ def metric(url: str, name: str, labels: str) -> float:
 Interleave = Callable[[str, dict[str, object]], Awaitable[None]]
 
 
-def interleave_after(client: PrefixClient, path: str, action: Interleave) -> None:
+def interleave_after(client: PrefixClient, path: str, action: Interleave) -> Callable[[], None]:
     """Run ``action`` right after the store answers ``path`` and before the client acts on the
-    answer (e.g. between the descriptors of /v1/nixl/get and the READ they feed)."""
-    original = client._call
+    answer (e.g. between the descriptors of /v1/nixl/get and the READ they feed), through the node
+    client's observers seam (client/node.py). Returns what stops it."""
+    node = client.impl
+    assert isinstance(node, NodeClient)
 
-    async def call(p: str, header: dict[str, object], payloads=()):  # type: ignore[no-untyped-def]
-        answer = await original(p, header, payloads)
+    async def observe(p: str, header: dict[str, object], answer: dict[str, object]) -> None:
         if p == path:
             await action(p, answer)
-        return answer
 
-    client._call = call  # type: ignore[method-assign]
+    node.observers.append(observe)
+    return lambda: node.observers.remove(observe)
 
 
 async def lose_leases_to(store: Store, clock: MovableClock, other: PrefixClient, intruder: list[int]) -> list[bytes]:

@@ -161,8 +161,8 @@ async def test_read_into_gpu_memory_registered_as_vram(start: Start) -> None:
         assert got == [ns.block_bytes] * 8
         assert region.cpu().numpy().tobytes() == b"".join(expected)
         assert client.path_bytes["nixl"] - before == 8 * ns.block_bytes and client.path_bytes["http"] == 0
-        assert client._nixl is not None
-        assert [r.memory for r in client._nixl.path._regions] == ["VRAM"]  # no per-call registration
+        assert client.impl.data.channel is not None
+        assert client.impl.data.channel.path.registered_memory == ["VRAM"]  # no per-call registration
 
 
 @NEEDS_CUDA

@@ -196,14 +196,14 @@ async def test_map_growth_under_a_lease_ends_it_cleanly(tmp_path: Path, verify: 
             await tier.write([(r, [memoryview(filler * 8)]) for r in records], ())
             seen.extend([before, tier.region, tier.pinned, len(store.leases), target.meta_gen])
 
-        interleave_after(client, "/v1/nixl/get", outgrow_the_map)
+        stop = interleave_after(client, "/v1/nixl/get", outgrow_the_map)
         got, outs = await read(client, items, client.namespace.block_bytes)
         before, after, pinned, leases, gen = seen
         assert after != before and pinned == 0 and leases == 0 and gen == 1
         for n, out, want in zip(got, outs, expected):
             assert (n == len(want) and out.tobytes() == want) or (n == -1 and not out.any())
         assert sample(store, "prefixstore_nixl_map_revoked_total") == 1
-        del client._call  # no more interleaving
+        stop()  # no more interleaving
         got, outs = await read(client, items, client.namespace.block_bytes)  # from RAM or the new map
         assert got == [len(w) for w in expected] and [o.tobytes() for o in outs] == expected
         mapped = sample(store, "prefixstore_nixl_disk_reads_total", how="map")
@@ -214,15 +214,15 @@ async def test_map_growth_under_a_lease_ends_it_cleanly(tmp_path: Path, verify: 
         assert client.path_bytes["nixl"] > 0 and tier.pinned == 0
         # The map moves again with no lease out: a client that sees the new generation in an
         # answer reloads the metadata (the old one does not describe the new map).
-        channel = client._nixl
+        channel = client.impl.data.channel
         assert channel is not None
-        await channel._same_store(client._post, target.name, 1)
+        await channel.follow(target.name, 1)
         assert channel.path.knows(target.name, 1) and channel.path.remote_gen == 1
         await tier.write([(StoredRecord(key=bytes([9]) + bytes(16), namespace_id=bytes(8), parent=None, start=0,
                                         tokens=b"", extra=b"", container=None, boundary=0, size=32 * MiB, checksum=0),
                            [memoryview(bytes(32 * MiB))])], ())
         assert target.meta_gen == 2 and not channel.path.knows(target.name, 2)
-        await channel._same_store(client._post, target.name, 2)
+        await channel.follow(target.name, 2)
         assert channel.path.knows(target.name, 2) and channel.path.remote_gen == 2
         store.check()
 
@@ -311,9 +311,9 @@ async def test_a_write_into_the_map_fails_and_changes_nothing(tmp_path: Path) ->
         failures: list[str] = []
 
         async def scribble(path: str, answer: dict[str, object]) -> None:
-            channel = client._nixl
+            channel = client.impl.data.channel
             assert channel is not None
-            await channel._same_store(client._post, answer["agent"], answer["meta_gen"])
+            await channel.follow(answer["agent"], answer["meta_gen"])
             raw = answer["items"]
             assert isinstance(raw, list) and raw[0][0] == "ok"
             local, remote = descriptor_lists([raw[0][3]], [junk.nbytes], [where])
@@ -322,11 +322,11 @@ async def test_a_write_into_the_map_fails_and_changes_nothing(tmp_path: Path) ->
             except TransferFailed as err:
                 failures.append(str(err))
 
-        interleave_after(client, "/v1/nixl/get", scribble)
+        stop = interleave_after(client, "/v1/nixl/get", scribble)
         got, outs = await read(client, items, len(expected[0]))
         assert failures, "a WRITE into LMDB's map went through"
         assert got == [len(w) for w in expected] and [o.tobytes() for o in outs] == expected
-        del client._call
+        stop()
         got, outs = await read(client, items, len(expected[0]))
         assert [o.tobytes() for o in outs] == expected
         store.check()

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.device import DeviceBuffer
 import prefixstore.client.nixl_path as nixl_path
+from prefixstore.client.node import NodeClient
 from prefixstore.client.nixl_path import LookupRuns, coalesce, descriptor_lists, hash_chunk_bytes, slice_runs
 from prefixstore.protocol.nixl_wire import NixlPlacements
 from prefixstore.protocol.wire import WireError
@@ -125,14 +126,15 @@ def test_lookup_runs_refuse_malformed_parts_and_expire() -> None:
 
 
 def record_paths(client: PrefixClient) -> list[str]:
+    """The paths of every call the (node) client makes from now on, through its observers seam."""
     paths: list[str] = []
-    original = client._call
+    node = client.impl
+    assert isinstance(node, NodeClient)
 
-    async def call(p: str, header: dict[str, object], payloads=()):  # type: ignore[no-untyped-def]
+    async def observe(p: str, header: dict[str, object], answer: dict[str, object]) -> None:
         paths.append(p)
-        return await original(p, header, payloads)
 
-    client._call = call  # type: ignore[method-assign]
+    node.observers.append(observe)
     return paths
 
 
@@ -149,7 +151,7 @@ async def test_reads_after_a_nixl_lookup_need_no_get_call(start: Start) -> None:
         assert await save(client, toks) == 6  # also loads the store's agent: later lookups ask for runs
         paths = record_paths(client)
         looked = await client.lookup(toks)
-        assert looked.kv_tokens == len(toks) and len(client._described) == 6
+        assert looked.kv_tokens == len(toks) and len(client.impl.data.placements) == 6
         items, expected = block_reads(client, toks)
         outs = [np.zeros(ns.block_bytes, dtype=np.uint8) for _ in items]
         assert await client.read(items, outs) == [ns.block_bytes] * 6
@@ -162,7 +164,7 @@ async def test_reads_after_a_nixl_lookup_need_no_get_call(start: Start) -> None:
         assert paths[1:] == ["/v1/nixl/get", "/v1/release"]  # the range: checked by the store's hash
         assert client.path_bytes["http"] == 0
         assert await client.release(looked.lease_id)
-        assert len(client._described) == 0
+        assert len(client.impl.data.placements) == 0
         assert await client.read(items[:1], outs[:1]) == [ns.block_bytes]
         assert paths[-2:] == ["/v1/nixl/get", "/v1/release"]  # after the release: the usual way
 
@@ -191,7 +193,7 @@ async def test_described_payloads_stay_pinned_under_eviction_pressure(start: Sta
             PrefixClient(ns, ClientConfig(url=url, data_path="http")) as flood:
         assert await save(client, toks) == 6
         looked = await client.lookup(toks)
-        assert len(client._described) == 6
+        assert len(client.impl.data.placements) == 6
         for seed in range(43, 49):  # many times the arena's room
             await save(flood, tokens(seed, 6))
         items, expected = block_reads(client, toks)
@@ -215,7 +217,7 @@ async def test_a_lease_lost_under_a_described_read_is_caught_by_the_checksum(sta
             PrefixClient(ns, ClientConfig(url=url, data_path="http")) as other:
         assert await save(client, toks) == 4
         await client.lookup(toks)
-        assert len(client._described) == 4
+        assert len(client.impl.data.placements) == 4
         await lose_leases_to(store, clock, other, tokens(52, 8))
         items, _ = block_reads(client, toks)
         outs = [np.full(ns.block_bytes, 0xAB, dtype=np.uint8) for _ in items]
@@ -233,7 +235,7 @@ async def test_described_runs_are_not_used_past_the_lease_deadline(start: Start)
     async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client:
         assert await save(client, toks) == 2
         await client.lookup(toks)
-        assert len(client._described) == 2
+        assert len(client.impl.data.placements) == 2
         await asyncio.sleep(0.6)
         paths = record_paths(client)
         items, expected = block_reads(client, toks)
@@ -252,7 +254,7 @@ async def test_store_without_nixl_lookup_part_and_http_clients_see_the_same_answ
         assert await save(nixl, toks) == 3
         a, b = await nixl.lookup(toks), await http.lookup(toks)
         assert (a.kv_tokens, a.matched_blocks) == (b.kv_tokens, b.matched_blocks) == (len(toks), 3)
-        assert len(nixl._described) == 3 and len(http._described) == 0
+        assert len(nixl.impl.data.placements) == 3 and len(http.impl.data.placements) == 0
         item = GetItem(key=nixl.prompt(toks).block_key(0))
         out = np.zeros(ns.block_bytes, dtype=np.uint8)
         assert await http.read([item], [out]) == [ns.block_bytes]

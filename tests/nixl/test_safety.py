@@ -96,7 +96,7 @@ async def test_staging_regions_not_covered_by_a_read_are_zeroed(start: Start) ->
         assert not staging.host_view(slots[3]).any()
         assert staging.zeroed_bytes == ns.block_bytes
         assert client.path_bytes["nixl"] >= 3 * ns.block_bytes and client.path_bytes["http"] == 0
-        assert client._nixl is not None and len(client._nixl.path._regions) == 1  # registered once
+        assert client.impl.data.channel is not None and len(client.impl.data.channel.path.registered_memory) == 1  # registered once
 
 
 async def test_store_without_nixl_serves_the_same_results_over_http(
@@ -104,7 +104,7 @@ async def test_store_without_nixl_serves_the_same_results_over_http(
     url, _ = await start(nixl="off")
     ns = namespace()
     toks = tokens(10, 3)
-    caplog.set_level(logging.INFO, logger="prefixstore.client.client")
+    caplog.set_level(logging.INFO, logger="prefixstore.client")
     async with PrefixClient(ns, ClientConfig(url=url, data_path="auto")) as auto, \
             PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as strict:
         assert await save(auto, toks) == 3
@@ -176,8 +176,8 @@ async def test_chunked_read_keeps_verified_chunks_and_retries_the_rest_over_http
         items, expected = block_reads(client, toks)
         got, outs = await read(client, items, ns.block_bytes)
         assert got == [ns.block_bytes] * 8 and [o.tobytes() for o in outs] == expected
-        assert client._nixl is not None
-        path = client._nixl.path
+        assert client.impl.data.channel is not None
+        path = client.impl.data.channel.path
         real = path.transfer
         calls: list[int] = []
 

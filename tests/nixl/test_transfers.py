@@ -111,15 +111,15 @@ async def test_store_restart_between_lookup_and_read(serve: StartServe, tmp_path
         assert await save(client, toks) == 4
         looked = await client.lookup(toks)
         assert looked.kv_tokens == 4 * BLOCK_TOKENS
-        old_agent = client._nixl.path.remote if client._nixl else None
+        old_agent = client.impl.data.channel.path.remote if client.impl.data.channel else None
 
         first.stop()
         second = serve(*store_args(data_dir, port=port))
         items, expected = block_reads(client, toks)
         got, outs = await read(client, items, ns.block_bytes)
         assert got == [ns.block_bytes] * 4 and [o.tobytes() for o in outs] == expected
-        assert client.data_path == "nixl" and client._nixl is not None
-        assert client._nixl.path.remote != old_agent  # the new incarnation's agent was loaded
+        assert client.data_path == "nixl" and client.impl.data.channel is not None
+        assert client.impl.data.channel.path.remote != old_agent  # the new incarnation's agent was loaded
         nixl_bytes = client.path_bytes["nixl"]
         assert nixl_bytes >= 4 * ns.block_bytes
 

@@ -351,4 +351,4 @@ def test_save_then_load_over_nixl_into_the_registered_staging_region(
     assert client.failures.total() == 0
     # The staging region was registered once (register_kv_caches), so loads needed no per-call registration.
     host = e.worker._staging.host.numpy()
-    assert client._nixl.path._covered(host.ctypes.data, host.ctypes.data + host.nbytes)
+    assert client.impl.data.channel.path.covers(host.ctypes.data, host.ctypes.data + host.nbytes)

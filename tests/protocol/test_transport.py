@@ -1,4 +1,4 @@
-"""The bulk GET path (client/bulk.py): payloads received straight into caller buffers.
+"""The frame transport (protocol/transport.py): get payloads received straight into caller buffers.
 
 Against a real store (in-process, or a subprocess that is SIGKILLed mid-read)
 and against a scripted fake that answers /v1/get with malformed responses.
@@ -19,7 +19,7 @@ import pytest
 import xxhash
 
 from prefixstore.client import ClientConfig, PrefixClient
-from prefixstore.client import bulk
+from prefixstore.protocol import transport
 from prefixstore.protocol import KVLayout, Kind, Namespace, make_entry_key
 from prefixstore.protocol.hashing import BlockHash
 from prefixstore.protocol.wire import CONTENT_TYPE, GetItem, encode_frame, encode_header
@@ -129,7 +129,7 @@ async def test_payload_larger_than_its_buffer_is_dropped_and_the_stream_continue
         # The answer was read to its end, so the connection serves the next read.
         again = [bytearray(len(p)) for _, p in stored]
         assert await c.read([it for it, _ in stored], again) == [len(p) for _, p in stored]
-        assert c._bulk().num_connects == 1
+        assert c.impl.pool.num_connects == 1
 
 
 async def test_one_connection_serves_consecutive_reads(big_store: RunningStore) -> None:
@@ -137,20 +137,20 @@ async def test_one_connection_serves_consecutive_reads(big_store: RunningStore) 
     async with big_store.client(ns) as c:
         stored = await store_chain(c, 8 * 16 + 1, seed=6)
         items = [it for it, _ in stored]
-        pool = c._bulk()
-        before = pool._idle[0].num_requests  # control calls (register, offers) share the pool
+        pool = c.impl.pool
+        before = pool.idle_requests[0]  # control calls (register, offers) share the pool
         for _ in range(5):
             outs = [bytearray(len(p)) for _, p in stored]
             assert await c.read(items, outs) == [len(p) for _, p in stored]
             assert [bytes(o) for o in outs] == [p for _, p in stored]
         assert pool.num_connects == 1
-        assert len(pool._idle) == 1 and pool._idle[0].num_requests == before + 5
+        assert pool.idle == 1 and pool.idle_requests[0] == before + 5
         # Reads split into several batches (max_get_bytes) also share it.
     async with big_store.client(ns, max_get_bytes=1 << 20, data_path="http") as c:
         outs = [bytearray(len(p)) for _, p in stored]
         assert await c.read(items, outs) == [len(p) for _, p in stored]
         # One connection: the namespace registration, then five batches.
-        assert c._bulk().num_connects == 1 and c._bulk()._idle[0].num_requests == 1 + 5
+        assert c.impl.pool.num_connects == 1 and c.impl.pool.idle_requests[0] == 1 + 5
 
 
 async def test_concurrent_reads_use_separate_connections(big_store: RunningStore) -> None:
@@ -162,7 +162,7 @@ async def test_concurrent_reads_use_separate_connections(big_store: RunningStore
         got = await asyncio.gather(*(c.read(items, o) for o in outs))
         assert got == [[len(p) for _, p in stored]] * 4
         assert all([bytes(x) for x in o] == [p for _, p in stored] for o in outs)
-        assert c._bulk().num_connects == 4
+        assert c.impl.pool.num_connects == 4
 
 
 @pytest.mark.parametrize("kind", ["numpy slices", "memoryview slices"])
@@ -376,7 +376,7 @@ async def test_fake_store_good_answer_is_read(fake: Callable[[Answer], Awaitable
             outs = outs_for(PAYLOADS)
             assert await c.read(ITEMS, outs) == [len(p) for p in PAYLOADS]
             assert [bytes(o[: len(p)]) for o, p in zip(outs, PAYLOADS)] == PAYLOADS
-        assert c.failures == {} and c._bulk().num_connects == 1
+        assert c.failures == {} and c.impl.pool.num_connects == 1
 
 
 GARBAGE = {
@@ -392,7 +392,7 @@ GARBAGE = {
     "bad item": http_answer(encode_frame({"items": [["ok", "big", 0]] * 3})),
     "length mismatch": http_answer(get_frame(PAYLOADS) + b"extra"),
     "huge header_len": http_answer(b"PSF\x01\xff\xff\xff\x7f" + b"\0" * 64),
-    "head never ends": b"HTTP/1.1 200 OK\r\nX: " + b"a" * (bulk.MAX_HEAD_BYTES + 100),
+    "head never ends": b"HTTP/1.1 200 OK\r\nX: " + b"a" * (transport.MAX_HEAD_BYTES + 100),
     "500 with a body": http_answer(b'{"error": "boom"}', status="500 Internal Server Error"),
     "huge error body": b"HTTP/1.1 503 Unavailable\r\nContent-Length: 99999999\r\n\r\nxx",
 }
@@ -407,7 +407,7 @@ async def test_garbage_answers_are_misses(fake: Callable[[Answer], Awaitable[Fak
         assert await c.read(ITEMS, outs) == [-1, -1, -1]
         assert time.monotonic() - started < 1.5, "a malformed answer was waited on until the timeout"
         assert c.failures["read"] >= 1
-        assert not c._bulk()._idle or kind == "500 with a body", "a connection with a bad answer was kept"
+        assert not c.impl.pool.idle or kind == "500 with a body", "a connection with a bad answer was kept"
 
 
 @pytest.mark.parametrize("where", ["inside payload 1", "before answering", "inside the headers",
@@ -430,7 +430,7 @@ async def test_connection_closed_mid_answer(fake: Callable[[Answer], Awaitable[F
         else:
             assert got == [-1, -1, -1]
         assert c.failures["read"] == 1
-        assert not c._bulk()._idle
+        assert not c.impl.pool.idle
 
 
 async def test_checksum_mismatch_is_a_miss(fake: Callable[[Answer], Awaitable[FakeStore]]) -> None:
@@ -487,7 +487,7 @@ async def test_stalled_answer_times_out_as_a_miss(fake: Callable[[Answer], Await
         assert "timeout_s=0.3" in caplog.text
         # The timed-out connection is not reused: the next read opens a fresh one and succeeds.
         assert await c.read(ITEMS, outs_for(PAYLOADS)) == [len(p) for p in PAYLOADS]
-        assert c._bulk().num_connects == 2
+        assert c.impl.pool.num_connects == 2
 
 
 async def test_cancelled_read_drops_its_connection(fake: Callable[[Answer], Awaitable[FakeStore]]) -> None:
@@ -508,9 +508,9 @@ async def test_cancelled_read_drops_its_connection(fake: Callable[[Answer], Awai
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not c._bulk()._idle
+        assert not c.impl.pool.idle
         assert await c.read(ITEMS, outs) == [len(p) for p in PAYLOADS]
-        assert c._bulk().num_connects == 2
+        assert c.impl.pool.num_connects == 2
 
 
 async def test_kept_alive_connection_closed_by_the_store_is_retried(fake: Callable[[Answer], Awaitable[FakeStore]]) -> None:
@@ -538,7 +538,7 @@ async def test_store_that_forgot_the_namespace_is_asked_again(fake: Callable[[An
         nonlocal calls
         calls += 1
         if calls == 1:
-            return http_answer(b'{"error": "ns: unknown namespace"}', status="404 Not Found")
+            return http_answer(b'{"error": "ns: unknown namespace", "field": "ns"}', status="404 Not Found")
         return http_answer(frame)
 
     s = await fake(forgetful)
@@ -546,30 +546,30 @@ async def test_store_that_forgot_the_namespace_is_asked_again(fake: Callable[[An
         assert await c.read(ITEMS, outs_for(PAYLOADS)) == [len(p) for p in PAYLOADS]
         assert s.paths == ["/v1/namespaces", "/v1/get", "/v1/namespaces", "/v1/get"]
         assert c.failures == {}
-        assert c._bulk().num_connects == 1  # the 404 answer was read whole: its connection was kept
+        assert c.impl.pool.num_connects == 1  # the 404 answer was read whole: its connection was kept
 
 
 def test_parse_head() -> None:
-    h = bulk.parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nConnection: keep-alive")
+    h = transport.parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\nConnection: keep-alive")
     assert (h.status, h.content_length, h.keep_alive) == (200, 12, True)
-    assert not bulk.parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close").keep_alive
-    assert not bulk.parse_head(b"HTTP/1.0 200 OK\r\nContent-Length: 0").keep_alive
+    assert not transport.parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close").keep_alive
+    assert not transport.parse_head(b"HTTP/1.0 200 OK\r\nContent-Length: 0").keep_alive
     for bad in (b"HTTP/2 200 OK\r\nContent-Length: 1", b"HTTP/1.1 200 OK\r\nContent-Length: -1",
                 b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2", b"HTTP/1.1 200 OK\r\nno colon",
                 b"HTTP/1.1 200 OK"):
-        with pytest.raises(bulk.BulkError):
-            bulk.parse_head(bad)
+        with pytest.raises(transport.Malformed):
+            transport.parse_head(bad)
 
 
 def test_pool_url_and_request() -> None:
-    pool = bulk.BulkPool("http://store.local:9000/base/", connect_timeout_s=1.0)
+    pool = transport.FramePool("http://store.local:9000/base/", connect_timeout_s=1.0)
     assert (pool.host, pool.port, pool.base_path) == ("store.local", 9000, "/base")
-    head = bulk.request_head(pool, "/v1/get", 42)
+    head = transport.request_head(pool, "/v1/get", 42)
     assert head.startswith(b"POST /base/v1/get HTTP/1.1\r\nHost: store.local:9000\r\n")
     assert b"Content-Length: 42\r\n" in head and head.endswith(b"\r\n\r\n")
-    assert bulk.BulkPool("http://h", connect_timeout_s=1.0).port == 80
+    assert transport.FramePool("http://h", connect_timeout_s=1.0).port == 80
     with pytest.raises(ValueError, match="ssl context"):
-        bulk.BulkPool("https://h", connect_timeout_s=1.0)
+        transport.FramePool("https://h", connect_timeout_s=1.0)
 
 
 # ---------------------------------------------------------------- TLS plumbing
@@ -625,11 +625,11 @@ async def test_bulk_read_over_tls(big_store: RunningStore, tmp_path: Path) -> No
         async with big_store.client(ns) as c:
             stored = await store_chain(c, 6 * 16 + 3, seed=10)
             request = encode_header({"ns": ns.id, "items": [it.to_wire() for it, _ in stored]})
-        pool = bulk.BulkPool(f"https://127.0.0.1:{port}", connect_timeout_s=5.0, ssl_context=client_ctx)
+        pool = transport.FramePool(f"https://127.0.0.1:{port}", connect_timeout_s=5.0, ssl_context=client_ctx)
         try:
             for _ in range(2):
                 outs = [bytearray(len(p)) for _, p in stored]
-                result = await bulk.read_get(pool, request, [memoryview(o) for o in outs], timeout_s=10.0, verify=True)
+                result = await transport.get_into(pool, request, [memoryview(o) for o in outs], timeout_s=10.0, verify=True)
                 assert result.error is None and result.problems == []
                 assert result.sizes == [len(p) for _, p in stored]
                 assert [bytes(o) for o in outs] == [p for _, p in stored]
@@ -643,9 +643,9 @@ async def test_bulk_read_over_tls(big_store: RunningStore, tmp_path: Path) -> No
 def test_spans_group_back_to_back_destinations() -> None:
     region = memoryview(bytearray(100))
     elsewhere = memoryview(bytearray(10))
-    sinks: list[bulk.Sink] = [region[0:10], region[10:30], 5, region[30:40], region[41:50], elsewhere,
+    sinks: list[transport.Sink] = [region[0:10], region[10:30], 5, region[30:40], region[41:50], elsewhere,
                               region[50:60], region[60:60], region[60:70]]
-    spans = bulk._spans(sinks)
+    spans = transport.spans_of(sinks)
     assert spans[2] is None
     first, second = spans[0], spans[1]
     assert first is not None and second is not None
@@ -684,15 +684,15 @@ async def test_receiver_fills_any_layout_from_any_chunking(seed: int) -> None:
     """Random sinks (empty, dropped, small, large, back to back or not), random bytes ahead of fill(),
     random receive sizes: every sink gets exactly its bytes, on_data reports them in order."""
     rng = np.random.default_rng(seed)
-    receiver = bulk._Receiver(scratch_bytes=int(rng.choice([64, 4096, 1 << 20])))
-    transport = _FakeTransport()
-    receiver.connection_made(transport)
+    receiver = transport.Receiver(scratch_bytes=int(rng.choice([64, 4096, 1 << 20])))
+    fake = _FakeTransport()
+    receiver.connection_made(fake)
     region = bytearray(4 << 20)
-    sinks: list[bulk.Sink] = []
+    sinks: list[transport.Sink] = []
     at = 0
     for _ in range(int(rng.integers(0, 14))):
         size = int(rng.choice([0, int(rng.integers(1, 100)), int(rng.integers(1, 5000)),
-                               int(rng.integers(bulk.DIRECT_MIN_BYTES - 10, bulk.DIRECT_MIN_BYTES + 50_000))]))
+                               int(rng.integers(transport.DIRECT_MIN_BYTES - 10, transport.DIRECT_MIN_BYTES + 50_000))]))
         if rng.random() < 0.15:
             sinks.append(size)  # dropped
             continue
@@ -707,7 +707,7 @@ async def test_receiver_fills_any_layout_from_any_chunking(seed: int) -> None:
 
     def feed(limit: int) -> None:
         nonlocal sent
-        while sent < len(stream) and limit > 0 and not transport.paused:
+        while sent < len(stream) and limit > 0 and not fake.paused:
             buf = receiver.get_buffer(-1)
             assert len(buf) > 0
             n = min(len(buf), len(stream) - sent, limit, int(rng.integers(1, 300_000)))

@@ -1,12 +1,19 @@
-"""The bulk read path: ``POST /v1/get`` over pooled HTTP/1.1 keep-alive connections, with the
-payloads received straight into the caller's buffers.
+"""The frame transport: every call a client makes of a store (and a node of another node), over
+pooled HTTP/1.1 keep-alive connections, with get payloads received straight into the caller's
+buffers and put payloads sent straight from theirs.
 
-Why not aiohttp here (it still carries every control call): its client copies
+One transport for every caller: the engine's client (client/node.py) for control calls, puts
+and gets, and a store node for its replica pushes (store/replication.py). It uses asyncio only,
+so both ends of the wire share it (protocol/ imports nothing of ours and no HTTP library).
+Failures are :class:`protocol.errors.StoreError` values that keep the path, the HTTP status and
+the field the store named, so callers branch on them, never on text.
+
+Why not aiohttp for these: its client copies
 each body byte three times (socket -> ``bytes``, a second ``bytes`` in the
 llhttp body callback, then into the destination) and takes an event-loop trip
 through its ``StreamReader`` per chunk. On loopback that held GETs at 29-56% of
 a raw socket transfer of the same bytes (docs/benchmarks.md). Here the socket
-is driven by an :class:`asyncio.BufferedProtocol` (:class:`_Receiver`) that
+is driven by an :class:`asyncio.BufferedProtocol` (:class:`Receiver`) that
 tells the transport where each receive goes::
 
     scratch (1 MiB, per connection)                      caller buffers
@@ -22,7 +29,7 @@ tells the transport where each receive goes::
       destinations, the kernel's copy the only one;
     * smaller rests (say 64 KiB payloads in separate buffers): many per
       receive through the scratch, then copied out -- an event-loop
-      iteration per receive costs about as much as the memcpy (see _Receiver);
+      iteration per receive costs about as much as the memcpy (see Receiver);
     * a payload larger than its buffer: received into the scratch and dropped.
 
 Checksums (xxh3-64) are verified inline, chunk by chunk right after each
@@ -34,13 +41,17 @@ thread competes for the cores and re-reads the payloads from memory. Hashing
 per receive also bounds the time the event loop spends on any one payload,
 however large.
 
+Puts send the frame header and then each payload view as it is (no join into one body), under
+the transport's flow control (``pause_writing`` / ``resume_writing``): a body larger than the
+socket takes waits for it to drain instead of piling up in the transport's buffer.
+
 Only the bytes of a payload that was received whole and whose checksum
 matched are ever reported as read. A connection whose response was not read
 to its exact end (any error, timeout or cancellation) is aborted, never
 reused, and the transport is closed before the call returns, so nothing is
 written into a caller's buffer after that.
 
-TLS: :class:`BulkPool` takes an ``ssl_context`` and hands it to
+TLS: :class:`FramePool` takes an ``ssl_context`` and hands it to
 ``loop.create_connection``; asyncio's TLS transport drives a
 ``BufferedProtocol`` the same way (one more copy, out of the TLS layer;
 tests/client/test_bulk_read.py reads over TLS).
@@ -57,22 +68,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+import json
+
 import xxhash
 
-from ..protocol.wire import (
+from .errors import ItemStatus, Problem, StoreError
+from .wire import (
     CONTENT_TYPE,
     PREFIX_BYTES,
-    STATUS_OK,
     GetResult,
     Limits,
     WireError,
+    decode_frame,
     decode_header,
+    encode_header,
     parse_prefix,
 )
 
 SCRATCH_BYTES: Final = 1 << 20
 """Per connection: the status line and headers, bytes that arrive ahead of a destination, and the
-bounce buffer for payload ends smaller than DIRECT_MIN_BYTES (see _Receiver)."""
+bounce buffer for payload ends smaller than DIRECT_MIN_BYTES (see Receiver)."""
 DIRECT_MIN_BYTES: Final = 256 << 10
 """A payload (rest) at least this large is received straight into its destination; a smaller one
 through the scratch, together with its neighbours, at the cost of one memcpy."""
@@ -93,20 +108,26 @@ DataCallback = Callable[[int, int, int], None]
 """``(sink index, start, end)``: bytes [start, end) of that sink have arrived."""
 
 
-class BulkError(Exception):
-    """The store could not answer a bulk request (connection, HTTP status, malformed answer).
+def _malformed(path: str, message: str) -> StoreError:
+    return StoreError(path, f"malformed answer: {message}", problem=Problem.UNAVAILABLE)
 
-    ``status`` is the HTTP status when the store answered one other than 200."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
+def _answered(path: str, status: int, body: bytes) -> StoreError:
+    """A non-200 answer as a typed error: the field from the store's JSON body ``{"error", "field"}``."""
+    field = ""
+    try:
+        parsed = json.loads(body)
+        if isinstance(parsed, dict) and isinstance(parsed.get("field"), str):
+            field = parsed["field"]
+    except ValueError:
+        pass
+    return StoreError(path, f"answered {status}: {body[:300].decode(errors='replace')}", status=status, field=field)
 
 
 # ---------------------------------------------------------------- the receiving protocol
 
 
-class _Receiver(asyncio.BufferedProtocol):
+class Receiver(asyncio.BufferedProtocol):
     """Receives into a scratch buffer, or, while :meth:`fill` runs, into a list of sinks.
 
     Outside :meth:`fill`, received bytes are ``scratch[_start:_end]``, and
@@ -115,7 +136,7 @@ class _Receiver(asyncio.BufferedProtocol):
     ``get_buffer`` returns either
 
     * the unfilled rest of the current destination -- extended over the
-      following ones when they lie back to back in memory (:func:`_spans`:
+      following ones when they lie back to back in memory (:func:`spans_of`:
       an engine's staging region carved into consecutive slots) -- when at
       least ``DIRECT_MIN_BYTES`` of it are left: the kernel writes straight
       into the caller's buffers (one copy), or
@@ -146,6 +167,7 @@ class _Receiver(asyncio.BufferedProtocol):
         self._filling = False
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        self._writable: asyncio.Future[None] | None = None  # set while the transport asks us to stop writing
         self.error: BaseException | None = None  # set once the peer closed or the transport failed
         self.transport: asyncio.Transport | None = None
         self.bytes_received = 0  # since the last reset_count(): tells a stale kept-alive connection apart
@@ -200,6 +222,22 @@ class _Receiver(asyncio.BufferedProtocol):
         self._closed(ConnectionResetError("the store closed the connection"))
         return False  # let the transport close itself
 
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        waiter, self._writable = self._writable, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def drain(self) -> None:
+        """Until the transport takes more (its write buffer fell below the low-water mark)."""
+        if self.error is not None:
+            raise self.error
+        if self._writable is not None:
+            await self._writable
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed(exc or ConnectionResetError("the connection was closed"))
 
@@ -224,7 +262,7 @@ class _Receiver(asyncio.BufferedProtocol):
                 self._start = k + 4
                 return head
             if self._end - self._start >= limit:
-                raise BulkError(f"malformed response: no end of headers within {limit} bytes")
+                raise Malformed(f"no end of headers within {limit} bytes")
             seen = self._end - self._start
             await self._wait()
 
@@ -248,7 +286,7 @@ class _Receiver(asyncio.BufferedProtocol):
             return
         # The scratch is drained: from here receives go to the sinks.
         self._start = self._end = 0
-        self._spans = _spans(sinks)
+        self._spans = spans_of(sinks)
         self._small_run = _small_runs(self._sizes, self._spans)
         if self.error is not None:
             self._stop_filling()
@@ -342,6 +380,9 @@ class _Receiver(asyncio.BufferedProtocol):
         self._stop_filling()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(self.error)
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_exception(self.error)
 
 
 def _size(sink: Sink) -> int:
@@ -364,7 +405,7 @@ def _small_runs(sizes: list[int], spans: list[Span]) -> list[int]:
     return out
 
 
-def _spans(sinks: Sequence[Sink]) -> list[Span]:
+def spans_of(sinks: Sequence[Sink]) -> list[Span]:
     """For each destination, the run of back-to-back destinations it starts or continues.
 
     A run is received as one region, so payloads that an engine laid out one
@@ -373,7 +414,7 @@ def _spans(sinks: Sequence[Sink]) -> list[Span]:
     address range (``ctypes``), because the destinations may be separate
     objects (numpy views, memoryview slices) of one allocation. Safe because
     the range is exactly the union of the destinations, each kept alive by
-    ``_Receiver._sinks`` for as long as the spans are (both are dropped
+    ``Receiver._sinks`` for as long as the spans are (both are dropped
     together in ``_stop_filling``)."""
     spans: list[Span] = []
     run: list[int] = []  # sink indices of the current run
@@ -411,12 +452,16 @@ def _spans(sinks: Sequence[Sink]) -> list[Span]:
 # ---------------------------------------------------------------- connections and the pool
 
 
+class Malformed(Exception):
+    """A response that is not a well-formed HTTP/1.1 answer (raised inside an exchange, reported as a StoreError)."""
+
+
 @dataclass(slots=True)
 class Connection:
     """One HTTP/1.1 connection; reusable once a response was read to its exact end."""
 
     transport: asyncio.Transport
-    receiver: _Receiver
+    receiver: Receiver
     num_requests: int = 0
     clean: bool = True  # False from a request's start until its response was read whole
 
@@ -430,10 +475,11 @@ class Connection:
         self.transport.abort()
 
 
-class BulkPool:
-    """Kept-alive connections to one store, for bulk bodies (``/v1/get``).
+class FramePool:
+    """Kept-alive connections to one store node.
 
-    ``ssl_context``: for an https store, passed as is to ``create_connection``."""
+    ``ssl_context``: for an https store, passed as is to ``create_connection``; ``authorization``:
+    the Authorization header value sent with every request (a bearer token)."""
 
     def __init__(self, url: str, *, connect_timeout_s: float, ssl_context: ssl.SSLContext | None = None,
                  max_idle: int = MAX_IDLE_CONNECTIONS, authorization: str | None = None) -> None:
@@ -441,7 +487,8 @@ class BulkPool:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url: expected http://host[:port] or https://..., got {url!r}")
         if parts.scheme == "https" and ssl_context is None:
-            raise ValueError("url: an https store needs an ssl context for the bulk path")
+            raise ValueError("url: an https store needs an ssl context")
+        self.url = url
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.netloc = parts.netloc
@@ -449,21 +496,32 @@ class BulkPool:
         self.ssl_context = ssl_context
         if authorization is not None and any(c in authorization for c in "\r\n"):
             raise ValueError("authorization: must not contain line breaks")
-        self.authorization = authorization  # the Authorization header value sent with every request
+        self.authorization = authorization
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self._idle: collections.deque[Connection] = collections.deque()
         self.num_connects = 0
         self.closed = False
 
+    @property
+    def idle(self) -> int:
+        """Connections kept alive for the next call now."""
+        return len(self._idle)
+
+    @property
+    def idle_requests(self) -> list[int]:
+        """Requests each idle connection has served (a connection's reuse, for tests)."""
+        return [c.num_requests for c in self._idle]
+
     async def connect(self) -> Connection:
         loop = asyncio.get_running_loop()
         try:
             transport, receiver = await asyncio.wait_for(
-                loop.create_connection(_Receiver, self.host, self.port, ssl=self.ssl_context),
+                loop.create_connection(Receiver, self.host, self.port, ssl=self.ssl_context),
                 self.connect_timeout_s)
         except asyncio.TimeoutError as err:
-            raise BulkError(f"connect to {self.host}:{self.port} timed out after {self.connect_timeout_s}s") from err
+            raise ConnectionRefusedError(f"connect to {self.host}:{self.port} timed out after "
+                                         f"{self.connect_timeout_s}s") from err
         assert isinstance(transport, asyncio.Transport)
         self.num_connects += 1
         return Connection(transport, receiver)
@@ -518,21 +576,33 @@ def parse_head(raw: bytes) -> ResponseHead:
                 raise ValueError("conflicting Content-Length headers")
             headers[name] = value
     except ValueError as err:
-        raise BulkError(f"malformed response head: {err}") from err
+        raise Malformed(f"malformed response head: {err}") from err
     if "transfer-encoding" in headers:
-        raise BulkError(f"malformed response: unexpected Transfer-Encoding {headers['transfer-encoding']!r}")
+        raise Malformed(f"unexpected Transfer-Encoding {headers['transfer-encoding']!r}")
     length = headers.get("content-length", "")
     if not length.isdigit():
-        raise BulkError(f"malformed response: Content-Length {length!r}")
+        raise Malformed(f"Content-Length {length!r}")
     connection = headers.get("connection", "").lower()
     keep_alive = "close" not in connection and (version == "HTTP/1.1" or "keep-alive" in connection)
     return ResponseHead(status=int(status_text), content_length=int(length), keep_alive=keep_alive)
 
 
-def request_head(pool: BulkPool, path: str, body_bytes: int) -> bytes:
+def request_head(pool: FramePool, path: str, body_bytes: int, method: str = "POST") -> bytes:
     auth = f"Authorization: {pool.authorization}\r\n" if pool.authorization else ""
-    return (f"POST {pool.base_path}{path} HTTP/1.1\r\nHost: {pool.netloc}\r\nContent-Type: {CONTENT_TYPE}\r\n"
-            f"{auth}Content-Length: {body_bytes}\r\nConnection: keep-alive\r\n\r\n").encode("latin-1")
+    body = f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {body_bytes}\r\n" if method == "POST" else ""
+    return (f"{method} {pool.base_path}{path} HTTP/1.1\r\nHost: {pool.netloc}\r\n{body}"
+            f"{auth}Connection: keep-alive\r\n\r\n").encode("latin-1")
+
+
+def _error_of(path: str, err: BaseException, timeout_s: float) -> StoreError:
+    """What a failed exchange is to its caller."""
+    if isinstance(err, StoreError):
+        return err
+    if isinstance(err, asyncio.TimeoutError):
+        return StoreError(path, f"no complete answer within timeout_s={timeout_s}", problem=Problem.TIMEOUT)
+    if isinstance(err, (Malformed, WireError)):
+        return _malformed(path, str(err))
+    return StoreError(path, f"{type(err).__name__}: {err}")
 
 
 # ---------------------------------------------------------------- checksums
@@ -597,10 +667,10 @@ class GetBatch:
 
     sizes: list[int]
     problems: list[tuple[str, str]] = field(default_factory=list)
-    error: BulkError | None = None
+    error: StoreError | None = None
 
 
-async def read_get(pool: BulkPool, request: bytes, views: Sequence[memoryview], *, timeout_s: float,
+async def get_into(pool: FramePool, request: bytes, views: Sequence[memoryview], *, timeout_s: float,
                    verify: bool, path: str = "/v1/get") -> GetBatch:
     """POST ``request`` (a whole frame) and receive the payloads into ``views``, one per item.
 
@@ -622,18 +692,16 @@ async def read_get(pool: BulkPool, request: bytes, views: Sequence[memoryview], 
                         raise
                     continue
                 except BaseException as err:
-                    if isinstance(err, BulkError) and conn.clean:
+                    if isinstance(err, StoreError) and err.status is not None and conn.clean:
                         pool.release(conn)  # an error answer read whole: the connection is fine
                     else:
                         conn.abort()
                     raise
                 pool.release(conn)
                 break
-    except (BulkError, WireError, OSError, asyncio.TimeoutError) as err:
-        if isinstance(err, BulkError):
-            result.error = err
-        else:
-            result.error = BulkError(_describe(err, timeout_s))
+    except (StoreError, Malformed, WireError, OSError, asyncio.TimeoutError) as err:
+        result.error = _error_of(path, err, timeout_s)
+        if result.error is not err:
             result.error.__cause__ = err
     for j, size in verifier.ok:
         result.sizes[j] = size
@@ -642,13 +710,7 @@ async def read_get(pool: BulkPool, request: bytes, views: Sequence[memoryview], 
     return result
 
 
-def _describe(err: BaseException, timeout_s: float) -> str:
-    if isinstance(err, asyncio.TimeoutError):
-        return f"no complete answer within timeout_s={timeout_s}"
-    return f"{type(err).__name__}: {err}"
-
-
-async def _exchange(pool: BulkPool, conn: Connection, request: bytes, views: Sequence[memoryview],
+async def _exchange(pool: FramePool, conn: Connection, request: bytes, views: Sequence[memoryview],
                     verifier: _Verifier, problems: list[tuple[str, str]], path: str) -> None:
     receiver = conn.receiver
     if receiver.error is not None:
@@ -661,25 +723,24 @@ async def _exchange(pool: BulkPool, conn: Connection, request: bytes, views: Seq
     head = parse_head(await receiver.read_head(MAX_HEAD_BYTES))
     if head.status != 200:
         if head.content_length > MAX_ERROR_BODY_BYTES:
-            raise BulkError(f"{path} answered {head.status} (a {head.content_length}-byte body, not read)",
-                            head.status)
+            raise StoreError(path, f"answered {head.status} (a {head.content_length}-byte body, not read)",
+                             status=head.status)
         body = await receiver.read_exactly(head.content_length)
         conn.clean = head.keep_alive  # the answer was read whole: the connection can serve again
-        raise BulkError(f"{path} answered {head.status}: {body[:300].decode(errors='replace')}", head.status)
+        raise _answered(path, head.status, bytes(body))
     if head.content_length < PREFIX_BYTES:
-        raise BulkError(f"malformed answer: Content-Length {head.content_length} is shorter than a frame")
+        raise _malformed(path, f"Content-Length {head.content_length} is shorter than a frame")
 
     header_len = parse_prefix(bytes(await receiver.read_exactly(PREFIX_BYTES)), MAX_ANSWER_HEADER_BYTES)
     header = decode_header(await receiver.read_exactly(header_len))
     raw_items = header.get("items")
     if not isinstance(raw_items, list) or len(raw_items) != len(views):
-        raise BulkError(f"malformed answer: {path} lists a different number of items than asked for")
+        raise _malformed(path, "it lists a different number of items than asked for")
     answers = [GetResult.from_wire(x) for x in raw_items]
-    ok = [(j, r) for j, r in enumerate(answers) if r.status == STATUS_OK]
+    ok = [(j, r) for j, r in enumerate(answers) if r.status is ItemStatus.OK]
     body_bytes = PREFIX_BYTES + header_len + sum(r.size for _, r in ok)
     if body_bytes != head.content_length:
-        raise BulkError(f"malformed answer: the frame holds {body_bytes} bytes, Content-Length says "
-                        f"{head.content_length}")
+        raise _malformed(path, f"the frame holds {body_bytes} bytes, Content-Length says {head.content_length}")
 
     sinks: list[Sink] = []
     for j, r in ok:
@@ -696,16 +757,42 @@ async def _exchange(pool: BulkPool, conn: Connection, request: bytes, views: Seq
     conn.clean = head.keep_alive
 
 
-# ---------------------------------------------------------------- small control exchanges
+# ---------------------------------------------------------------- calls with a small answer
 
 
-async def post_control(pool: BulkPool, path: str, request: bytes, *, timeout_s: float) -> bytes:
-    """POST a whole frame and return the whole answer body, on a pooled connection.
+async def post(pool: FramePool, path: str, header: dict[str, object],
+               payloads: Sequence[bytes | memoryview] = (), *, timeout_s: float) -> dict[str, object]:
+    """POST a frame (``header`` and ``payloads``, each sent from its own buffer) and return the
+    answer frame's header, on a pooled connection. Raises :class:`StoreError`.
 
-    Lookups ride this path too: their request is large (a 131k-token prompt is
-    655 KB) and aiohttp's per-request machinery cost about 1.5 ms of a 3.3 ms
-    round trip (docs/benchmarks.md). Raises BulkError (with ``status`` for a
-    non-200 answer), OSError or asyncio.TimeoutError."""
+    Lookups ride this path too: their request is large (a 131k-token prompt is 655 KB) and
+    aiohttp's per-request machinery cost about 1.5 ms of a 3.3 ms round trip
+    (docs/benchmarks.md); puts send their payloads without joining them into one body."""
+    frame = encode_header(header)
+    body_bytes = len(frame) + sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in payloads)
+    try:
+        body = await _call(pool, request_head(pool, path, body_bytes), [frame, *payloads], path,
+                           MAX_ANSWER_HEADER_BYTES + PREFIX_BYTES, timeout_s)
+        answer, _ = decode_frame(body, MAX_ANSWER_HEADER_BYTES)
+    except (StoreError, Malformed, WireError, OSError, asyncio.TimeoutError) as err:
+        raise _error_of(path, err, timeout_s) from err
+    return answer
+
+
+async def get_json(pool: FramePool, path: str, *, timeout_s: float) -> object:
+    """GET a small JSON answer (``/v1/members``). Raises :class:`StoreError`."""
+    try:
+        body = await _call(pool, request_head(pool, path, 0, "GET"), [], path, MAX_ERROR_BODY_BYTES * 64, timeout_s)
+        return json.loads(body)
+    except ValueError as err:
+        raise _malformed(path, f"not JSON ({err})") from err
+    except (StoreError, Malformed, OSError, asyncio.TimeoutError) as err:
+        raise _error_of(path, err, timeout_s) from err
+
+
+async def _call(pool: FramePool, head: bytes, parts: Sequence[bytes | memoryview], path: str, limit: int,
+                timeout_s: float) -> bytes:
+    """One request whose answer is read whole (at most ``limit`` bytes); a 200 answer's body."""
     async with asyncio.timeout(timeout_s):
         for attempt in range(2):
             conn, reused = await pool.acquire()
@@ -716,15 +803,16 @@ async def post_control(pool: BulkPool, path: str, request: bytes, *, timeout_s: 
                 receiver.reset_count()
                 conn.clean = False
                 conn.num_requests += 1
-                conn.transport.write(request_head(pool, path, len(request)))
-                conn.transport.write(request)
-                head = parse_head(await receiver.read_head(MAX_HEAD_BYTES))
-                limit = MAX_ANSWER_HEADER_BYTES + PREFIX_BYTES if head.status == 200 else MAX_ERROR_BODY_BYTES
-                if head.content_length > limit:
-                    raise BulkError(f"{path} answered {head.status} with a {head.content_length}-byte body, "
-                                    f"more than the {limit} a control answer may have", head.status)
-                body = await receiver.read_exactly(head.content_length)
-                conn.clean = head.keep_alive
+                conn.transport.write(head)
+                for part in parts:
+                    conn.transport.write(part)
+                    await receiver.drain()  # a body larger than the socket takes waits here, not in memory
+                answer = parse_head(await receiver.read_head(MAX_HEAD_BYTES))
+                if answer.content_length > (limit if answer.status == 200 else MAX_ERROR_BODY_BYTES):
+                    raise StoreError(path, f"answered {answer.status} with a {answer.content_length}-byte body, "
+                                     "more than such an answer may have", status=answer.status)
+                body = await receiver.read_exactly(answer.content_length)
+                conn.clean = answer.keep_alive
             except ConnectionError:
                 conn.abort()
                 if attempt or not reused or receiver.bytes_received:
@@ -734,8 +822,10 @@ async def post_control(pool: BulkPool, path: str, request: bytes, *, timeout_s: 
                 conn.abort()
                 raise
             pool.release(conn)
-            if head.status != 200:
-                raise BulkError(f"{path} answered {head.status}: {bytes(body[:300]).decode(errors='replace')}",
-                                head.status)
+            if answer.status != 200:
+                raise _answered(path, answer.status, bytes(body))
             return bytes(body)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+__all__ = ["FramePool", "GetBatch", "Malformed", "get_into", "get_json", "parse_head", "post", "request_head"]

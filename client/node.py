@@ -1,0 +1,324 @@
+"""The client of one store node: hash, look up, read into the engine's buffers, offer and save.
+
+The store is best effort toward the engine. Every engine-facing method here returns a typed
+result and never raises because of the store: a connection error, timeout, 4xx/5xx answer,
+malformed frame or checksum mismatch becomes a miss (lookups, reads) or a dropped save, counted
+in :attr:`NodeClient.failures` and warned about at most once per ``warn_interval_s``.
+
+Every call goes over one frame transport (protocol/transport.py: pooled HTTP/1.1 connections,
+payloads straight between the wire and the caller's buffers); payloads take the data path
+(client/datapath.py: NIXL when usable, HTTP otherwise). A call on the namespace registers it
+first, and once more when the store answers that it does not know it (a restart).
+
+The cluster client (client/cluster.py) composes node clients; it uses the node calls that raise
+(:meth:`probe`, :meth:`report`, :meth:`members`) and counts their failures per node.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..protocol.errors import ItemStatus, Problem, StoreError
+from ..protocol.keys import Kind
+from ..protocol.namespace import Namespace
+from ..protocol.probe import LookupReport, ProbeAnswer, ProbeLevel, ProbeRequest
+from ..protocol.transport import FramePool, get_json, post
+from ..protocol.wire import GetItem, ItemResult, ItemSpec, LookupAnswer, LookupRequest, WireError
+from .config import ClientConfig
+from .datapath import Buffer, DataPath, as_view, batches, results_of
+from .device import DeviceBuffer
+from .failures import Failures
+from .prompt import Prompt, with_payload
+from .results import LookupResult, SaveResult
+
+Observer = Callable[[str, dict[str, object], dict[str, object]], Awaitable[None]]
+"""``(path, request header, answer header)``, awaited after each answered call, before the client
+acts on the answer: a documented seam for tests and diagnostics (e.g. run something between
+/v1/nixl/get and the READ it feeds)."""
+
+
+class NodeClient:
+    def __init__(self, namespace: Namespace, config: ClientConfig | None = None, label: str = "prefixstore") -> None:
+        self.namespace = namespace
+        self.config = config or ClientConfig()
+        self._pool: FramePool | None = None
+        self._registered = False
+        self._failures = Failures(self.config.warn_interval_s, label)
+        self.data = DataPath(namespace, self.config, self, self._failures)
+        self.observers: list[Observer] = []
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def failures(self) -> collections.Counter[str]:
+        """Store failures by operation, each a miss or a dropped save (client/failures.py)."""
+        return self._failures.counts
+
+    @property
+    def path_bytes(self) -> collections.Counter[str]:
+        """Payload bytes moved, by data path ('nixl', 'http')."""
+        return self.data.bytes_moved
+
+    @property
+    def data_path(self) -> str:
+        """'nixl' or 'http': the path payloads take now ('undecided' before the first transfer)."""
+        return self.data.name
+
+    @property
+    def reads_device(self) -> bool:
+        """Whether GPU staging should READ into device memory: ``device_reads`` is on and NIXL is
+        not ruled out. When False callers go straight to host reads; :meth:`read_device` itself
+        works whenever NIXL does."""
+        return self.config.device_reads and self.data.nixl_possible
+
+    async def __aenter__(self) -> NodeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self.data.close()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def prompt(self, tokens: Sequence[int] | np.ndarray | bytes, extra_keys: Sequence[bytes] | None = None) -> Prompt:
+        return Prompt(self.namespace, tokens, extra_keys)
+
+    # ------------------------------------------------------------ calls (NodeCalls, client/datapath.py)
+
+    @property
+    def pool(self) -> FramePool:
+        """The frame transport's connection pool to this node (a documented seam: connection counts)."""
+        if self._pool is None or self._pool.closed:
+            # One verifying TLS context for every call (ClientConfig.ssl_context).
+            self._pool = FramePool(self.config.url, connect_timeout_s=self.config.connect_timeout_s,
+                                   ssl_context=self.config.ssl_context(), authorization=self.config.authorization)
+        return self._pool
+
+    async def post(self, path: str, header: dict[str, object],
+                   payloads: Sequence[bytes | memoryview] = ()) -> dict[str, object]:
+        """POST a frame, return the answer's header. Raises StoreError."""
+        answer = await post(self.pool, path, header, payloads, timeout_s=self.config.timeout_s)
+        for observe in self.observers:
+            await observe(path, header, answer)
+        return answer
+
+    async def ensure_namespace(self) -> None:
+        if not self._registered:
+            answer = await self.post("/v1/namespaces", {"namespace": self.namespace.to_wire()})
+            if answer.get("ns") != self.namespace.id:
+                raise StoreError("/v1/namespaces", "the store registered a different namespace id (version skew?)",
+                                 problem=Problem.INTERNAL)
+            self._registered = True
+
+    def forget_namespace(self) -> None:
+        self._registered = False
+
+    async def call(self, path: str, header: dict[str, object],
+                   payloads: Sequence[bytes | memoryview] = ()) -> dict[str, object]:
+        """A call on the namespace: registers it first, and again if the store forgot it."""
+        await self.ensure_namespace()
+        try:
+            return await self.post(path, header, payloads)
+        except StoreError as err:
+            if not err.is_refusal(Problem.UNKNOWN, "ns"):
+                raise
+            self._registered = False
+            await self.ensure_namespace()
+            return await self.post(path, header, payloads)
+
+    # ------------------------------------------------------------ node calls for the cluster (raise StoreError)
+
+    async def probe(self, levels: Sequence[ProbeLevel], lease: bool) -> ProbeAnswer:
+        """This node's answer for some levels of a prompt (DESIGN §8); placed payloads are remembered."""
+        req = ProbeRequest(namespace_id=self.namespace.id, levels=tuple(levels), lease=lease,
+                           nixl=lease and self.data.connected)
+        started = time.monotonic()
+        try:
+            answer = ProbeAnswer.from_header(await self.call("/v1/probe", req.to_header()))
+        except WireError as err:
+            raise StoreError("/v1/probe", str(err), problem=Problem.UNAVAILABLE) from err
+        if answer.nixl is not None and answer.lease_id is not None:
+            self.data.place(answer.nixl, answer.lease_id, started)
+        return answer
+
+    async def report(self, report: LookupReport) -> None:
+        await self.call("/v1/lookup_report", report.to_header())
+
+    async def members(self) -> Mapping[str, object]:
+        """``GET /v1/members``: the member list this node serves."""
+        body = await get_json(self.pool, "/v1/members", timeout_s=self.config.timeout_s)
+        if not isinstance(body, dict):
+            raise StoreError("/v1/members", "expected a JSON object", problem=Problem.UNAVAILABLE)
+        return body
+
+    # ------------------------------------------------------------ lookup
+
+    async def lookup(self, prompt: Prompt | Sequence[int] | np.ndarray, lease: bool | None = None) -> LookupResult:
+        """One round trip: the reusable KV and state lengths, and a lease on them."""
+        p = prompt if isinstance(prompt, Prompt) else self.prompt(prompt)
+        leased = self.config.lease if lease is None else lease
+        # On the NIXL path the answer also places the matched payloads (store/nixl_lookup.py):
+        # reads of them then go straight to one READ, without /v1/nixl/get.
+        req = LookupRequest(namespace_id=self.namespace.id, hashes=b"".join(p.hashes), tokens=p.packed,
+                            lease=leased, extras=tuple((j, x) for j, x in enumerate(p.extra_keys) if x),
+                            nixl=leased and self.data.connected)
+        sent_at = time.monotonic()
+        try:
+            answer = LookupAnswer.from_header(await self.call("/v1/lookup", req.to_header()))
+        except (StoreError, WireError) as err:
+            self._failures.record("lookup", err)
+            return LookupResult(prompt=p, ok=False)
+        if answer.nixl is not None and answer.lease_id is not None:
+            self.data.place(answer.nixl, answer.lease_id, sent_at)
+        return LookupResult(prompt=p, kv_tokens=answer.kv_tokens, state_tokens=answer.state_tokens,
+                            checkpoint_hint=answer.checkpoint_hint, matched_blocks=answer.matched_blocks,
+                            child=answer.child, snapshot=answer.snapshot, lease_id=answer.lease_id)
+
+    async def release(self, lease_id: bytes | None) -> bool:
+        if lease_id is None:
+            return False
+        self.data.forget_lease(lease_id)
+        try:
+            answer = await self.call("/v1/release", {"lease": lease_id})
+        except StoreError as err:
+            self._failures.record("release", err)
+            return False
+        return bool(answer.get("released"))
+
+    # ------------------------------------------------------------ read
+
+    async def read(self, items: Sequence[GetItem], outs: Sequence[Buffer]) -> list[int]:
+        """Read payloads into caller buffers. Per item: bytes written, or -1 for a miss.
+
+        A buffer may be larger than its payload; only the first bytes are
+        written. Only payloads received whole with a matching checksum count:
+        when a batch fails part-way (connection lost, timeout, malformed
+        answer), the payloads already verified keep their sizes and the rest
+        are -1, although their buffers may have been partly written."""
+        if len(items) != len(outs):
+            raise ValueError("read: one output buffer per item")
+        views = [as_view(o) for o in outs]
+        if any(v.readonly for v in views):
+            raise ValueError("read: output buffers must be writable")
+        done: list[int] = [-1] * len(items)
+        for batch in batches([v.nbytes for v in views], self.config.max_get_bytes, self.config.max_items):
+            await self.data.read(items, views, batch, done)
+        return done
+
+    async def read_device(self, items: Sequence[GetItem], outs: Sequence[DeviceBuffer]) -> list[int]:
+        """READ payloads over NIXL straight into device memory (a GPU staging region).
+
+        Only with ``verify_checksums=False`` (an operator's choice to trust leases: GPU memory
+        cannot be hashed here). Per item: bytes written and proven, or -1 for anything not
+        delivered -- a miss, a failed or unproven transfer, a payload the store serves over HTTP
+        only, or no NIXL path at all (the HTTP path cannot write device memory). Read the -1 items
+        again with :meth:`read` into host memory to tell a miss from those. The bytes of a -1
+        item's buffer are undefined: zero them before anything else reads them (client/device.py)."""
+        check_device_outs(items, outs, self.config)
+        done: list[int] = [-1] * len(items)
+        for batch in batches([o.nbytes for o in outs], self.config.max_get_bytes, self.config.max_items):
+            await self.data.read_device(items, outs, batch, done)
+        return done
+
+    def register_buffer(self, buf: Buffer | DeviceBuffer) -> bool:
+        """Register a buffer the client will read into or send from (a staging region) with the
+        NIXL agent, once, so transfers into it need no per-call registration. True when the NIXL
+        path will use it; a no-op (False) on the HTTP path. The buffer must outlive the client or
+        be passed to :meth:`unregister_buffer`. A :class:`DeviceBuffer` (GPU memory) is
+        registered as such, for :meth:`read_device`."""
+        return self.data.register(buf)
+
+    def unregister_buffer(self, buf: Buffer | DeviceBuffer) -> bool:
+        return self.data.unregister(buf)
+
+    # ------------------------------------------------------------ write
+
+    async def offer(self, items: Sequence[ItemSpec]) -> list[ItemResult]:
+        """want / have / rejected per item; a store failure answers 'rejected' for all."""
+        out: list[ItemResult] = []
+        for s in range(0, len(items), self.config.max_items):
+            chunk = items[s : s + self.config.max_items]
+            try:
+                answer = await self.call("/v1/offer", {"ns": self.namespace.id, "items": [i.to_wire() for i in chunk]})
+                out.extend(results_of(answer, len(chunk)))
+            except (StoreError, WireError) as err:
+                self._failures.record("offer", err)
+                out.extend(ItemResult(ItemStatus.REJECTED, "store unavailable") for _ in chunk)
+        return out
+
+    async def put(self, items: Sequence[tuple[ItemSpec, Buffer]], commit: bool = True) -> list[ItemResult]:
+        """Send payloads (checksummed here) and commit them. Failures drop the save."""
+        out: list[ItemResult] = []
+        for s in range(0, len(items), self.config.max_items):
+            chunk = items[s : s + self.config.max_items]
+            views = [as_view(buf) for _, buf in chunk]
+            specs = [with_payload(spec, v) for (spec, _), v in zip(chunk, views)]
+            out.extend(await self.data.write(specs, views, commit))
+        return out
+
+    async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
+                   snapshots: Mapping[int, Buffer] | None = None, start: int = 0) -> SaveResult:
+        """Offer KV [start, kv_upto) and snapshots, then put what the store wants.
+
+        ``kv_payload(a, b)`` returns the store-layout payload of tokens [a, b)
+        (layer-major, see KVLayout); it is only called for wanted items.
+        ``snapshots`` maps boundaries t <= kv_upto to state payloads.
+
+        Items go batch by batch (``max_items``): offer batch k, put what it
+        wants, then offer batch k+1. Offering everything first fails past one
+        batch: the store rejects a block whose parent was offered but not yet
+        stored ("parent not stored"), and every block after it chains off it.
+        Once a batch is dropped because the store is unavailable, the rest are
+        dropped without asking (their parents are missing anyway)."""
+        kv = prompt.kv_items(kv_upto, start - start % prompt.block_tokens)
+        specs = [spec for spec, _, _ in kv]
+        for t in sorted(snapshots or {}):
+            specs.append(prompt.state_item(t, kv_upto))
+        stored = have = dropped = 0
+        saved: list[tuple[Kind, ItemResult]] = []
+        for s in range(0, len(specs), self.config.max_items):
+            chunk = specs[s : s + self.config.max_items]
+            if dropped:
+                dropped += len(chunk)
+                continue
+            decisions = await self.offer(chunk)
+            wanted: list[tuple[ItemSpec, Buffer]] = []
+            for n, (spec, d) in enumerate(zip(chunk, decisions), start=s):
+                if d.status is not ItemStatus.WANT:
+                    continue
+                if n < len(kv):
+                    _, a, b = kv[n]
+                    wanted.append((spec, kv_payload(a, b)))
+                else:
+                    wanted.append((spec, (snapshots or {})[spec.boundary]))
+            results = await self.put(wanted) if wanted else []
+            stored += sum(r.status is ItemStatus.OK for r in results)
+            dropped += sum(r.status is ItemStatus.DROPPED for r in results) + sum(
+                d.reason == "store unavailable" for d in decisions)
+            have += sum(d.status is ItemStatus.HAVE for d in decisions) + sum(r.status is ItemStatus.HAVE for r in results)
+            saved.extend((w.kind, r) for (w, _), r in zip(wanted, results))
+        rejected = len(specs) - stored - have - dropped
+        return SaveResult(stored=stored, already=have, rejected=rejected, dropped=dropped, results=saved)
+
+
+def check_device_outs(items: Sequence[GetItem], outs: Sequence[object], config: ClientConfig) -> None:
+    """read_device's preconditions (a programming error raises; the store never does)."""
+    if len(items) != len(outs):
+        raise ValueError("read_device: one output buffer per item")
+    if not all(isinstance(o, DeviceBuffer) for o in outs):
+        raise TypeError("read_device: outputs must be DeviceBuffer (DeviceBuffer.of(tensor))")
+    if config.verify_checksums:
+        raise ValueError("read_device: the client cannot check GPU memory against xxh3 (DESIGN: every "
+                         "crossing verified); set verify_checksums=False to trust leases instead")
+
+
+__all__ = ["NodeClient", "Observer", "check_device_outs"]
