@@ -237,7 +237,10 @@ class ClusterClient:
             node = self._node(url)
             try:
                 body = await node.client.members()
-                members = tuple(sorted(normalize_url(str(u)) for u in body["members"]))  # type: ignore[union-attr]
+                listed = body["members"]
+                if not isinstance(listed, list):
+                    raise TypeError("members: expected a list")
+                members = tuple(sorted(normalize_url(str(u)) for u in listed))
                 grace = body.get("owner_grace_s")
             except (StoreError, KeyError, TypeError, ValueError) as err:
                 node.failed("members", err)

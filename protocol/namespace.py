@@ -291,7 +291,7 @@ class Namespace:
         )
 
     def encode(self) -> bytes:
-        return msgpack.packb(self.to_wire(), use_bin_type=True)
+        return bytes(msgpack.packb(self.to_wire(), use_bin_type=True))
 
     @classmethod
     def decode(cls, raw: bytes) -> Namespace:

@@ -46,6 +46,8 @@ def _seconds(h: dict[str, object], name: str) -> float:
 
 
 def _status(raw: object, ctx: str) -> ItemStatus:
+    if not isinstance(raw, str):
+        raise WireError(ctx, f"expected a status string, got {type(raw).__name__}")
     try:
         return ItemStatus(raw)
     except ValueError:

@@ -732,7 +732,7 @@ async def _exchange(pool: FramePool, conn: Connection, request: bytes, views: Se
         raise _malformed(path, f"Content-Length {head.content_length} is shorter than a frame")
 
     header_len = parse_prefix(bytes(await receiver.read_exactly(PREFIX_BYTES)), MAX_ANSWER_HEADER_BYTES)
-    header = decode_header(await receiver.read_exactly(header_len))
+    header = decode_header(memoryview(await receiver.read_exactly(header_len)))
     raw_items = header.get("items")
     if not isinstance(raw_items, list) or len(raw_items) != len(views):
         raise _malformed(path, "it lists a different number of items than asked for")

@@ -24,7 +24,7 @@ from typing import Final
 import msgpack
 
 from .errors import ItemStatus, Problem
-from .fields import (  # noqa: F401  re-exported: the readers and WireError have always been importable from here
+from .fields import (  # re-exported (__all__): the readers and WireError have always been importable from here
     WireError,
     is_entry_key,
     opt_bin,
@@ -54,7 +54,7 @@ CONTENT_TYPE: Final = "application/x-prefixstore-frame"
 
 def encode_header(header: dict[str, object]) -> bytes:
     body = msgpack.packb(header, use_bin_type=True)
-    return PREFIX.pack(MAGIC, WIRE_VERSION, len(body)) + body
+    return PREFIX.pack(MAGIC, WIRE_VERSION, len(body)) + bytes(body)
 
 
 def encode_frame(header: dict[str, object], payloads: Sequence[bytes | memoryview] = ()) -> bytes:
@@ -396,6 +396,8 @@ class ItemResult:
 
 
 def _status(raw: object, ctx: str) -> ItemStatus:
+    if not isinstance(raw, str):
+        raise WireError(ctx, f"expected a status string, got {type(raw).__name__}")
     try:
         return ItemStatus(raw)
     except ValueError:
@@ -422,3 +424,50 @@ class GetResult:
         h = {"size": raw[1], "checksum": raw[2]}
         return cls(_status(raw[0], "items"), req_int(h, "size", "items."),
                    req_int(h, "checksum", "items.", 0, (1 << 64) - 1))
+
+
+__all__ = [
+    "CONTENT_TYPE",
+    "EntryRef",
+    "GetItem",
+    "GetResult",
+    "HAVE",
+    "ItemResult",
+    "ItemSpec",
+    "Limits",
+    "LookupAnswer",
+    "LookupRequest",
+    "MAGIC",
+    "PREFIX",
+    "PREFIX_BYTES",
+    "REASON_QUOTA",
+    "REJECTED",
+    "STATUS_CORRUPT",
+    "STATUS_DROPPED",
+    "STATUS_HAVE",
+    "STATUS_HTTP",
+    "STATUS_MISSING",
+    "STATUS_OK",
+    "STATUS_PENDING",
+    "STATUS_REJECTED",
+    "WANT",
+    "WIRE_VERSION",
+    "WireError",
+    "decode_frame",
+    "decode_header",
+    "encode_frame",
+    "encode_header",
+    "is_entry_key",
+    "opt_bin",
+    "parse_get_items",
+    "parse_items",
+    "parse_prefix",
+    "req_bin",
+    "req_bool",
+    "req_entry_keys",
+    "req_int",
+    "req_kind",
+    "req_list",
+    "req_map",
+    "split_hashes",
+]

@@ -238,7 +238,7 @@ class LmdbTier:
         self.resets: list[str] = []  # why the environment was set aside, oldest first
         try:
             self._open()
-        except (*DAMAGE, FormatMismatch) as err:
+        except (*DAMAGE, FormatMismatch) as err:  # type: ignore[misc]  # a tuple of exception classes
             # A file LMDB cannot read, or another format's: set it aside and start empty. Not any
             # lmdb.Error: a map larger than the process may map (disk_bytes) is a configuration
             # error, and deleting the data for it would be wrong.
@@ -520,7 +520,8 @@ class LmdbTier:
                 # One check of the batch with the GIL released (protocol/checksums.py): hashing
                 # 64 KiB values one by one here would hold it, and the store's loop with it.
                 sized = [j for j, (v, w) in enumerate(zip(values, wanted)) if v is not None and len(v) == w[1]]
-                verdicts = checksums.verify([values[j] for j in sized], [wanted[j][2] for j in sized])
+                verdicts = checksums.verify([v for j in sized if (v := values[j]) is not None],
+                                            [wanted[j][2] for j in sized])
                 intact = {j for j, good in zip(sized, verdicts) if good}
                 for j, (key, size, checksum, offset, n) in enumerate(wanted):
                     value = values[j]

@@ -88,7 +88,15 @@ from aiohttp import web
 
 from ..protocol.errors import ItemStatus, Problem
 from ..protocol.nixl_agent import NixlUnavailable, import_nixl, make_agent
-from ..protocol.nixl_wire import RUN, NixlGetAnswer, NixlItem, NixlMetadata, NixlReservation, NixlReserveAnswer
+from ..protocol.nixl_wire import (
+    RUN,
+    NixlGetAnswer,
+    NixlItem,
+    NixlMetadata,
+    NixlPlacements,
+    NixlReservation,
+    NixlReserveAnswer,
+)
 from ..protocol.wire import (
     ItemResult,
     WireError,
@@ -469,10 +477,10 @@ def install(app: web.Application, config: StoreConfig) -> None:
     otherwise, said once in the log); ``on`` refuses to start without it; ``off`` never tries."""
     slot = app[NIXL] = NixlSlot()
 
-    def placing(describe: Callable[..., dict[str, object] | None]) -> Callable[[Any, Any], dict[str, object] | None]:
+    def placing(describe: Callable[..., NixlPlacements | None]) -> Callable[[Any, Any], NixlPlacements | None]:
         """A lookup (or cluster probe) asking for it also gets where its payloads lie
         (store/nixl_lookup.py); the lease that pins them keeps the progress task busy."""
-        def extension(req: Any, answer: Any) -> dict[str, object] | None:
+        def extension(req: Any, answer: Any) -> NixlPlacements | None:
             target = slot.target
             if target is None:
                 return None

@@ -46,7 +46,7 @@ import ssl
 import time
 from collections.abc import Callable, Sequence
 
-from ..protocol.errors import StoreError
+from ..protocol.errors import ItemStatus, StoreError
 from ..protocol.keys import Kind
 from ..protocol.placement import level_key
 from ..protocol.transport import FramePool, post
@@ -137,7 +137,7 @@ class Replicator:
         if slot is None:
             return 0.0
         now = self.clock() if now is None else now
-        return slot[0] * 2.0 ** (-(now - slot[1]) / self.half_life_s) * math.log(2) / self.half_life_s
+        return float(slot[0] * 2.0 ** (-(now - slot[1]) / self.half_life_s) * math.log(2) / self.half_life_s)
 
     def replicas_of(self) -> dict[bytes, tuple[str, ...]]:
         return self.pushed
@@ -310,7 +310,7 @@ class Replicator:
             self._registered.discard((node, e.namespace_id))
             log.debug("replica push of %s to %s failed: %s", e.key.hex(), node, err)
             return
-        mine = results[-1] if len(results) == len(batch) else ItemResult("rejected", "malformed answer")
+        mine = results[-1] if len(results) == len(batch) else ItemResult(ItemStatus.REJECTED, "malformed answer")
         if mine.status in (STATUS_OK, STATUS_HAVE):
             metrics.replication_pushes.labels("ok").inc()
             metrics.replication_bytes.inc(size)

@@ -106,7 +106,7 @@ class _Counted(asyncio.Protocol):
         self._counted = True
         self._inner.connection_made(transport)
 
-    def connection_lost(self, exc: BaseException | None) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         if self._counted:
             self._counted = False
             self._limiter.closed()

@@ -346,9 +346,9 @@ def test_save_then_load_over_nixl_into_the_registered_staging_region(
     e.load(r, 0, 40, (target,))
     assert e.worker.get_block_ids_with_load_errors() == set()
     assert same_bytes(e.blocks(target), e.expected(target, kv, 40))
-    client = e.worker._worker_client
+    client = e.worker.worker_side.client
     assert client.data_path == "nixl" and client.path_bytes["nixl"] > 0 and client.path_bytes["http"] == 0
     assert client.failures.total() == 0
     # The staging region was registered once (register_kv_caches), so loads needed no per-call registration.
-    host = e.worker._staging.host.numpy()
+    host = e.worker.worker_side.staging.host.numpy()
     assert client.impl.data.channel.path.covers(host.ctypes.data, host.ctypes.data + host.nbytes)

@@ -1,0 +1,109 @@
+"""The connector's counters (vLLM's ``KVConnectorStats``) and their Prometheus face."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+STAT_KEYS = ("lookups", "lookup_failures", "query_tokens", "kv_hit_tokens", "state_hit_tokens", "loaded_tokens",
+             "load_failures", "loaded_bytes", "saves", "saved_items", "saved_bytes", "dropped_items",
+             "skipped_requests")
+
+
+@dataclass
+class PrefixStoreStats(KVConnectorStats):
+    """Counters since the last report. KV and state hits are separate: the failure signature
+    operators look for is a healthy KV hit rate with a collapsed state hit rate (DESIGN §10)."""
+
+    def __post_init__(self) -> None:
+        for key in STAT_KEYS:
+            self.data.setdefault(key, 0)
+
+    def add(self, key: str, n: int = 1) -> None:
+        self.data[key] = self.data.get(key, 0) + n
+
+    def reset(self) -> None:
+        self.data = {key: 0 for key in STAT_KEYS}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.data)
+        if self.data["query_tokens"]:
+            out["kv_hit_rate"] = round(self.data["kv_hit_tokens"] / self.data["query_tokens"], 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class PrefixStorePromMetrics(KVConnectorPromMetrics):
+    """``prefixstore_vllm_*_total`` counters per engine (vLLM adds its model/engine labels)."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        tokens = self._counter_cls(name="prefixstore_vllm_lookup_tokens_total",
+                                   documentation="Prompt tokens looked up in prefixstore, by kind and result.",
+                                   labelnames=[*labelnames, "kind", "result"])
+        self._tokens: dict[tuple[int, str, str], Any] = {
+            (idx, kind, result): tokens.labels(*values, kind, result)
+            for idx, values in per_engine_labelvalues.items() for kind in ("kv", "state") for result in ("hit", "miss")}
+        events = self._counter_cls(name="prefixstore_vllm_events_total",
+                                   documentation="Connector events: lookups, lookup_failures, load_failures, saves, "
+                                                 "saved_items, dropped_items, skipped_requests.",
+                                   labelnames=[*labelnames, "event"])
+        self._events_keys = ("lookups", "lookup_failures", "load_failures", "saves", "saved_items", "dropped_items",
+                             "skipped_requests")
+        self._events: dict[tuple[int, str], Any] = {
+            (idx, key): events.labels(*values, key)
+            for idx, values in per_engine_labelvalues.items() for key in self._events_keys}
+        moved = self._counter_cls(name="prefixstore_vllm_transfer_bytes_total",
+                                  documentation="Payload bytes moved between vLLM and prefixstore.",
+                                  labelnames=[*labelnames, "direction"])
+        self._bytes: dict[tuple[int, str], Any] = {
+            (idx, d): moved.labels(*values, d)
+            for idx, values in per_engine_labelvalues.items() for d in ("load", "save")}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        d = transfer_stats_data
+        q = d.get("query_tokens", 0)
+        for kind, hits in (("kv", d.get("kv_hit_tokens", 0)), ("state", d.get("state_hit_tokens", 0))):
+            self._tokens[(engine_idx, kind, "hit")].inc(hits)
+            self._tokens[(engine_idx, kind, "miss")].inc(max(q - hits, 0))
+        for key in self._events_keys:
+            self._events[(engine_idx, key)].inc(d.get(key, 0))
+        self._bytes[(engine_idx, "load")].inc(d.get("loaded_bytes", 0))
+        self._bytes[(engine_idx, "save")].inc(d.get("saved_bytes", 0))
+
+
+class StatsBox:
+    """The counters one role object adds to, thread-safe (the worker counts on its client loop),
+    handed to vLLM and reset by ``take``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = PrefixStoreStats()
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats.add(key, n)
+
+    def take(self) -> PrefixStoreStats | None:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, PrefixStoreStats()
+            return out
+
+
+__all__ = ["STAT_KEYS", "PrefixStorePromMetrics", "PrefixStoreStats", "StatsBox"]

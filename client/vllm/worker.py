@@ -1,0 +1,359 @@
+"""The connector's worker side: the engine's KV views and a staging region, loads layer by layer
+on the client's own event loop while the engine computes, saves copied out of the blocks (see
+client/vllm/connector.py for the whole life of a request)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from ..client import PrefixClient
+from .layout import AttentionLayer, LayoutUnsupported, VllmKV, check_cpu_layout
+from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, SavePlan, namespace_for
+from .settings import ConnectorSettings
+from .stats import StatsBox
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from ...gpu_staging.staging import StagingBuffer
+
+log = logging.getLogger(__name__)
+
+#: GPU attention backends that keep a token's K then V at [block, head, slot, :] of vLLM's view.
+TOKEN_MAJOR_BACKENDS = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"})
+
+
+class ClientLoop:
+    """A private event loop on a daemon thread: loads and saves run there while the engine computes."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="prefixstore-vllm", daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self, client: PrefixClient | None) -> None:
+        if client is not None:
+            try:
+                self.submit(client.close()).result(timeout=10)
+            except Exception as err:  # noqa: BLE001 -- shutting down: nothing left to protect
+                log.debug("prefixstore client close: %s", err)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+class LoadFailed(Exception):
+    pass
+
+
+class PrefixStoreWorker:
+    """Worker-side state: the views, the staging region, the client and its loop, transfers."""
+
+    def __init__(self, vllm_config: VllmConfig, groups: CacheGroups, settings: ConnectorSettings,
+                 stats: StatsBox) -> None:
+        self._vllm_config = vllm_config
+        self.groups: CacheGroups | None = groups
+        self.settings = settings
+        self._stats = stats
+        self._kv: VllmKV | None = None
+        self.staging: StagingBuffer | None = None
+        self._loop: ClientLoop | None = None
+        self.client: PrefixClient | None = None
+        """The worker's store client (a documented seam: tests look at its data path)."""
+        self._load_lock: asyncio.Lock | None = None
+        self._layer_index: dict[str, int] = {}
+        self._events: list[threading.Event] | None = None
+        self._sync_load: concurrent.futures.Future[dict[str, str]] | None = None
+        self._sync_plans: list[LoadPlan] = []
+        self._failed_blocks: set[int] = set()
+        self._async_loads: list[tuple[LoadPlan, concurrent.futures.Future[dict[str, str]]]] = []
+        self._done_sending: set[str] = set()
+        self._saves_in_flight: list[concurrent.futures.Future[Any]] = []
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait for saves and asynchronous loads in flight (shutdown; tests). Their outcomes are
+        reported as usual: loads through get_transfer_results, saves in the stats."""
+        pending = [*self._saves_in_flight, *(fut for _, fut in self._async_loads)]
+        concurrent.futures.wait(pending, timeout=timeout_s if timeout_s is not None
+                                else 4 * self.settings.client.timeout_s)
+
+    def shutdown(self) -> None:
+        if self._loop is not None:
+            self.drain()
+            self._loop.close(self.client)
+            self._loop = self.client = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take the engine's KV views; allocate the staging region once."""
+        if self.groups is None:
+            return
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        from ...gpu_staging.staging import StagingBuffer
+
+        try:
+            tp_rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 -- no model-parallel group (a test, one process)
+            tp_rank = 0
+        try:
+            names = [name for _, group_names, _ in self.groups.attention for name in group_names]
+            token_layout = self._token_layout(names)
+            attention = [AttentionLayer(name=name, view=kv_caches[name], block_size=bs, group=gid,
+                                        token_layout=token_layout)
+                         for gid, group_names, bs in self.groups.attention for name in group_names]
+            if token_layout == "cpu_attn":
+                check_cpu_layout(attention[0])
+            state = [(gid, kv_caches[name]) for gid, group_names, _ in self.groups.mamba for name in group_names]
+            kv = VllmKV(attention, state)
+            ns = namespace_for(self._vllm_config, self.groups, self.settings, tp_rank)
+            if kv.layer_token_bytes != ns.kv.layer_token_bytes or kv.snapshot_bytes != ns.state.snapshot_bytes:
+                raise LayoutUnsupported("the registered views do not match the KV cache config")
+        except (KeyError, LayoutUnsupported) as err:
+            log.warning("prefixstore connector idle (never loads or saves): %s", err)
+            self.groups = None
+            return
+        self._kv = kv
+        self._layer_index = {layer.name: i for i, layer in enumerate(attention)}
+        self.staging = StagingBuffer(self.settings.staging_bytes, attention[0].view.device)
+        self._loop = ClientLoop()
+        self.client = PrefixClient(ns, self.settings.client)
+        # NIXL path (data_path auto/nixl, the store serving it): the staging region is registered with
+        # the client's agent once, so every load READs straight into it; a no-op over HTTP.
+        self.staging.register_with(self.client)
+
+        async def make_lock() -> asyncio.Lock:
+            return asyncio.Lock()
+
+        self._load_lock = self._loop.submit(make_lock()).result()
+
+    def _token_layout(self, names: Sequence[str]) -> str:
+        """Where a token's K and V sit inside a block: fixed by the attention backend, not by vLLM's
+        view (layout.py). Unknown backends make the connector idle rather than guess."""
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return "cpu_attn"
+        context = self._vllm_config.compilation_config.static_forward_context
+        backends = {context[n].attn_backend.get_name() for n in names
+                    if n in context and hasattr(context[n], "attn_backend")}
+        if backends and backends <= TOKEN_MAJOR_BACKENDS:
+            return "token_major"
+        raise LayoutUnsupported(f"attention backend {sorted(backends) or 'unknown'}: its block layout is not "
+                                f"known to this connector (known: {sorted(TOKEN_MAJOR_BACKENDS)}, CPU_ATTN)")
+
+    def start_load_kv(self, meta: PrefixStoreMetadata | None) -> None:
+        """Start this step's loads on the client loop; sync loads release layers one by one."""
+        if self._loop is None or meta is None:
+            return
+        sync = [p for p in meta.loads if not p.is_async]
+        for plan in (p for p in meta.loads if p.is_async):
+            self._async_loads.append((plan, self._loop.submit(self._load([plan], None))))
+        if sync:
+            assert self._kv is not None
+            self._events = [threading.Event() for _ in self._kv.attention]
+            self._sync_plans = sync
+            self._sync_load = self._loop.submit(self._load(sync, self._events))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        index = self._layer_index.get(layer_name)
+        if self._events is not None and index is not None:
+            self._events[index].wait()
+
+    def wait_for_save(self, meta: PrefixStoreMetadata | None) -> None:
+        """Finish this step's sync loads (their failures are reported with this step); copy
+        finished requests' payloads out of their blocks and offer them on the client loop."""
+        if self._sync_load is not None:
+            failures = self._sync_load.result()
+            for plan in self._sync_plans:
+                if plan.req_id in failures:
+                    self._failed_blocks.update(self._blocks_of(plan))
+            self._sync_load, self._events, self._sync_plans = None, None, []
+        if self._loop is None or meta is None:
+            return
+        for save in meta.saves:
+            try:
+                self._start_save(save)
+            except Exception as err:  # noqa: BLE001 -- best effort: a save never fails the engine
+                log.warning("prefixstore save of %s dropped: %s: %s", save.req_id, type(err).__name__, err)
+                self._stats.count("dropped_items")
+            if save.hold:
+                self._done_sending.add(save.req_id)  # its blocks have been copied (or will never be)
+
+    def _blocks_of(self, plan: LoadPlan) -> set[int]:
+        """Blocks of the attention groups holding tokens [start, end) of a load."""
+        assert self.groups is not None
+        out: set[int] = set()
+        for gid, _, bs in self.groups.attention:
+            out.update(plan.block_ids[gid][plan.start // bs : -(-plan.end // bs)])
+        return out
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, self._done_sending = self._done_sending, set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        still: list[tuple[LoadPlan, concurrent.futures.Future[dict[str, str]]]] = []
+        for plan, fut in self._async_loads:
+            if not fut.done():
+                still.append((plan, fut))
+                continue
+            recving.add(plan.req_id)
+            if fut.result():
+                failed.add(plan.req_id)
+        self._async_loads = still
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving | failed,
+                                          failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # ------------------------------------------------------------ loads (client loop)
+
+    async def _load(self, plans: Sequence[LoadPlan], events: list[threading.Event] | None) -> dict[str, str]:
+        """Load every plan, layer by layer; returns req -> why its load failed. Never raises, and
+        always releases every layer event."""
+        assert self._kv is not None and self._load_lock is not None
+        failures: dict[str, str] = {}
+        try:
+            async with self._load_lock:  # one staging region: loads of different steps take turns
+                tables = {p.req_id: [torch.tensor(ids, dtype=torch.long) for ids in p.block_ids] for p in plans}
+                plans = [await self._relookup(plan, failures) for plan in plans]
+                for plan in plans:
+                    if plan.state_index is not None and plan.req_id not in failures:
+                        await self._guarded(plan, failures, self._load_state(plan))
+                for layer in range(len(self._kv.attention)):
+                    for plan in plans:
+                        if plan.req_id not in failures:
+                            await self._guarded(plan, failures, self._load_layer(plan, tables[plan.req_id], layer))
+                    if events is not None:
+                        events[layer].set()
+                for plan in plans:
+                    await self.client.release(plan.lookup.lease_id)  # type: ignore[union-attr]
+        finally:
+            if events is not None:
+                for event in events:
+                    event.set()
+        for plan in plans:
+            if plan.req_id in failures:
+                self._stats.count("load_failures")
+            else:
+                self._stats.count("loaded_tokens", plan.end - plan.start)
+        return failures
+
+    async def _relookup(self, plan: LoadPlan, failures: dict[str, str]) -> LoadPlan:
+        """The worker's own lookup, leased, before it reads: the scheduler's was lease-free (no side
+        effects), and a cluster client reads each entry from the node its own lookup found it on.
+        A store that lost part of the prefix meanwhile fails the load (vLLM recomputes), never
+        serves a shorter one as if it were whole."""
+        assert self.client is not None
+        lookup = await self.client.lookup(plan.lookup.prompt, lease=True)
+        if not lookup.ok or lookup.kv_tokens < plan.end or (plan.state_index is not None
+                                                             and lookup.state_tokens != plan.end):
+            failures[plan.req_id] = (f"the store now holds kv={lookup.kv_tokens} state={lookup.state_tokens} "
+                                     f"(ok={lookup.ok}), the load needs {plan.end}")
+            log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id, failures[plan.req_id])
+            await self.client.release(lookup.lease_id)
+        return dataclasses.replace(plan, lookup=lookup)
+
+    async def _guarded(self, plan: LoadPlan, failures: dict[str, str], step: Any) -> None:
+        try:
+            await step
+        except Exception as err:  # noqa: BLE001 -- any failure is a miss that vLLM recomputes
+            failures[plan.req_id] = f"{type(err).__name__}: {err}"
+            log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id, failures[plan.req_id])
+
+    async def _load_layer(self, plan: LoadPlan, tables: list[torch.Tensor], layer: int) -> None:
+        assert self._kv is not None and self.staging is not None and self.client is not None
+        lookup = plan.lookup
+        B = lookup.prompt.block_tokens
+        child = lookup.child
+        reads = [(item, s, e) for item, s, e in lookup.kv_reads(plan.end, layer, layer + 1) if e > plan.start]
+        payload_tokens = [child.num_tokens if child is not None and item.key == child.key else B
+                          for item, _, _ in reads]
+        sizes = [n * self._kv.layer_token_bytes for n in payload_tokens]
+        for batch in self.staging.rounds(sizes):
+            slots = self.staging.carve([sizes[i] for i in batch])
+            # NIXL READs land in the device slots; the rest through the host. Zeroes what nothing covered.
+            filled = await self.staging.receive(self.client, [reads[i][0] for i in batch], slots)
+            if not all(filled):
+                raise LoadFailed(f"KV layer {layer}: {filled.count(False)} of {len(filled)} payloads missing")
+            for i, slot in zip(batch, slots):
+                _, s, e = reads[i]
+                self._kv.scatter_layer(layer, self.staging.region[slot.offset : slot.end], tables, s,
+                                       payload_tokens[i], max(s, plan.start), e)
+            self._stats.count("loaded_bytes", sum(s.nbytes for s in slots))
+
+    async def _load_state(self, plan: LoadPlan) -> None:
+        assert self._kv is not None and self.staging is not None and self.client is not None
+        assert self.groups is not None and plan.state_index is not None
+        item = plan.lookup.state_read()
+        if item is None or plan.lookup.state_tokens != plan.end:
+            raise LoadFailed(f"no snapshot at {plan.end}")
+        if plan.state_index < 0 or any(plan.block_ids[g][plan.state_index] == 0 for g, _, _ in self.groups.mamba):
+            raise LoadFailed("no state block allocated at the boundary")
+        [slot] = self.staging.carve([self._kv.snapshot_bytes])
+        if not (await self.staging.receive(self.client, [item], [slot]))[0]:
+            raise LoadFailed(f"snapshot at {plan.end} could not be read")
+        self._kv.scatter_state(self.staging.region[slot.offset : slot.end], plan.block_ids, plan.state_index)
+        self._stats.count("loaded_bytes", slot.nbytes)
+
+    # ------------------------------------------------------------ saves
+
+    def _start_save(self, plan: SavePlan) -> None:
+        """Copy the plan's payloads out of the blocks (now), offer and put them (on the loop)."""
+        assert self._kv is not None and self._loop is not None and self.client is not None
+        client = self.client
+        prompt = client.prompt(plan.tokens, plan.extra_keys)
+        T = len(plan.tokens)
+        B = prompt.block_tokens
+        start = plan.start - plan.start % B
+        items = prompt.kv_items(T, start)
+        tables = [torch.tensor(ids, dtype=torch.long) for ids in plan.block_ids]
+        device = self._kv.attention[0].view.device
+        total = sum(spec.size for spec, _, _ in items)
+        host = torch.empty(total + self._kv.snapshot_bytes * bool(plan.snapshot), dtype=torch.uint8, device=device)
+        offsets: dict[tuple[int, int], tuple[int, int]] = {}
+        pos = 0
+        for spec, a, b in items:
+            self._kv.gather(host[pos : pos + spec.size], tables, a, b)
+            offsets[(a, b)] = (pos, pos + spec.size)
+            pos += spec.size
+        snapshots = {}
+        if plan.snapshot:
+            assert self.groups is not None
+            self._kv.gather_state(host[pos:], plan.block_ids, plan.snapshot // self.groups.state_block_tokens - 1)
+        host_np = host.cpu().numpy()
+        if plan.snapshot:
+            snapshots[plan.snapshot] = host_np[pos:]
+
+        put_bytes = 0
+
+        def payload(a: int, b: int) -> Any:
+            nonlocal put_bytes
+            lo, hi = offsets[(a, b)]
+            put_bytes += hi - lo
+            return host_np[lo:hi]
+
+        async def save() -> None:
+            result = await client.save(prompt, T, payload, snapshots, start)
+            self._stats.count("saves")
+            self._stats.count("saved_items", result.stored)
+            self._stats.count("dropped_items", result.dropped)
+            self._stats.count("saved_bytes", put_bytes if result.stored else 0)
+
+        self._saves_in_flight = [f for f in self._saves_in_flight if not f.done()]
+        self._saves_in_flight.append(self._loop.submit(save()))
+
+
+__all__ = ["ClientLoop", "LoadFailed", "PrefixStoreWorker", "TOKEN_MAJOR_BACKENDS"]
