@@ -43,8 +43,8 @@ class SecondHit(AlwaysAdmit):
 
     name = "second-hit"
 
-    def __init__(self, filter_bytes: int = DEFAULT_FILTER_BYTES) -> None:
-        self.seen = SightingFilter(filter_bytes)
+    def __init__(self, filter_bytes: int = DEFAULT_FILTER_BYTES, seed: int = 0) -> None:
+        self.seen = SightingFilter(filter_bytes, seed)
 
     def admit(self, kind: Kind, key: bytes, size: int, now: float, origin: int = 0) -> bool:
         if key in self.seen:
@@ -102,8 +102,8 @@ class Adaptive(SecondHit):
 
     def __init__(self, filter_bytes: int = DEFAULT_FILTER_BYTES, min_events: int = 64,
                  enter_below: float = 0.2, leave_above: float = 0.35, min_waste: float = 0.5,
-                 dead_origin_rate: float = 0.05, dead_origin_samples: float = 16.0) -> None:
-        super().__init__(filter_bytes)
+                 dead_origin_rate: float = 0.05, dead_origin_samples: float = 16.0, seed: int = 0) -> None:
+        super().__init__(filter_bytes, seed)
         self._evicted: dict[int, float] = {}
         self._evicted_reused: dict[int, float] = {}
         self._live_reused: dict[int, float] = {}  # reused at least once, not evicted yet

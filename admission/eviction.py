@@ -100,6 +100,7 @@ class PolicyContext:
 
     shape_of: ShapeOf = lambda ns_id: None  # noqa: E731
     filter_bytes: int = 1 << 20
+    hash_seed: int = 0  # seeds the sighting filters' bit positions; the store draws a secret one
 
 
 class LRU:

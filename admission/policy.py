@@ -34,8 +34,8 @@ class EvictionPolicy(Protocol):
 
 ADMISSION_POLICIES: dict[str, Callable[[PolicyContext], AdmissionPolicy]] = {
     "always": lambda ctx: AlwaysAdmit(),
-    "second-hit": lambda ctx: SecondHit(ctx.filter_bytes),
-    "adaptive": lambda ctx: Adaptive(ctx.filter_bytes),
+    "second-hit": lambda ctx: SecondHit(ctx.filter_bytes, seed=ctx.hash_seed),
+    "adaptive": lambda ctx: Adaptive(ctx.filter_bytes, seed=ctx.hash_seed),
 }
 EVICTION_POLICIES: dict[str, Callable[[PolicyContext], EvictionPolicy]] = {
     "lru": LRU,

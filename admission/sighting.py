@@ -6,7 +6,11 @@ has it. When the current generation has taken as many keys as keep its false
 positive rate low, it becomes the previous one and a fresh array takes its
 place, so sightings older than about two generations are forgotten without
 any per-key state. Bit positions come from one xxh3-128 of the key (keys
-are usually hashes already, but a filter must not depend on that).
+are usually hashes already, but a filter must not depend on that), seeded
+with a secret the store draws at start-up (``seed``): with public bit
+positions, one tenant could grind keys of its own that set the bits of
+another tenant's key and learn from its own admission answers whether that
+key was sighted (THREAT_MODEL.md).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ _NUM_PROBES = 3
 
 
 class SightingFilter:
-    def __init__(self, num_bytes: int) -> None:
+    def __init__(self, num_bytes: int, seed: int = 0) -> None:
         if num_bytes < 16:
             raise ValueError(f"sighting filter: num_bytes must be >= 16, got {num_bytes}")
         self.num_bits = (num_bytes // 2) * 8
@@ -27,13 +31,22 @@ class SightingFilter:
         # ~1/8 fill per generation keeps false positives near 0.2% with 3 probes.
         self.generation_capacity = max(1, self.num_bits // (8 * _NUM_PROBES))
         self._added = 0
+        self._seed = seed
+
+    @property
+    def seed(self) -> int:
+        return self._seed
 
     @property
     def memory_bytes(self) -> int:
         return self._current.nbytes + self._previous.nbytes
 
+    def bits(self, key: bytes) -> list[int]:
+        """The bit positions of ``key`` (seeded: see the module docstring)."""
+        return self._bits(key)
+
     def _bits(self, key: bytes) -> list[int]:
-        h = xxhash.xxh3_128_intdigest(key)
+        h = xxhash.xxh3_128_intdigest(key, seed=self._seed)
         return [(h >> (40 * i)) % self.num_bits for i in range(_NUM_PROBES)]
 
     @staticmethod

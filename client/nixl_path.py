@@ -1,14 +1,15 @@
 """The client side of the NIXL data path: one agent, registered buffers, one READ or WRITE per batch.
 
-:class:`~prefixstore.client.client.PrefixClient` drives it (``ClientConfig.data_path``); this
-module only knows agents, descriptors and buffers, not the protocol's requests::
+:class:`~prefixstore.client.datapath.DataPath` decides when it is used (``ClientConfig.data_path``)
+and falls back to HTTP; :class:`NixlChannel` here speaks the store's NIXL calls (their answers are
+the records of protocol/nixl_wire.py) and :class:`NixlPath` knows agents, descriptors and buffers::
 
     store answer: per payload, runs of the arena as (address, length) pairs
     local side:   the caller's buffer for that payload, cut at the same run lengths
     -> one descriptor list per side, one READ (or WRITE) for the whole batch
 
 Buffers must be registered with the agent. Engines register their staging region once
-(:meth:`NixlPath.register`, via ``PrefixClient.register_buffer``); any other buffer a call
+(:meth:`NixlPath.register`, via ``register_buffer`` on the client); any other buffer a call
 passes is registered for that call and deregistered after it (grouped into contiguous runs,
 so a batch cut from one array costs one registration).
 

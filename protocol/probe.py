@@ -30,7 +30,7 @@ from .hashing import HASH_BYTES, TOKEN_BYTES
 from .namespace import NAMESPACE_ID_BYTES
 from .errors import Problem
 from .nixl_wire import NixlPlacements
-from .wire import EntryRef, Limits, WireError, opt_bin, req_bin, req_bool, req_int, req_list
+from .wire import MAX_EXTRA_BYTES, EntryRef, Limits, WireError, opt_bin, req_bin, req_bool, req_int, req_list
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,7 +61,10 @@ class ProbeLevel:
             raise WireError(f"{ctx}.tokens", f"a level holds at most {block_tokens} tokens (one block)")
         if nxt and len(tokens) // TOKEN_BYTES != block_tokens:
             raise WireError(f"{ctx}.tokens", f"a level with a next block holds exactly {block_tokens} tokens")
-        return cls(level=level, parent=parent, next=nxt, tokens=tokens, extra=req_bin(h, "extra", f"{ctx}."))
+        extra = req_bin(h, "extra", f"{ctx}.")
+        if len(extra) > MAX_EXTRA_BYTES:
+            raise WireError(f"{ctx}.extra", f"{len(extra)} bytes, at most {MAX_EXTRA_BYTES}", Problem.TOO_LARGE)
+        return cls(level=level, parent=parent, next=nxt, tokens=tokens, extra=extra)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,8 +86,19 @@ class ProbeRequest:
                     block_tokens_of: Callable[[bytes], int]) -> ProbeRequest:
         ns = req_bin(h, "ns", size=NAMESPACE_ID_BYTES)
         B = block_tokens_of(ns)
-        raw = req_list(h, "levels", "", limits.max_lookup_blocks + 1)
+        max_levels = limits.max_lookup_tokens // B + 1  # a prompt's levels: its full blocks and one more
+        raw = req_list(h, "levels", "", max_levels)
         levels = tuple(ProbeLevel.from_wire(x, f"levels[{i}]", B) for i, x in enumerate(raw))
+        # The levels of one prompt: distinct and in order, only the last without a next block.
+        # (Repeating one level thousands of times made one probe scan its children thousands of times.)
+        for i in range(1, len(levels)):
+            if levels[i].level <= levels[i - 1].level:
+                raise WireError(f"levels[{i}].level", "levels must be strictly increasing")
+        if any(not lv.next for lv in levels[:-1]):
+            raise WireError("levels", "only the last level may have no next block")
+        if levels and levels[-1].level >= max_levels:
+            raise WireError("levels", f"level {levels[-1].level} is past the longest prompt "
+                            f"(max_lookup_tokens={limits.max_lookup_tokens})", Problem.TOO_LARGE)
         if sum(len(lv.tokens) for lv in levels) // TOKEN_BYTES > limits.max_lookup_tokens:
             raise WireError("levels", f"more than {limits.max_lookup_tokens} tokens in all", Problem.TOO_LARGE)
         return cls(namespace_id=ns, levels=levels, lease=req_bool(h, "lease", default=True),

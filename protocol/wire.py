@@ -97,6 +97,12 @@ def decode_frame(body: bytes, max_header_bytes: int = 1 << 26) -> tuple[dict[str
 
 # ---------------------------------------------------------------- limits
 
+#: Most bytes of extra keys (LoRA id, multimodal item hashes) one block may carry. They enter its
+#: hash, and the store keeps them with the entry (in memory and in LMDB), so they are bounded like
+#: everything else a request makes the store hold: 64 hashes of 16 bytes is far more than a block
+#: overlaps in practice.
+MAX_EXTRA_BYTES: Final = 1024
+
 
 @dataclass(frozen=True, kw_only=True)
 class Limits:
@@ -164,6 +170,9 @@ class LookupRequest:
                 if (not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], int)
                         or isinstance(pair[0], bool) or not 0 <= pair[0] < limit or not isinstance(pair[1], bytes)):
                     raise WireError(f"extras[{i}]", f"expected [block index in [0, {limit}), binary extra keys]")
+                if len(pair[1]) > MAX_EXTRA_BYTES:
+                    raise WireError(f"extras[{i}]", f"{len(pair[1])} bytes of extra keys, at most {MAX_EXTRA_BYTES}",
+                                    Problem.TOO_LARGE)
                 extras.append((pair[0], pair[1]))
         return cls(namespace_id=ns, hashes=hashes, tokens=tokens, extras=tuple(extras),
                    lease=req_bool(h, "lease", default=True), locations=req_bool(h, "locations", default=False),
@@ -316,6 +325,8 @@ class ItemSpec:
         if not tokens:
             raise WireError(f"{ctx}tokens", "a block or tail holds at least one token")
         extra = req_bin(h, "extra", ctx) if "extra" in h else b""
+        if len(extra) > MAX_EXTRA_BYTES:
+            raise WireError(f"{ctx}extra", f"{len(extra)} bytes, at most {MAX_EXTRA_BYTES}", Problem.TOO_LARGE)
         start = req_int(h, "start", ctx, 0) if "start" in h else None
         return cls(kind=kind, hash=digest, size=size, parent=parent, tokens=tokens, extra=extra, checksum=checksum,
                    start=start)

@@ -53,7 +53,11 @@ async def register_namespace(request: web.Request) -> web.Response:
     if "namespace" not in header:
         raise WireError("namespace", "missing")
     ns = Namespace.from_wire(header["namespace"])
-    if store.tenants is not None and ns.tenant != request[TENANT] and request[TENANT] != PEER:
+    if store.tenants is not None and request[TENANT] == PEER:
+        if not store.tenants.has(ns.tenant):
+            # A node pushes replicas of tenants' namespaces, never of names no tenants file lists.
+            raise WireError("ns", f"no tenant {ns.tenant!r} in this node's tenants file", Problem.FORBIDDEN)
+    elif store.tenants is not None and ns.tenant != request[TENANT]:
         raise WireError("ns", f"the namespace's tenant {ns.tenant!r} is not the tenant of this token",
                         Problem.FORBIDDEN)
     return frame_response({"ns": await store.register_namespace(ns)})
@@ -135,7 +139,9 @@ async def put(request: web.Request) -> web.Response:
     if commit_now:
         committed = iter(await store.commit(ns_id, plan.keys))
         results = [next(committed) if e is not None else r for e, r in zip(plan.entries, results)]
-        if replica:  # pushed by a hot entry's owner (store/replication.py)
+        # Pushed by a hot entry's owner (store/replication.py): marked as a replica only when it
+        # comes from a node (the cluster token; any caller on an open store, whose nodes carry none).
+        if replica and (request[TENANT] == PEER or store.tenants is None):
             store.replica_keys.update(e.key for e, r in zip(plan.entries, results)
                                       if e is not None and r.status is ItemStatus.OK)
     return frame_response({"results": [r.to_wire() for r in results]})

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from ..protocol.errors import Problem
 from ..protocol.probe import LookupReport, ProbeRequest
 from ..protocol.wire import WireError, req_bin, req_entry_keys
 from .config import StoreConfig
@@ -57,6 +58,11 @@ async def lookup_report(request: web.Request) -> web.Response:
     """What a single node's lookup would have taught its policies and metrics (store/lookups.py
     ``learn``), reported by the client to the node that owns the junction."""
     store = request.app[STORE]
+    if not request.app[MEMBERSHIP].is_cluster:
+        # Only a cluster client merging probes has something to report; on a single node a report
+        # could only move counters every tenant's dashboards read, for the price of 60 bytes.
+        raise WireError("lookup_report", "this node is not part of a cluster: lookups report themselves",
+                        Problem.UNKNOWN)
     report = LookupReport.from_header(await control_header(request), store.limits)
     owned(request, report.namespace_id)
     store.report(report)

@@ -82,6 +82,10 @@ class StoreConfig:
         "Most prompt tokens in one lookup."))
     max_get_bytes: int = field(default=1 << 30, metadata=_doc(
         "Most payload bytes one get may return; ask in several batches beyond it.", "size"))
+    max_entries: int = field(default=1 << 20, metadata=_doc(
+        "Most entries the store indexes (RAM and disk together); beyond it the least valuable leaves are "
+        "deleted, as for disk_bytes. The index's memory grows with entries, not only with payload bytes "
+        "(about 1.5 KiB each), so tiny entries are bounded by count."))
     max_namespaces_per_tenant: int = field(default=256, metadata=_doc(
         "Most namespaces one tenant may register (every store without a tenants file counts as one "
         "tenant). Each is kept in memory and on disk and charged to the tenant's quota_bytes."))
@@ -155,7 +159,7 @@ class StoreConfig:
     def __post_init__(self) -> None:
         positive = ("ram_bytes", "page_bytes", "sighting_filter_bytes", "disk_bytes", "max_body_bytes", "max_header_bytes",
                     "max_items", "max_lookup_tokens", "max_get_bytes", "max_child_scan", "max_connections",
-                    "max_namespaces_per_tenant", "max_offers_per_tenant", "max_leases_per_tenant",
+                    "max_namespaces_per_tenant", "max_offers_per_tenant", "max_leases_per_tenant", "max_entries",
                     "replication_max_replicas", "replication_bytes_per_s")
         for name in positive:
             if getattr(self, name) <= 0:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -66,14 +67,18 @@ class Store:
         self.tenants: Tenants | None = load_tenants(config.tenants_file) if config.tenants_file else None
         self.ledger = TenantLedger(self.tenants, self.metrics)
         self.namespaces = Namespaces(config, self.ledger)
-        ctx = PolicyContext(shape_of=self.namespaces.shape_of, filter_bytes=config.sighting_filter_bytes)
+        # A secret seed: the sighting filters' bit positions must not be computable by a tenant
+        # (admission/sighting.py). The simulator passes none and stays deterministic.
+        seed = 0 if virtual_payloads else int.from_bytes(os.urandom(8), "little")
+        ctx = PolicyContext(shape_of=self.namespaces.shape_of, filter_bytes=config.sighting_filter_bytes,
+                            hash_seed=seed)
         kv_policy = make_admission(config.kv_admission, ctx)
         self.admission = {Kind.BLOCK: kv_policy, Kind.TAIL: kv_policy,
                           Kind.STATE: make_admission(config.state_admission, ctx)}
         self.eviction = make_eviction(config.eviction, ctx)
         self.disk = Disk(config, self.metrics)
         self.space = Space(self.index, self.arena, self.disk, self.namespaces, self.ledger, self.admission,
-                           self.eviction, self.metrics, clock, config.disk_bytes)
+                           self.eviction, self.metrics, clock, config.disk_bytes, config.max_entries)
         self.leases = Leases(self.space.unpin, config.max_leases_per_tenant)
         self.writes = WritePath(config, self.index, self.arena, self.namespaces, self.ledger, self.space,
                                 self.disk, self.admission, self.eviction, self.metrics, clock)
@@ -131,6 +136,7 @@ class Store:
                 self.disk.doom(key)
             await self.disk.flush()
         self.space.enforce_disk_budget(0)
+        self.space.enforce_entry_budget(0)
         log.info("loaded %d entries (%d bytes) from %s in %.2fs", len(self.index.entries),
                  self.index.disk_bytes(), tier.path, time.perf_counter() - started)
 
@@ -319,7 +325,7 @@ class Store:
             ns = self.namespaces.find(e.namespace_id)
             if ns is None:
                 raise IndexInvariantError(f"entry {e.key.hex()}: its namespace is not registered")
-            held[ns.tenant] = held.get(ns.tenant, 0) + e.size
+            held[ns.tenant] = held.get(ns.tenant, 0) + e.charge
         self.ledger.check(list(self.namespaces), held)
 
 

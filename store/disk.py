@@ -99,6 +99,9 @@ class Disk:
         except TierDamaged as err:
             if self.tier.epoch == epoch:
                 await self.reset(f"delete failed: {err}")
+        except Exception:  # never raised into a request (a read that found damage calls this)
+            log.exception("LMDB delete of %d entries failed; retried by the sweeper", len(doomed))
+            self._doomed.extend(doomed)
 
     async def put_namespace(self, ns: Namespace) -> None:
         """Persist a namespace record; a damaged tier is reset (which writes every namespace again)."""

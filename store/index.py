@@ -42,6 +42,15 @@ from ..protocol.namespace import NAMESPACE_ID_BYTES
 
 _BLOCK = bytes((Kind.BLOCK,))
 STORE_KEY_BYTES = 1 + NAMESPACE_ID_BYTES + HASH_BYTES
+ENTRY_OVERHEAD_BYTES = 512
+"""What an entry costs beside its payload, tokens and extra keys: its record in the index (the
+Entry, its dict slots, its queue items) and in LMDB. Charged to the tenant's quota and to the disk
+budget with the entry, so a tenant storing millions of one-byte entries pays for them."""
+
+
+def entry_charge(size: int, tokens: bytes, extra: bytes) -> int:
+    """Bytes an entry of this payload size, tokens and extra keys is charged (quota, disk budget)."""
+    return size + len(tokens) + len(extra) + ENTRY_OVERHEAD_BYTES
 
 
 def store_key(namespace_id: bytes, kind: Kind, h: bytes) -> bytes:
@@ -92,10 +101,16 @@ class Entry:
     priority: float = 0.0  # eviction priority as of its last store or read
     origin: int = 0  # snapshots: protocol.keys.Origin
     expires_s: float = 0.0  # pending entries: reclaimed after this time
+    anchor: Entry | None = None  # pending entries: the parent or container this one pins until it commits
 
     @property
     def num_tokens(self) -> int:
         return len(self.tokens) // TOKEN_BYTES
+
+    @property
+    def charge(self) -> int:
+        """Bytes charged for this entry: its payload and its record (entry_charge)."""
+        return entry_charge(self.size, self.tokens, self.extra)
 
     @property
     def wire_key(self) -> bytes:
@@ -145,6 +160,29 @@ def lcp_tokens(a: bytes, b: bytes) -> int:
     return lo
 
 
+SCAN_BUDGET_PER_SCAN = 8
+"""A lookup or probe compares at most this many times ``max_child_scan`` stored children and
+snapshots in all. Each level is bounded by ``max_child_scan``, but a prompt has thousands of
+levels: without a total, a tenant that stored many snapshots under many of its own levels made
+one lookup (or one probe naming those levels) compare millions of entries and freeze the loop.
+A budget spent ends the search with what was found so far: the answer may be lower, never wrong
+(DESIGN §5 allows eviction to lower answers, and this is the same kind of loss)."""
+
+
+class ScanBudget:
+    """Comparisons left to one lookup or probe (SCAN_BUDGET_PER_SCAN)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, max_child_scan: int) -> None:
+        self.left = SCAN_BUDGET_PER_SCAN * max_child_scan
+
+    def take(self, want: int) -> int:
+        n = min(want, self.left)
+        self.left -= n
+        return n
+
+
 @dataclass(slots=True)
 class Match:
     matched_blocks: int
@@ -169,6 +207,7 @@ class Index:
     stored_bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     stored_entries: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     snapshots_per_ns: dict[bytes, int] = field(default_factory=lambda: defaultdict(int))
+    disk_records: int = 0  # record bytes (charge - payload) of entries on disk
 
     def get(self, key: bytes) -> Entry | None:
         return self.entries.get(key)
@@ -262,21 +301,30 @@ class Index:
         if e.on_disk:
             self.stored_bytes[(mk, "disk")] += sign * e.size
             self.stored_entries[(mk, "disk")] += sign
+            self.disk_records += sign * (e.charge - e.size)
 
     def disk_bytes(self) -> int:
+        """Payload bytes on disk."""
         return self.stored_bytes.get(("kv", "disk"), 0) + self.stored_bytes.get(("state", "disk"), 0)
+
+    def disk_charge(self) -> int:
+        """What the disk budget counts: payloads and records on disk."""
+        return self.disk_bytes() + self.disk_records
 
     # ------------------------------------------------------------ queries (no side effects)
 
     def match(self, namespace_id: bytes, root: BlockHash, block_tokens: int, hashes: bytes,
-              tokens: bytes, max_child_scan: int, extras: dict[int, bytes] | None = None) -> Match:
+              tokens: bytes, max_child_scan: int, extras: dict[int, bytes] | None = None,
+              budget: ScanBudget | None = None) -> Match:
         """The longest token-exact match of a prompt (DESIGN §5). Pure: changes nothing.
 
         ``hashes`` is h_1..h_n concatenated (16 bytes each), sliced on demand:
         splitting 8,192 hashes up front would cost more than the search.
         ``extras`` maps a 0-based block index to the prompt's extra keys there:
         an entry inside block j+1 (a tail, or a block that diverges) is only
-        reusable if it was stored with the same extra (same LoRA, same image)."""
+        reusable if it was stored with the same extra (same LoRA, same image).
+        ``budget`` bounds the comparisons in all (ScanBudget)."""
+        budget = budget or ScanBudget(max_child_scan)
         entries = self.entries
         extra_at = (extras or {}).get
         H = HASH_BYTES
@@ -304,7 +352,7 @@ class Index:
 
         # 2. Children of the last matched block: the match continues inside one of them.
         parent, seg = level(m)
-        child, usable = self.best_child(parent, seg, extra_at(m, b""), max_child_scan)
+        child, usable = self.best_child(parent, seg, extra_at(m, b""), max_child_scan, budget)
         kv_tokens = m * B + usable
 
         # 3. Snapshots: the largest boundary whose container agrees with the prompt
@@ -317,16 +365,19 @@ class Index:
                 parent = ns + (h(j) if j else root)
                 if not snaps_under.get(parent):  # probe before slicing: most levels have none
                     continue
+                if budget.left <= 0:
+                    break
                 snapshot = self.best_snapshot_under(
                     parent, tokens[j * B * TB : (j + 1) * B * TB], j * B, B,
                     own_next=h(j + 1) if j < m else None, extra=extra_at(j, b""), limit=kv_tokens,
-                    scan=max_child_scan)
+                    scan=max_child_scan, budget=budget)
                 if snapshot is not None:
                     state_tokens = snapshot.boundary
                     break
         return Match(m, last, child, usable, kv_tokens, snapshot, state_tokens)
 
-    def best_child(self, parent: bytes, seg: bytes, extra: bytes, scan: int) -> tuple[Entry | None, int]:
+    def best_child(self, parent: bytes, seg: bytes, extra: bytes, scan: int,
+                   budget: ScanBudget) -> tuple[Entry | None, int]:
         """Of the (``scan`` most recent) blocks and tails under ``parent`` (a :func:`node_key`)
         stored with extra keys ``extra``, the one whose tokens agree longest with the prompt's
         ``seg`` (packed), and how many tokens agree; (None, 0) if none does. Used by lookups
@@ -335,6 +386,7 @@ class Index:
         kids = self.children.get(parent)
         if not kids or not seg:
             return None, 0
+        scan = budget.take(min(len(kids), scan))
         entries = self.entries
         for n, ck in enumerate(reversed(kids)):
             if n >= scan:
@@ -348,7 +400,8 @@ class Index:
         return child, usable
 
     def best_snapshot_under(self, parent: bytes, seg: bytes, start: int, block_tokens: int, *,
-                            own_next: bytes | None, extra: bytes, limit: int, scan: int) -> Entry | None:
+                            own_next: bytes | None, extra: bytes, limit: int, scan: int,
+                            budget: ScanBudget) -> Entry | None:
         """The snapshot registered under ``parent`` (a :func:`node_key`; level start ``start``) with the largest
         boundary <= ``limit`` whose container agrees with the prompt's tokens ``seg`` (packed,
         from ``start``) at least up to that boundary; None if there is none.
@@ -360,7 +413,9 @@ class Index:
         entries = self.entries
         best: Entry | None = None
         agree: dict[bytes, int] = {}
-        for n, sk in enumerate(reversed(self.snaps_under.get(parent, ()))):
+        bucket = self.snaps_under.get(parent, {})
+        scan = budget.take(min(len(bucket), scan))
+        for n, sk in enumerate(reversed(bucket)):
             if n >= scan:
                 break
             s = entries[sk]

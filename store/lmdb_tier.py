@@ -281,6 +281,19 @@ class LmdbTier:
         except BaseException:
             self.env.close()
             raise
+        self._cover_map()
+
+    def _cover_map(self) -> None:
+        """Extend data.mdb (sparsely: no blocks are written) to the map's size. LMDB maps the whole
+        map; a damaged meta page can send a read past the file's end, which is a SIGBUS that kills
+        the process. Past the end of a file this long, the read finds zeros, and LMDB reports
+        MDB_CORRUPTED, which the tier handles (the environment is set aside)."""
+        path = self.path / "data.mdb"
+        try:
+            if path.stat().st_size < self._map_size:
+                os.truncate(path, self._map_size)
+        except OSError as err:  # a file system without sparse files: run as before, loudly
+            log.warning("could not extend %s to the LMDB map size: %s", path, err)
 
     def _set_aside(self, reason: str) -> None:
         """Move (keep_damaged) or delete this environment's files; the tier then opens empty.
@@ -361,7 +374,7 @@ class LmdbTier:
             return True
         except lmdb.MapFullError:
             return False
-        except DAMAGE as err:
+        except lmdb.Error as err:  # damage, and anything else LMDB refuses (a page full, a disk full)
             raise TierDamaged(f"{type(err).__name__}: {err}") from err
 
     async def _write(self, body: Callable[[lmdb.Transaction], None]) -> None:
@@ -398,7 +411,11 @@ class LmdbTier:
     async def reset(self, reason: str) -> None:
         """Set the damaged environment aside and continue on an empty one (the caller has dropped
         every entry from its index). The same dance as growing the map: no read in flight, pins
-        revoked, hooks told that the map moved."""
+        revoked, hooks told that the map moved.
+
+        ``epoch`` moves on *before* anything is awaited: a write in flight whose caller compares the
+        epoch it started under knows, whenever it completes, that what it wrote is gone."""
+        self.epoch += 1
         async with self._grow_lock:
             with self._gate:
                 self._growing = True
@@ -426,7 +443,6 @@ class LmdbTier:
             self._set_aside(reason)
             self._open()
             self.map_gen += 1
-            self.epoch += 1
             self.region = self._find_region()
 
     def _remap(self) -> None:
@@ -436,6 +452,7 @@ class LmdbTier:
             self._map_size = self._map_size * 3 // 2
             log.warning("LMDB map full; growing it to %d bytes", self._map_size)
             self.env.set_mapsize(self._map_size)
+            self._cover_map()
             self.map_gen += 1
             self.region = self._find_region()
 
@@ -489,7 +506,7 @@ class LmdbTier:
                     run[:] = value[pos : pos + len(run)]
                     pos += len(run)
             return ReadOutcome.OK
-        except DAMAGE as err:  # a damaged page on the way to this value: it is lost, the tier serves on
+        except lmdb.Error as err:  # a damaged page on the way to this value: it is lost, the tier serves on
             log.warning("LMDB read of %s met damage (%s: %s)", key.hex(), type(err).__name__, err)
             return ReadOutcome.CORRUPT
         finally:
@@ -511,7 +528,7 @@ class LmdbTier:
                 pin.txn = txn = self.env.begin(buffers=True)
                 try:
                     values = [txn.get(db_key(key), db=self._payloads) for key, *_ in wanted]
-                except DAMAGE:  # let each value be read (and judged) on its own: _read_into
+                except lmdb.Error:  # let each value be read (and judged) on its own: _read_into
                     pin.ended = True
                     pin.txn.abort()
                     pin.txn = None
@@ -586,7 +603,7 @@ class LmdbTier:
                         broken.append(k[1:])
                     else:
                         records.append(record)
-        except DAMAGE as err:
+        except lmdb.Error as err:
             return Scan({}, [], [], damage=f"{type(err).__name__}: {err}")
         return Scan(namespaces, records, broken)
 

@@ -34,7 +34,7 @@ from ..protocol.namespace import Namespace
 from ..protocol.probe import LevelAnswer, LookupReport, ProbeAnswer, ProbeRequest
 from ..protocol.wire import EntryRef, LookupAnswer, LookupRequest, split_hashes
 from .config import StoreConfig
-from .index import Entry, Index, store_key
+from .index import Entry, Index, ScanBudget, store_key
 from .leases import Leases
 from .ledger import TenantLedger
 from .metrics import StoreMetrics
@@ -119,6 +119,7 @@ class LookupService:
         B = ns.block_tokens
         index = self._index
         scan = self._config.max_child_scan
+        budget = ScanBudget(scan)  # comparisons in all, over every level (store/index.py)
         now = self._clock()
         self._leases.expire(now)
         answers: list[LevelAnswer] = []
@@ -134,11 +135,11 @@ class LookupService:
                 held_entries.append(nxt)
                 limit = j * B + B
             else:
-                child, usable = index.best_child(ns_id + parent, seg, lv.extra, scan)
+                child, usable = index.best_child(ns_id + parent, seg, lv.extra, scan, budget)
                 limit = j * B + usable
             snapshot = index.best_snapshot_under(
                 ns_id + parent, seg, j * B, B, own_next=lv.next if held else None, extra=lv.extra, limit=limit,
-                scan=scan)
+                scan=scan, budget=budget)
             if child is not None:
                 held_entries.append(child)
             if snapshot is not None:

@@ -117,11 +117,24 @@ class Replicator:
         self._task: asyncio.Task[None] | None = None
         self.interval_s = max(0.05, min(1.0, self.half_life_s / 8))
         store.read_hooks.append(self.on_read)
+        store.space.on_delete.append(self._forget)
 
     # ------------------------------------------------------------ rates
 
+    @property
+    def tracked(self) -> int:
+        """Entries this node keeps books on (read rates, replica sets): bounded by the index."""
+        return len(self._reads) + len(self.pushed)
+
+    def _forget(self, e: Entry) -> None:
+        """An entry left this node: its read rate, replica set and replica mark go with it, so the
+        books never outgrow the index (a single node too, where no tick prunes them)."""
+        self._reads.pop(e.key, None)
+        self.pushed.pop(e.key, None)
+        self.replica_keys.discard(e.key)
+
     def on_read(self, e: Entry) -> None:
-        if not self.enabled:
+        if not self.enabled or not self.membership.is_cluster:  # rates matter only where replicas can go
             return
         now = self.clock()
         slot = self._reads.get(e.key)

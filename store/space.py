@@ -31,7 +31,7 @@ from .namespaces import Namespaces
 class Space:
     def __init__(self, index: Index, arena: Arena, disk: Disk, namespaces: Namespaces, ledger: TenantLedger,
                  admission: Mapping[Kind, AdmissionPolicy], eviction: EvictionPolicy, metrics: StoreMetrics,
-                 clock: Callable[[], float], disk_bytes: int) -> None:
+                 clock: Callable[[], float], disk_bytes: int, max_entries: int) -> None:
         self.index = index
         self.arena = arena
         self._disk = disk
@@ -42,6 +42,8 @@ class Space:
         self._metrics = metrics
         self._clock = clock
         self._disk_bytes = disk_bytes
+        self._max_entries = max_entries
+        self.on_delete: list[Callable[[Entry], None]] = []  # told of each entry leaving (replication's books)
         self.ram_queue = EvictionQueue()  # committed, in RAM and on disk: a RAM drop is free
         self.delete_queue = EvictionQueue()  # committed leaves: candidates for deletion
 
@@ -49,7 +51,7 @@ class Space:
         """Count an entry's payload against its tenant (+1 taken, -1 given back)."""
         ns = self._namespaces.find(e.namespace_id)
         if ns is not None:
-            self._ledger.charge(ns, sign * e.size)
+            self._ledger.charge(ns, sign * e.charge)
 
     def allocate(self, size: int) -> list[int] | None:
         """Arena pages for ``size`` bytes, evicting unpinned entries as needed; None if impossible."""
@@ -78,8 +80,19 @@ class Space:
             return None
 
     def enforce_disk_budget(self, incoming: int) -> bool:
-        """Delete leaves until ``incoming`` more payload bytes fit in ``disk_bytes``; False if pins forbid it."""
-        while self.index.disk_bytes() + incoming > self._disk_bytes:
+        """Delete leaves until ``incoming`` more charged bytes (payloads and records) fit in
+        ``disk_bytes``; False if pins forbid it."""
+        while self.index.disk_charge() + incoming > self._disk_bytes:
+            popped = self.delete_queue.pop(lambda e: e.pins == 0)
+            if popped is None:
+                return False
+            self.evict(*popped)
+        return True
+
+    def enforce_entry_budget(self, incoming: int) -> bool:
+        """Delete leaves until ``incoming`` more entries fit in ``max_entries`` (the index's memory
+        is bounded by count, not only by payload bytes); False if pins forbid it."""
+        while len(self.index.entries) + incoming > self._max_entries:
             popped = self.delete_queue.pop(lambda e: e.pins == 0)
             if popped is None:
                 return False
@@ -106,6 +119,8 @@ class Space:
                 self.arena.free(x.pages)
                 x.pages = None
             self._metrics.evictions.labels(x.metric_kind, reason).inc()
+            for hook in self.on_delete:
+                hook(x)
             if up is not None and up.committed and up.is_leaf:
                 # Its priority from its own last access: becoming a leaf is not a use.
                 self.delete_queue.update(up, up.priority)

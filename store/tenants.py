@@ -77,6 +77,10 @@ class Tenants:
         digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
         return hmac.compare_digest(digest, self.cluster_token_sha256)
 
+    def has(self, name: str) -> bool:
+        """Whether the tenants file lists a tenant of this name."""
+        return any(t.name == name for t in self.tenants)
+
     def quota_of(self, name: str) -> int | None:
         for t in self.tenants:
             if t.name == name:

@@ -13,8 +13,10 @@ Moved elsewhere: payload bytes (the HTTP plane streams them into the pages ``pla
 reserves; NIXL WRITEs them), and space (store/space.py makes room and deletes).
 
 Rules: a pending entry pins its parent or container (anchor) until it commits or is dropped, so
-they survive until the commit; a block whose parent is another node's (a cluster) pins nothing
-(``_unanchored``). Commit writes through to LMDB before indexing, so a SIGKILLed store serves
+they survive until the commit; a block whose parent is another node's (a cluster) pins nothing.
+The pending entry keeps the pinned anchor itself (``Entry.anchor``), not its key: an anchor
+deleted meanwhile (a flush, a damaged tier, a corruption cascade) is unpinned all the same, and
+its pages freed with its last pin. Commit writes through to LMDB before indexing, so a SIGKILLed store serves
 every entry it acknowledged; a write that the tier's reset overtook is not indexed.
 """
 
@@ -35,7 +37,7 @@ from ..protocol.wire import REASON_QUOTA, ItemResult, ItemSpec, WireError
 from .arena import Arena
 from .config import StoreConfig
 from .disk import Disk
-from .index import STORE_KEY_BYTES, Entry, Index, scope, store_key
+from .index import STORE_KEY_BYTES, Entry, Index, entry_charge, scope, store_key
 from .ledger import TenantLedger
 from .lmdb_tier import StoredRecord
 from .metrics import StoreMetrics
@@ -99,7 +101,6 @@ class WritePath:
         # Offered and wanted, per owner, oldest first: admitted at put without asking again.
         # At most max_offers_per_tenant each (an owner flooding offers forgets its own oldest).
         self._wanted: dict[str, OrderedDict[bytes, float]] = {}
-        self._unanchored: set[bytes] = set()  # pending keys whose parent was another node's: nothing pinned
 
     def offers_of(self, owner: str) -> int:
         return len(self._wanted.get(owner, ()))
@@ -175,7 +176,8 @@ class WritePath:
                 results.append(ItemResult(ItemStatus.REJECTED, "larger than the RAM arena"))
                 new.append(None)
                 continue
-            if self._ledger.over_quota(ns, item.size, taken):
+            charge = entry_charge(item.size, item.tokens, item.extra)
+            if self._ledger.over_quota(ns, charge, taken):
                 results.append(ItemResult(ItemStatus.REJECTED, REASON_QUOTA))
                 new.append(None)
                 continue
@@ -186,7 +188,7 @@ class WritePath:
                 new.append(None)
                 continue
             batch[key] = got
-            taken += item.size
+            taken += charge
             results.append(ItemResult(ItemStatus.WANT))
             new.append(got)
         return results, new
@@ -221,15 +223,12 @@ class WritePath:
         # Pin every anchor (parent / container) before allocating: making room
         # may evict, and must not evict what this batch builds on.
         in_batch = {e.key: e for e in new if e is not None}
-        anchors: list[Entry | None] = []
         for e in new:
             anchor_key = self._anchor_key(e) if e is not None else None
             anchor = (in_batch.get(anchor_key) or self._find(anchor_key, {})) if anchor_key else None
-            if anchor is not None:
+            if e is not None and anchor is not None:
                 anchor.pins += 1  # held until the entry commits or is dropped
-            elif e is not None and anchor_key is not None:
-                self._unanchored.add(e.key)  # a cluster block whose parent is another node's
-            anchors.append(anchor)
+                e.anchor = anchor  # None: a root, or (cluster) a parent another node holds
         targets: list[list[memoryview] | None] = []
         failed: set[bytes] = set()
         for i, (item, e) in enumerate(zip(items, new)):
@@ -242,10 +241,7 @@ class WritePath:
             pages = None if dep in failed else self._space.allocate(e.size)
             if pages is None:
                 failed.add(e.key)
-                self._unanchored.discard(e.key)
-                anchor = anchors[i]
-                if anchor is not None:
-                    self._space.unpin(anchor)
+                self._release_anchor(e)
                 results[i] = ItemResult(ItemStatus.REJECTED, "parent not stored" if dep in failed else
                                         "RAM arena full of pinned or uncommitted entries")
                 new[i] = None
@@ -320,11 +316,11 @@ class WritePath:
         if e.pages is not None:
             self._arena.free(e.pages)
             e.pages = None
-        anchor_key = self._anchor_key(e)
-        anchor = self._find(anchor_key, {}) if anchor_key else None
-        if e.key in self._unanchored:
-            self._unanchored.discard(e.key)
-        elif anchor is not None:
+        self._release_anchor(e)
+
+    def _release_anchor(self, e: Entry) -> None:
+        anchor, e.anchor = e.anchor, None
+        if anchor is not None:
             self._space.unpin(anchor)
 
     def sweep(self, now: float) -> None:
@@ -379,11 +375,17 @@ class WritePath:
         # Parents before children whatever order the client listed them in.
         batch.sort(key=lambda ie: (_ORDER[ie[1].kind], ie[1].start))
         if self._disk.enabled:
-            if not self._space.enforce_disk_budget(sum(e.size for _, e in batch)):
+            if not self._space.enforce_disk_budget(sum(e.charge for _, e in batch)):
                 for i, e in batch:
                     self.drop_pending(e)
                     results[i] = ItemResult(ItemStatus.REJECTED, "LMDB tier full of pinned entries")
                 return results
+        if not self._space.enforce_entry_budget(len(batch)):
+            for i, e in batch:
+                self.drop_pending(e)
+                results[i] = ItemResult(ItemStatus.REJECTED, "max_entries reached by pinned entries")
+            return results
+        if self._disk.enabled:
             puts = [(record_of(e), list(self._arena.runs(e.pages or [], 0, e.size))) for _, e in batch]
             failure: str | None = None
             try:
@@ -418,14 +420,10 @@ class WritePath:
             self._index.insert(e)
             self._eviction.on_store(e, now)
             anchor_key = self._anchor_key(e)
-            pinned = e.key not in self._unanchored
-            self._unanchored.discard(e.key)
-            if anchor_key is not None:
-                anchor = self._index.get(anchor_key)
-                if anchor is not None:
-                    self._space.delete_queue.discard(anchor)  # it has a dependant now
-                    if pinned:
-                        self._space.unpin(anchor)
+            parent = self._index.get(anchor_key) if anchor_key is not None else None
+            if parent is not None:
+                self._space.delete_queue.discard(parent)  # it has a dependant now
+            self._release_anchor(e)
             self._space.requeue(e, now)
             results[i] = ItemResult(ItemStatus.OK)
         return results
@@ -486,7 +484,7 @@ class WritePath:
         for e in self.pending.values():
             ns = self._namespaces.find(e.namespace_id)
             if ns is not None:
-                out[ns.tenant] = out.get(ns.tenant, 0) + e.size
+                out[ns.tenant] = out.get(ns.tenant, 0) + e.charge
         return out
 
 

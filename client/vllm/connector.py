@@ -21,8 +21,11 @@ plans one hands the other each step in client/vllm/plans.py::
                                                    get_finished / get_block_ids_with_load_errors
 
 Loads. The scheduler's lookup is of the prompt less its last token (whose
-logits are the answer), without a lease: ``get_num_new_matched_tokens`` has no
-side effect, on the store either. An entry evicted before the worker reads it
+logits are the answer), without a lease: ``get_num_new_matched_tokens`` changes
+nothing vLLM or a later lookup sees. The store does count it (its hit and miss
+counters, the policies' sightings: store/lookups.py ``learn``), which is why the
+scheduler asks once per request and not again when vLLM asks twice (the request
+did not fit a step). An entry evicted before the worker reads it
 is a failed load, reported to vLLM, which recomputes. Tiers are compared in
 tokens: the count returned is the store's reusable length minus the engine's
 local hit (vLLM hands the local hit rounded down to its block), so a store
@@ -167,7 +170,8 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.loadable_tokens(lookup) if self.scheduler_side is not None else 0
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """One lookup, no side effect; the tokens the store adds beyond the engine's local hit."""
+        """One lookup (counted by the store, answered the same however often asked); the tokens the
+        store adds beyond the engine's local hit."""
         if self.scheduler_side is None:
             return 0, False
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)

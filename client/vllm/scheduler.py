@@ -73,7 +73,8 @@ class PrefixStoreScheduler:
         return t if t % self.groups.state_block_tokens == 0 else 0
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """One lookup, no side effect; the tokens the store adds beyond the engine's local hit."""
+        """One lookup (counted by the store, never changing a later answer); the tokens the store
+        adds beyond the engine's local hit. Asked again for the same request, the first answer."""
         memo = self._lookups.pop(request.request_id, None)
         if not self.settings.load or not keyable(request):
             return 0, False

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import aiohttp
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixstore.protocol.wire import CONTENT_TYPE, encode_frame
+from prefixstore.store import StoreConfig
 
 from ..conftest import RunningStore
 from ..factories import make_namespace
 
 NS = make_namespace(block_tokens=4)
 ROOT = b"\x01" * 16
+
+
+@pytest.fixture
+def store_config(tmp_path: Path) -> StoreConfig:
+    """A node configured as one of a cluster (lookup reports are taken only there); its peers
+    need not answer for these checks."""
+    return StoreConfig(port=0, data_dir=str(tmp_path / "lmdb"), ram_bytes=4 << 20, page_bytes=4096,
+                       disk_bytes=64 << 20, nixl="off", peers="http://127.0.0.1:1,http://127.0.0.1:2")
 
 
 async def post(running: RunningStore, path: str, header: dict[str, object]) -> tuple[int, dict[str, object]]:

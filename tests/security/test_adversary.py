@@ -254,7 +254,13 @@ async def test_leases_are_bounded_per_tenant(start_store: StartStore, tmp_path: 
 
 
 async def test_lookup_reports_cannot_poison_the_global_counters(start_store: StartStore, tmp_path: Path) -> None:
-    running = await start_tenanted(start_store, tmp_path)
+    (tmp_path / "single").mkdir()
+    single = await start_tenanted(start_store, tmp_path / "single")
+    await register_beta(single)
+    report = {"ns": NS_B.id, "num_tokens": 1000, "kv_tokens": 0, "state_tokens": 0, "junction": None, "missing": None}
+    refused = await raw_post(single.url, "/v1/lookup_report", report, TOKENS["beta"])
+    assert refused.status == 404 and refused.body["field"] == "lookup_report"  # a single node takes none
+    running = await start_tenanted(start_store, tmp_path, peers="http://127.0.0.1:1,http://127.0.0.1:2")
     await register_beta(running)
     counter = running.store.metrics.lookup_tokens.labels("kv", "miss")
     before = counter._value.get()

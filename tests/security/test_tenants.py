@@ -15,6 +15,7 @@ from prefixstore.client.prompt import with_payload
 from prefixstore.protocol.wire import CONTENT_TYPE, REASON_QUOTA, GetItem, encode_frame
 from prefixstore.store import StoreConfig
 from prefixstore.store.core import Store
+from prefixstore.store.index import entry_charge
 from prefixstore.store.config import ConfigError
 from prefixstore.store.tenants import load_tenants, token_sha256
 
@@ -151,8 +152,10 @@ async def test_missing_or_bad_tokens_are_refused_then_a_good_one_works(start_sto
 
 async def test_quota_exhaustion_rejects_items_and_frees_on_delete(start_store: StartStore, tmp_path: Path) -> None:
     ns = make_namespace(tenant="alpha")
-    block_bytes = ns.block_bytes
-    record = Store.namespace_charge(ns)  # a registered namespace is charged too
+    # A block is charged its payload and its record (store/index.py entry_charge); a registered
+    # namespace is charged too.
+    block_bytes = entry_charge(ns.block_bytes, b"\0" * 4 * ns.block_tokens, b"")
+    record = Store.namespace_charge(ns)
     running = await start_tenanted(start_store, tmp_path, quotas={"alpha": 2 * block_bytes + record})
     tokens = list(range(100, 100 + 4 * ns.block_tokens))  # 4 full blocks
     async with tenant_client(running, "alpha", ns) as a, tenant_client(running, "beta") as b:
