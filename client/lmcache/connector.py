@@ -123,6 +123,11 @@ class PrefixStoreRemoteConnector(RemoteConnector):
         self.idle_reason: str | None = None
         self._client: PrefixClient | None = None
         try:
+            serde = getattr(context.config, "remote_serde", "naive")
+            if serde not in ("naive", None):  # cachegen & co. hand over compressed bytes, not KV tensors
+                raise Unsupported(f"remote_serde {serde!r} (set remote_serde: naive)")
+            if getattr(context.config, "use_layerwise", False):
+                raise Unsupported("use_layerwise (per-layer chunks; set use_layerwise: false)")
             self.namespace = namespace_for(context.metadata, self.meta_shapes, self.meta_dtypes, settings)
         except Unsupported as err:
             self.idle_reason = str(err)
@@ -274,6 +279,10 @@ class PrefixStoreRemoteConnector(RemoteConnector):
         await asyncio.gather(*(self.put(k, m) for k, m in zip(keys, memory_objs)))
 
     # ------------------------------------------------------------ the rest of the interface
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        """Entries leave the store by its eviction, never by one engine's request (it is shared)."""
+        return False
 
     async def list(self) -> list[str]:
         """The store lists no keys (entries are hashes; a tenant's are not enumerable)."""

@@ -47,14 +47,14 @@ def chunk_values(first_pos: int, num_tokens: int) -> torch.Tensor:
     return value(c, l, t, x).to(DTYPE)
 
 
-def config(url: str, **extra: object) -> Any:
+def config(url: str, remote_serde: str = "naive", **extra: object) -> Any:
     from lmcache.v1.config import LMCacheEngineConfig
 
     from prefixstore.client.lmcache import ADAPTER_CLASS, ADAPTER_MODULE
 
     p = "remote_storage_plugin.prefixstore."
     return LMCacheEngineConfig.from_defaults(
-        chunk_size=CHUNK, save_unfull_chunk=True, local_cpu=True, max_local_cpu_size=0.05, remote_serde="naive",
+        chunk_size=CHUNK, save_unfull_chunk=True, local_cpu=True, max_local_cpu_size=0.05, remote_serde=remote_serde,
         remote_storage_plugins=["prefixstore"],
         extra_config={p + "module_path": ADAPTER_MODULE, p + "class_name": ADAPTER_CLASS, p + "url": url,
                       p + "connect_timeout_s": 0.5, p + "timeout_s": 2.0,
@@ -73,13 +73,13 @@ def metadata(dtype: torch.dtype = DTYPE) -> Any:
 class Engine:
     """LMCache's storage backends on their own event loop thread, as LMCache's storage manager runs them."""
 
-    def __init__(self, url: str, dtype: torch.dtype = DTYPE, **extra: object) -> None:
+    def __init__(self, url: str, dtype: torch.dtype = DTYPE, remote_serde: str = "naive", **extra: object) -> None:
         from lmcache.v1.storage_backend import CreateStorageBackends
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.config = config(url, **extra)
+        self.config = config(url, remote_serde, **extra)
         self.metadata = metadata(dtype)
         self.backends = CreateStorageBackends(self.config, self.metadata, self.loop, dst_device="cpu")
         self.cpu = self.backends["LocalCPUBackend"]

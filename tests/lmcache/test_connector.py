@@ -123,3 +123,14 @@ def test_a_bad_plugin_key_names_itself(store: ServeProcess) -> None:
         assert e.remote.connection is None and not e.remote.contains(engine.key_of(1))
     finally:
         e.loop.call_soon_threadsafe(e.loop.stop)
+
+
+def test_compressed_chunks_make_the_connector_idle(lm: Engine) -> None:
+    """CacheGen's serde hands a connector compressed bytes, not the KV the namespace describes."""
+    from lmcache.v1.storage_backend.connector import ConnectorContext
+
+    cfg = engine.config(lm.connector.settings.client.url, remote_serde="cachegen")
+    ctx = ConnectorContext("plugin://prefixstore", lm.loop, lm.cpu, cfg, lm.metadata, plugin_name="prefixstore")
+    c = PrefixStoreConnectorAdapter().create_connector(ctx)
+    assert c.namespace is None and "remote_serde" in (c.idle_reason or "")
+    assert not lm.run(c.exists(engine.key_of(1))) and lm.run(c.get(engine.key_of(1))) is None
