@@ -452,5 +452,10 @@ class PrefixStoreHiCache(HiCacheStorage):
         """The client's store failures by operation (empty while idle)."""
         return self._client.failures if self._client is not None else collections.Counter()
 
+    @property
+    def path_bytes(self) -> collections.Counter[str]:
+        """Payload bytes moved by data path ('nixl', 'http'): which path the pages took."""
+        return self._client.path_bytes if self._client is not None else collections.Counter()
+
 
 __all__ = ["PrefixStoreHiCache", "STAT_KEYS"]

@@ -20,6 +20,7 @@ import pytest
 from ..serve_process import ServeProcess, StartServe, clean_env, serving
 
 ROOT = Path(__file__).resolve().parents[2]
+os.environ.setdefault("UCX_MODULES", "^ib")  # before any NIXL agent of this process starts UCX (DESIGN §9)
 
 
 @pytest.fixture(scope="session")

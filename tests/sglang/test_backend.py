@@ -29,7 +29,8 @@ from prefixstore.client import ClientConfig, SyncPrefixClient  # noqa: E402
 from prefixstore.client.sglang import KEYSPACE, page_prompt  # noqa: E402
 from prefixstore.client.sglang.backend import PrefixStoreHiCache  # noqa: E402
 
-from ..serve_process import ServeProcess  # noqa: E402
+from ..nixl.conftest import NEEDS_NIXL  # noqa: E402
+from ..serve_process import ServeProcess, StartServe  # noqa: E402
 from . import engine  # noqa: E402
 from .engine import MODEL, PAGE  # noqa: E402
 
@@ -246,5 +247,33 @@ def test_a_state_offered_before_its_page_is_saved_with_it(store: ServeProcess) -
         assert b.stats["states_written"] == 1
         res = b.batch_exists_v2(keys, [mamba_transfer("__placeholder__")], info([]))
         assert res.restorable_prefix_pages == [2]
+    finally:
+        b.close()
+
+
+@NEEDS_NIXL
+def test_pages_over_nixl(serve: StartServe) -> None:
+    """The client's NIXL path where both sides have it: one WRITE and one READ per batch, no HTTP bytes."""
+    nixl_store = serve("--port", "0", "--data-dir", "none", "--nixl", "on")
+    assert nixl_store.url is not None
+    _, host = engine.kv_pools("page_first")
+    b = engine.backend(nixl_store.url, host, data_path="nixl")
+    keys = get_storage_hash_str(list(range(1000, 1000 + 4 * PAGE)), None, page_size=PAGE)
+    idx = host.alloc(4 * PAGE)
+    engine.fill_pages(host, idx, 0)
+    try:
+        assert b.batch_set_v1(keys, idx, info([])) == [True] * 4
+        _, other = engine.kv_pools("page_head")
+        reader = engine.backend(nixl_store.url, other, data_path="nixl")
+        try:
+            idx2 = other.alloc(4 * PAGE)
+            assert reader.batch_get_v1(keys, idx2, info([])) == [True] * 4
+            for j in range(4):
+                assert torch.equal(engine.read_page(other, int(idx2[j * PAGE])), engine.canonical_page(j * PAGE))
+            for x in (b, reader):
+                assert x.path_bytes["nixl"] == 4 * x.namespace.block_bytes and x.path_bytes["http"] == 0
+                assert x.failures.total() == 0
+        finally:
+            reader.close()
     finally:
         b.close()
