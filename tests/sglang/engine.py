@@ -163,6 +163,15 @@ def init_dist() -> Any:
     return dist.group.WORLD
 
 
+def close_dist() -> None:
+    """Destroy the process group init_dist made (later tests in this process may build their own)."""
+    import torch.distributed as dist
+
+    with _DIST:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def controller(url: str, layout: str, **more: object) -> Any:
     """SGLang's HiCacheController with this backend attached by its own attach_storage_backend."""
     from sglang.srt.managers.cache_controller import HiCacheController

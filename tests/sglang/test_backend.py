@@ -10,6 +10,7 @@ depend on the backend's own layout code.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,6 +36,14 @@ from . import engine  # noqa: E402
 from .engine import MODEL, PAGE  # noqa: E402
 
 HYBRID = MODEL + "-hybrid"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process_group() -> Iterator[None]:
+    """SGLang's controllers share one gloo group here; it goes when this module is done, so an engine
+    tested later in the same process (vLLM's) initialises torch.distributed its own way."""
+    yield
+    engine.close_dist()
 
 
 def info(prefix: list[str] | None) -> HiCacheStorageExtraInfo:
