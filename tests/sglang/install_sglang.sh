@@ -6,7 +6,7 @@
 #
 # SGLang's wheel pins torch==2.14.1, flashinfer, sglang-kernel (CUDA), CUDA Python and ~80 more
 # packages, most of them GPU kernels or server pieces the storage backend never touches. So:
-#   1. sglang==0.5.23 without its dependencies (the wheel is pure Python);
+#   1. sglang==0.5.23 without its dependencies (39 MB; the backend needs only its Python modules);
 #   2. the modules the backend's import path reaches (hicache_storage, storage/backend_factory,
 #      the host pools pool_host/{mha,mamba}, memory_pool, managers/cache_controller), all under a
 #      constraints file that pins torch==2.13.0 so pip can never swap the torch underneath:
