@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -44,13 +43,3 @@ def written(store: ServeProcess, tmp_path_factory: pytest.TempPathFactory) -> li
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return list(json.loads(out.read_text()))
-
-
-@pytest.fixture
-def dead_url() -> str:
-    """An address nothing listens on (reserved by the OS, then released)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
