@@ -5,9 +5,12 @@ a JSON list of ``{"id", "conversations": [{"from", "value"}, ...]}``. Two things
 about that file shape the reader:
 
 - *Split conversations.* The "split" release cuts long conversations into parts
-  named ``<base>_0``, ``<base>_11``, ... that follow each other in the file; a
-  part after the first starts mid-conversation. Consecutive parts of one base id
-  are joined back into one session, so long real conversations stay long.
+  (``<base>_0``, ``<base>_11``, ...), each at most ~2,000 tokens of its authors'
+  tokenizer. Each part is one session here, as serving benchmarks use this file;
+  a part that starts with an answer (a later part) starts at its first human
+  message. Joining the parts back was tried: a few conversations of 20-30K words
+  then carry most of the tokens, and the workload stops being the chat traffic
+  ShareGPT stands for.
 - *The shipped file is cut short* (it ends inside a string). It is read object by
   object with ``json.JSONDecoder.raw_decode`` and the reader stops at the first
   object that does not parse, so only the conversations it actually holds are
@@ -65,9 +68,8 @@ class Conversation:
 
 
 def _turns(messages: list[dict[str, object]]) -> tuple[tuple[str, str], ...]:
-    """(human, answer) pairs from the start; consecutive messages of one side are joined
-    (a split boundary can fall between them). A conversation that starts with an answer
-    (a later part whose first part is missing) gives no turns."""
+    """(human, answer) pairs from the first human message on; consecutive messages of
+    one side are joined."""
     turns: list[tuple[str, str]] = []
     human: list[str] = []
     answer: list[str] = []
@@ -82,42 +84,31 @@ def _turns(messages: list[dict[str, object]]) -> tuple[tuple[str, str], ...]:
             human.append(text)
         elif human:
             answer.append(text)
-        else:
-            return ()
     if human and answer:
         turns.append(("\n".join(human), "\n".join(answer)))
     return tuple(turns)
 
 
 def read_conversations(text: str) -> Iterator[Conversation]:
-    """Conversations of a ShareGPT JSON text, split parts joined, stopping where the text
+    """Conversations of a ShareGPT JSON text, in file order, stopping where the text
     stops parsing (a cut-short file). A text that is not a JSON list is a TraceError."""
     dec = json.JSONDecoder()
     start = text.find("[")
     if start < 0 or text[:start].strip():
         raise TraceError("ShareGPT data: expected a JSON list of conversations")
     i = start + 1
-    base: str | None = None
-    messages: list[dict[str, object]] = []
     while True:
         i = _SEP.match(text, i).end()  # type: ignore[union-attr]
         if i >= len(text) or text[i] == "]":
-            break
+            return
         try:
             obj, i = dec.raw_decode(text, i)
         except json.JSONDecodeError:
-            break  # the shipped file ends inside an object
-        if not isinstance(obj, dict) or not isinstance(obj.get("conversations"), list):
-            continue
-        sid = str(obj.get("id", ""))
-        b = sid.rsplit("_", 1)[0]
-        if b != base:
-            if base is not None and (turns := _turns(messages)):
-                yield Conversation(base, turns)
-            base, messages = b, []
-        messages += [m for m in obj["conversations"] if isinstance(m, dict)]
-    if base is not None and (turns := _turns(messages)):
-        yield Conversation(base, turns)
+            return  # the shipped file ends inside an object
+        if isinstance(obj, dict) and isinstance(obj.get("conversations"), list):
+            turns = _turns([m for m in obj["conversations"] if isinstance(m, dict)])
+            if turns:
+                yield Conversation(str(obj.get("id", "")), turns)
 
 
 def load_text() -> str:
