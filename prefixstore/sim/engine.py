@@ -107,6 +107,7 @@ class SimResult:
     peak_bytes: int = 0
     eviction_weight: float | None = None
     retention: dict[str, object] | None = None  # the interval tuner's last choice and its inputs
+    retention_note: str = ""  # the same, in words
     snapshots: dict[str, dict[str, int]] = field(default_factory=dict)  # by origin: offered, admitted
     seconds: float = 0.0
 
@@ -234,7 +235,13 @@ class Simulator:
         r.bytes_held = {f"{k}": v for (k, tier), v in self.store.index.stored_bytes.items() if tier == "ram"}
         ev = self.store.eviction
         r.eviction_weight = ev.weight if isinstance(ev, FlopAware) else None
-        r.retention = self.tuner.choice().to_dict() if self.tuner is not None else None
+        if self.tuner is not None:
+            choice = self.tuner.choice()
+            r.retention, r.retention_note = choice.to_dict(), choice.describe()
+        elif self.planner.interval:
+            r.retention_note = f"periodic every {self.planner.interval:,} tokens (fixed by the policy)"
+        else:
+            r.retention_note = "no periodic snapshots (fixed by the policy)"
         return r
 
 
