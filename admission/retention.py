@@ -169,6 +169,7 @@ class IntervalTuner:
         self.half_life = half_life
         self.min_requests = min_requests
         self.granule = granule
+        self.num_observed = 0  # requests seen, not decayed (min_requests counts these)
         self.requests = 0.0
         self.new_tokens = 0.0
         self.resumes = 0.0
@@ -178,6 +179,7 @@ class IntervalTuner:
         """One request: its lookup's KV match and snapshot, and the tokens the model
         consumed (prompt + output - 1). Returns the interval for the next requests."""
         f = 0.5 ** (1.0 / self.half_life)
+        self.num_observed += 1
         self.requests = self.requests * f + 1.0
         self.new_tokens = self.new_tokens * f + max(0, consumed_tokens - kv_tokens)
         periodic = self.interval != 0 and state_tokens > 0 and state_tokens % self.granule == 0
@@ -200,7 +202,7 @@ class IntervalTuner:
         share = self.resumes / self.requests if self.requests else 0.0
         common = dict(state_bytes=self.state_bytes, byte_price_tokens=self.byte_price, resume_share=share,
                       requests=self.requests)
-        if self.requests < self.min_requests:
+        if self.num_observed < self.min_requests:
             return IntervalChoice(interval=-1, ideal_tokens=math.inf, tokens_per_resume=math.inf,
                                   reason=f"fewer than {self.min_requests:g} requests seen; prior: one resume "
                                   "per context", **common)  # type: ignore[arg-type]
