@@ -182,3 +182,27 @@ def test_an_origin_seen_twice_is_judged_by_the_overall_rate_not_a_fixed_prior() 
     assert v.value(Origin.GENERATION_END) < v.value(Origin.JUNCTION)
     overall = 7.5 / 244
     assert v.rate(Origin.JUNCTION) == pytest.approx(4 * overall / 6)
+
+
+def test_planner_boundaries_at_their_edges() -> None:
+    """Periodic boundaries start past the reused prefix (never at it), reach the prompt end
+    inclusive, and during decode start past the prompt; a hint counts only inside
+    (reused, prompt]; a prompt end only when something was computed."""
+    from prefixstore.admission import RetentionPlanner
+
+    p = RetentionPlanner(interval=100)
+    assert p.prefill_boundaries(300, 100) == {200: Origin.PERIODIC, 300: Origin.PROMPT_END}
+    assert p.prefill_boundaries(300, 99) == {100: Origin.PERIODIC, 200: Origin.PERIODIC, 300: Origin.PROMPT_END}
+    assert p.prefill_boundaries(300, 300) == {}  # all reused: nothing new to snapshot
+    assert p.prefill_boundaries(300, 100, hint=100) == {200: Origin.PERIODIC, 300: Origin.PROMPT_END}
+    assert p.prefill_boundaries(300, 100, hint=301) == {200: Origin.PERIODIC, 300: Origin.PROMPT_END}
+    assert p.prefill_boundaries(300, 100, hint=150)[150] == Origin.JUNCTION
+    assert RetentionPlanner(interval=100, junction_hints=False).prefill_boundaries(300, 100, hint=150) == \
+        {200: Origin.PERIODIC, 300: Origin.PROMPT_END}
+    assert p.decode_boundaries(300, 101) == {400: Origin.GENERATION_END}  # consumed 400: the end wins
+    assert p.decode_boundaries(300, 102) == {400: Origin.PERIODIC, 401: Origin.GENERATION_END}
+    assert p.decode_boundaries(300, 1) == {}
+    assert RetentionPlanner(interval=100, generation_end=False).decode_boundaries(300, 102) == {400: Origin.PERIODIC}
+    assert RetentionPlanner().decode_boundaries(300, 102) == {401: Origin.GENERATION_END}
+    plan = p.plan(300, 102, reused_tokens=100, hint=300)
+    assert list(plan) == sorted(plan) and plan[300] == Origin.PROMPT_END  # a prompt end wins over a hint
