@@ -17,7 +17,9 @@ comes after the path finder), so the mutants are what the tests import.
     python benchmarks/mutation.py --targets admission       # the targets whose name starts so
     python benchmarks/mutation.py --targets store/index.py --limit 40   # a sample, for a quick look
 
-The scope is the TARGETS list below: a module, optionally only some of its
+Mutants inside type annotations are skipped as equivalent (the modules use ``from
+__future__ import annotations``: annotations are never evaluated). The scope is the
+TARGETS list below: a module, optionally only some of its
 functions (``functions``: the names cosmic-ray reports as the mutant's enclosing
 definition), and the tests that guard it. Edit the list when the code moves.
 """
@@ -25,6 +27,7 @@ definition), and the tests that guard it. Edit the list when the code moves.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import random
@@ -90,6 +93,22 @@ def config_text(target: Target, timeout_s: float) -> str:
             f'test-command = "{cmd}"\n\n[cosmic-ray.distributor]\nname = "local"\n')
 
 
+def annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) of every annotation. Mutants inside one are equivalent: the modules use
+    ``from __future__ import annotations``, so annotations are never evaluated."""
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        notes: list[ast.expr | None] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            notes.append(node.returns)
+            a = node.args
+            notes += [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x]
+        elif isinstance(node, ast.AnnAssign):
+            notes.append(node.annotation)
+        spans += [((n.lineno, n.col_offset), (n.end_lineno or n.lineno, n.end_col_offset or 0)) for n in notes if n]
+    return spans
+
+
 def run_target(target: Target, work: Path, timeout_s: float, limit: int | None, seed: int) -> dict[str, object]:
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
@@ -106,7 +125,12 @@ def run_target(target: Target, work: Path, timeout_s: float, limit: int | None, 
         out_of_scope = [i.job_id for i in items if target.functions is not None
                         and not any(m.definition_name in target.functions for m in i.mutations)]
         db.set_multiple_results(out_of_scope, skipped)
-        in_scope = [i for i in items if i.job_id not in set(out_of_scope)]
+        source = (work / target.path).read_text()
+        spans = annotation_spans(source) if "from __future__ import annotations" in source else []
+        equivalent = [i.job_id for i in items if i.job_id not in set(out_of_scope)
+                      and any(a <= tuple(m.start_pos) < b for m in i.mutations for a, b in spans)]
+        db.set_multiple_results(equivalent, skipped)
+        in_scope = [i for i in items if i.job_id not in set(out_of_scope) | set(equivalent)]
         if limit is not None and len(in_scope) > limit:
             keep = {i.job_id for i in random.Random(seed).sample(in_scope, limit)}
             db.set_multiple_results([i.job_id for i in in_scope if i.job_id not in keep], skipped)
@@ -128,7 +152,8 @@ def run_target(target: Target, work: Path, timeout_s: float, limit: int | None, 
             else:
                 killed += 1
     judged = killed + survived
-    return {"module": target.path, "functions": target.functions, "tests": target.tests, "killed": killed,
+    return {"module": target.path, "functions": target.functions, "tests": target.tests,
+            "in_scope": len(in_scope), "annotation_mutants_skipped": len(equivalent), "killed": killed,
             "survived": survived, "incompetent": incompetent,
             "kill_rate": killed / judged if judged else None, "seconds": time.perf_counter() - started,
             "survivors": sorted(survivors, key=lambda s: int(s["line"]))}  # type: ignore[call-overload]
