@@ -175,3 +175,36 @@ def test_offer_counts_decay_by_half_past_256() -> None:
         a.admit(Kind.STATE, key(i), 10, 0.0)
         a.on_hit(Kind.STATE, key(i), True, 0.0)
     assert a.offers[False] == 128.5 and a.offers_reused[False] == 128.0 + 1  # halved at the 257th offer
+
+
+def test_forfeits_are_measured_against_all_hits() -> None:
+    """F / (F + R): 10 forfeits beside 22 repeat hits is 0.31, not heavy-tailed enough."""
+    a = Adaptive(min_events=16)
+    _always_phase(a, first_hits=10, repeat_hits=22, evictions=20, wasted=20)
+    assert a.always_mode
+
+
+def test_second_hit_mode_halves_its_evidence_and_returns_once_evictions_stop() -> None:
+    a = Adaptive(min_events=16)
+    _always_phase(a, first_hits=2, repeat_hits=30, evictions=20, wasted=20)
+    assert not a.always_mode
+    a.on_evict(Kind.STATE, 0, 0.0)
+    for i in range(4):  # 4 forfeits (re-offers of turned-away keys) ...
+        a.admit(Kind.STATE, key(5_000 + i), 10, 0.0)
+        a.admit(Kind.STATE, key(5_000 + i), 10, 0.0)
+    for i in range(12):  # ... and 12 repeat hits: 0.25 <= 0.35, keep judging, on halved evidence
+        a.on_hit(Kind.STATE, key(i), False, 0.0)
+    assert not a.always_mode
+    assert (a.forfeited, a.repeat_hits, a.evictions) == (2.0, 6.0, 0.5)
+    for i in range(8):  # no more evictions: the cache has room again, so back to always
+        a.on_hit(Kind.STATE, key(i), False, 0.0)
+    assert a.always_mode
+
+
+def test_only_a_reused_eviction_moves_a_live_reused_one() -> None:
+    a = Adaptive()
+    for i in range(16):
+        a.on_hit(Kind.STATE, key(i), True, 0.0, Origin.JUNCTION)  # reused, still held
+    _judge(a, Origin.JUNCTION, evicted=16, reused=0)  # 16 others leave unreused: 16 of 32 = 0.5
+    _judge(a, Origin.PROMPT_END, evicted=20, reused=10)  # 0.5
+    assert not a.origin_is_dead(Origin.JUNCTION)
