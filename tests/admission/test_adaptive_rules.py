@@ -208,3 +208,30 @@ def test_only_a_reused_eviction_moves_a_live_reused_one() -> None:
     _judge(a, Origin.JUNCTION, evicted=16, reused=0)  # 16 others leave unreused: 16 of 32 = 0.5
     _judge(a, Origin.PROMPT_END, evicted=20, reused=10)  # 0.5
     assert not a.origin_is_dead(Origin.JUNCTION)
+
+
+def test_exactly_min_events_evictions_are_enough_to_switch() -> None:
+    a = Adaptive(min_events=16)
+    _always_phase(a, first_hits=2, repeat_hits=30, evictions=16, wasted=16)
+    assert not a.always_mode
+
+
+def test_re_offers_reused_under_a_twentieth_of_first_offers_are_dead() -> None:
+    a = Adaptive()
+    for i in range(80):  # first offers, half reused: 0.5
+        a.admit(Kind.STATE, key(i), 10, 0.0)
+        if i % 2:
+            a.on_hit(Kind.STATE, key(i), True, 0.0)
+    a.admit(Kind.STATE, key(0), 10, 0.0)
+    a.on_hit(Kind.STATE, key(0), True, 0.0)  # one re-offer reused ...
+    for i in range(1, 80):  # ... of 80: 0.0125 < 0.025
+        if not a.admit(Kind.STATE, key(i), 10, 0.0):
+            break
+    assert a.reoffers_are_dead()
+
+
+def test_origin_decay_halves_the_reused_count_too() -> None:
+    a = Adaptive()
+    _judge(a, Origin.JUNCTION, evicted=16, reused=16)
+    _judge(a, Origin.GENERATION_END, evicted=257, reused=20)  # halved: 10 of 128.5 = 0.078
+    assert not a.origin_is_dead(Origin.GENERATION_END)

@@ -206,3 +206,35 @@ def test_planner_boundaries_at_their_edges() -> None:
     assert RetentionPlanner().decode_boundaries(300, 102) == {401: Origin.GENERATION_END}
     plan = p.plan(300, 102, reused_tokens=100, hint=300)
     assert list(plan) == sorted(plan) and plan[300] == Origin.PROMPT_END  # a prompt end wins over a hint
+
+
+def test_inputs_are_validated_at_their_bounds() -> None:
+    from prefixstore.admission import crossover_tokens
+
+    with pytest.raises(ValueError):
+        crossover_tokens(S, 0)
+    with pytest.raises(ValueError):
+        optimal_interval(0, S, 1.0, 1.0)
+    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+        IntervalTuner(S, 0)
+    assert IntervalTuner(1, 1).interval_for(10) == INTERVAL_GRANULE  # the smallest valid shapes
+
+
+def test_planner_defaults_and_a_periodic_boundary_at_the_prompt_end() -> None:
+    from prefixstore.admission import RetentionPlanner
+
+    assert RetentionPlanner(interval=1).plan(3, 1) == {1: Origin.PERIODIC, 2: Origin.PERIODIC, 3: Origin.PROMPT_END}
+    assert RetentionPlanner(interval=100, prompt_end=False).prefill_boundaries(300, 100) == \
+        {200: Origin.PERIODIC, 300: Origin.PERIODIC}
+
+
+def test_sums_decay_exactly_and_half_a_resume_is_still_evidence() -> None:
+    t = tuner(half_life=1, min_requests=1)  # every sum halves before each request
+    t.observe(kv_tokens=20_000, state_tokens=12_000, consumed_tokens=21_000)  # a resume, 1,000 new tokens
+    t.observe(kv_tokens=0, state_tokens=0, consumed_tokens=3_001)  # not a resume, 3,001 new tokens
+    c = t.choice()
+    assert (t.requests, t.resumes, t.new_tokens) == (1.5, 0.5, 3_501.0)
+    assert c.tokens_per_resume == 7_002.0 and c.interval > 0
+    assert c.resume_share == pytest.approx(1 / 3)
+    assert "alpha/beta = 1/16,384 tokens per byte" in c.describe()
+    assert tuner().choice().describe().startswith("periodic per context from the prior")
