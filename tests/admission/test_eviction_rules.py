@@ -90,3 +90,22 @@ def test_an_entry_hangs_from_its_container_or_its_parent_block() -> None:
     assert anchor_key(snap) == b"\x01" + b"c" * 16
     assert anchor_key(block) == bytes((Kind.BLOCK,)) + b"p" * 16
     assert anchor_key(first) is None
+
+
+def test_efficiency_is_per_byte_whatever_the_entry_size() -> None:
+    """A KV block and a snapshot of different sizes: E compares FLOPs saved per byte held."""
+    p = policy(tune=False)
+    block = FakeEntry(key(1), Kind.BLOCK, 16 * SHAPE.kv_bytes_per_token, 1016, num_tokens=16)
+    snap = FakeEntry(key(2), Kind.STATE, SHAPE.state_bytes, 1000)
+    per_byte = [flops_saved(SHAPE, e) / e.size for e in (block, snap)]
+    assert p.efficiency(block) == pytest.approx(1.0)
+    assert p.efficiency(snap) == pytest.approx(per_byte[1] / (sum(per_byte) / 2))
+
+
+def test_a_repeat_kv_hit_does_not_vote_on_the_weight() -> None:
+    p = policy(weight=0.5)
+    snap = FakeEntry(key(1), Kind.STATE, SHAPE.state_bytes, 5000)  # origin 0: what this origin stores
+    p.on_store(snap, 0.0)
+    block = FakeEntry(key(2), Kind.BLOCK, 16 * SHAPE.kv_bytes_per_token, 16, num_tokens=16, num_hits=3)
+    p.on_hit(block, 0.0)
+    assert p.weight == 0.5 and p.votes == 0

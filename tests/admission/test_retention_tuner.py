@@ -238,3 +238,17 @@ def test_sums_decay_exactly_and_half_a_resume_is_still_evidence() -> None:
     assert c.resume_share == pytest.approx(1 / 3)
     assert "alpha/beta = 1/16,384 tokens per byte" in c.describe()
     assert tuner().choice().describe().startswith("periodic per context from the prior")
+
+
+def test_a_sighting_generation_holds_an_eighth_of_its_bits_over_three_probes() -> None:
+    from prefixstore.admission import SightingFilter
+
+    f = SightingFilter(1024)  # 512 bytes a generation: 4,096 bits
+    assert f.num_bits == 4096 and f.generation_capacity == 4096 // 24 == 170
+    for i in range(169):
+        f.add(i.to_bytes(8, "big"))
+    keys = [i.to_bytes(8, "big") for i in range(1000, 1000 + 170 * 2)]
+    for k in keys:
+        f.add(k)
+    assert keys[-1] in f and keys[200] in f  # the two newest generations are remembered
+    assert sum(i.to_bytes(8, "big") in f for i in range(169)) < 5  # the oldest were forgotten
