@@ -235,3 +235,26 @@ def test_origin_decay_halves_the_reused_count_too() -> None:
     _judge(a, Origin.JUNCTION, evicted=16, reused=16)
     _judge(a, Origin.GENERATION_END, evicted=257, reused=20)  # halved: 10 of 128.5 = 0.078
     assert not a.origin_is_dead(Origin.GENERATION_END)
+
+
+def test_documented_defaults() -> None:
+    a = Adaptive()
+    assert (a.min_events, a.enter_below, a.leave_above, a.min_waste, a.dead_origin_rate, a.dead_origin_samples) == \
+        (64, 0.2, 0.35, 0.5, 0.05, 16.0)
+    assert a.readmitted.memory_bytes == (1 << 20) // 4  # a quarter of the sighting filter's budget
+
+
+def test_an_engine_that_gives_no_origin_is_never_judged_dead() -> None:
+    a = Adaptive()
+    _judge(a, Origin.JUNCTION, evicted=20, reused=20)
+    _judge(a, Origin.UNKNOWN, evicted=40, reused=0)
+    assert not a.origin_is_dead(Origin.UNKNOWN)
+    assert a.admit(Kind.STATE, key(1), 10, 0.0, Origin.UNKNOWN)
+
+
+def test_origin_decay_halves_both_counts_so_no_origin_looks_better_than_it_was() -> None:
+    a = Adaptive()
+    _judge(a, Origin.JUNCTION, evicted=16, reused=16)  # 1.0
+    _judge(a, Origin.PROMPT_END, evicted=40, reused=4)  # 0.1: alive beside 1.0
+    _judge(a, Origin.GENERATION_END, evicted=257, reused=20)  # halved: 10 of 128.5
+    assert not a.origin_is_dead(Origin.PROMPT_END)  # GENERATION_END did not become a rate above 1

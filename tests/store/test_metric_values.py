@@ -219,3 +219,38 @@ async def test_metric_values_over_http(running: RunningStore, namespace: Namespa
             for d in ("want", "have", "rejected")} == {
         ("kv", "want"): 6, ("kv", "have"): 0, ("kv", "rejected"): 0,
         ("state", "want"): 4, ("state", "have"): 0, ("state", "rejected"): 0}
+
+
+def test_a_fresh_store_exports_every_series_at_its_initial_value(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """Metric names and labels are public API: dashboards and alerts query series that must
+    exist (at zero) before the first event, and the gauges start at what the node is."""
+    h = harness(ram_only(ram_bytes=64 * 64), ns)
+    s = h.store
+    for kind in KINDS:
+        for result in ("hit", "miss"):
+            assert s.metrics.registry.get_sample_value(
+                "prefixstore_lookup_tokens_total", {"kind": kind, "result": result}) == 0.0
+        assert s.metrics.registry.get_sample_value("prefixstore_replicas", {"kind": kind}) == 0.0
+    for direction in ("in", "out"):
+        for path in ("http", "nixl"):
+            assert s.metrics.registry.get_sample_value(
+                "prefixstore_transfer_bytes_total", {"direction": direction, "path": path}) == 0.0
+    for result in ("ok", "failed", "skipped"):
+        assert value(s, "prefixstore_replication_pushes_total", result=result) == 0.0 and \
+            s.metrics.registry.get_sample_value("prefixstore_replication_pushes_total", {"result": result}) is not None
+    for how in ("map", "promoted"):
+        assert s.metrics.registry.get_sample_value("prefixstore_nixl_disk_reads_total", {"how": how}) == 0.0
+    assert value(s, "prefixstore_data_path", path="http") == 1.0
+    assert s.metrics.registry.get_sample_value("prefixstore_data_path", {"path": "nixl"}) == 0.0
+    assert value(s, "prefixstore_members") == 1.0
+    assert value(s, "prefixstore_arena_capacity_bytes") == 64 * 64
+    assert value(s, "prefixstore_arena_free_bytes") == 64 * 64
+    assert s.metrics.registry.get_sample_value("prefixstore_pending_entries") == 0.0
+    s.metrics.latency.labels("lookup").observe(0.0003)
+    buckets = sorted(float(m.labels["le"]) for f in s.metrics.registry.collect()
+                     if f.name == "prefixstore_request_duration_seconds" for m in f.samples
+                     if m.name.endswith("_bucket") and m.labels.get("endpoint") == "lookup")
+    assert buckets == [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                       5.0, float("inf")]
+    described = {f.name for f in s.metrics.registry.collect()}
+    assert {"prefixstore_stored_bytes", "prefixstore_entries", "prefixstore_leases"} <= described
