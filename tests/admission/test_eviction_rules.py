@@ -109,3 +109,27 @@ def test_a_repeat_kv_hit_does_not_vote_on_the_weight() -> None:
     block = FakeEntry(key(2), Kind.BLOCK, 16 * SHAPE.kv_bytes_per_token, 16, num_tokens=16, num_hits=3)
     p.on_hit(block, 0.0)
     assert p.weight == 0.5 and p.votes == 0
+
+
+def test_kv_keeps_value_one_whatever_the_origins_learned() -> None:
+    p = policy(tune=False)
+    for _ in range(40):  # snapshots of the prompt-end origin, never reused: a low value
+        p.origins.on_store(Origin.PROMPT_END)
+    p.origins.on_store(Origin.JUNCTION)
+    p.origins.on_first_hit(Origin.JUNCTION)
+    block = FakeEntry(key(1), Kind.BLOCK, 16 * SHAPE.kv_bytes_per_token, 16, num_tokens=16, origin=Origin.PROMPT_END)
+    tail = FakeEntry(key(2), Kind.TAIL, 4 * SHAPE.kv_bytes_per_token, 20, num_tokens=4, origin=Origin.PROMPT_END)
+    snap = FakeEntry(key(3), Kind.STATE, SHAPE.state_bytes, 16, origin=Origin.PROMPT_END)
+    assert p.value(block) == p.value(tail) == 1.0 > p.value(snap)
+
+
+def test_a_first_hit_does_not_vote_on_the_weight() -> None:
+    p = policy(weight=0.5)
+    snap = FakeEntry(key(1), Kind.STATE, SHAPE.state_bytes, 30_000, origin=Origin.JUNCTION)
+    p.on_store(FakeEntry(key(2), Kind.STATE, SHAPE.state_bytes, 500, origin=Origin.JUNCTION), 0.0)
+    p.on_store(snap, 0.0)
+    p.on_hit(snap, 0.0)  # num_hits == 0: its first use
+    assert p.weight == 0.5 and p.votes == 0
+    snap.num_hits = 1
+    p.on_hit(snap, 0.0)  # a repeat use votes
+    assert p.weight > 0.5 and p.votes == 1
