@@ -255,6 +255,6 @@ def test_an_engine_that_gives_no_origin_is_never_judged_dead() -> None:
 def test_origin_decay_halves_both_counts_so_no_origin_looks_better_than_it_was() -> None:
     a = Adaptive()
     _judge(a, Origin.JUNCTION, evicted=16, reused=16)  # 1.0
-    _judge(a, Origin.PROMPT_END, evicted=40, reused=4)  # 0.1: alive beside 1.0
-    _judge(a, Origin.GENERATION_END, evicted=257, reused=20)  # halved: 10 of 128.5
+    _judge(a, Origin.PROMPT_END, evicted=50, reused=3)  # 0.06: alive beside 1.0
+    _judge(a, Origin.GENERATION_END, evicted=257, reused=100)  # halved: 50 of 128.5 = 0.39
     assert not a.origin_is_dead(Origin.PROMPT_END)  # GENERATION_END did not become a rate above 1
