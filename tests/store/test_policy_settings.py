@@ -175,3 +175,28 @@ def test_an_unknown_policy_name_fails_at_start_naming_the_knob() -> None:
         with pytest.raises(Exception, match=knob):
             StoreConfig(port=0, data_dir="none", **{knob: "nope"})  # type: ignore[arg-type]
 
+
+
+def test_adaptive_moves_to_second_hit_when_lookups_show_heavy_tailed_reuse(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """Five hot prefixes looked up again and again while one-off snapshots come and go
+    unreused: the store must tell the policy which hits are repeats (an entry's hit count),
+    and adaptive then stops admitting first offers."""
+    h = harness(ns, state_admission="adaptive", ram_bytes=40 * 64)  # 8 one-block sequences with a snapshot
+    hot = [[7_000 + 4 * i + k for k in range(4)] for i in range(5)]
+    for s in hot:
+        h.save(s, 4, {4: state_payload(ns, s, 4)})
+    for r in range(30):
+        for s in hot:
+            h.now[0] += 0.01
+            _, a = h.lookup(s + [1], lease=False)
+            assert a.state_tokens == 4
+            kv, snap = h.read_prefix(s + [1], a, 4)  # reads are what eviction counts as use
+            assert snap == state_payload(ns, s, 4)
+        for k in range(3):  # one-offs, never looked up: evicted unreused
+            h.now[0] += 0.01
+            one_off = [50_000 + 12 * r + 4 * k + j for j in range(4)]
+            h.save(one_off, 4, {4: state_payload(ns, one_off, 4)})
+    h.store.check()
+    fresh = [99_000, 99_001, 99_002, 99_003]
+    h.save(fresh, 4)
+    assert statuses(h, fresh, 4, {4: Origin.PROMPT_END}) == ["have", "rejected"]  # second-hit mode now
