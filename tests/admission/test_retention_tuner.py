@@ -252,3 +252,18 @@ def test_a_sighting_generation_holds_an_eighth_of_its_bits_over_three_probes() -
         f.add(k)
     assert keys[-1] in f and keys[200] in f  # the two newest generations are remembered
     assert sum(i.to_bytes(8, "big") in f for i in range(169)) < 5  # the oldest were forgotten
+
+
+def test_a_generation_turns_over_exactly_at_its_capacity() -> None:
+    from prefixstore.admission import SightingFilter
+
+    with pytest.raises(ValueError, match="num_bytes"):
+        SightingFilter(15)
+    f = SightingFilter(16)  # 64 bits: a generation holds 64 // 24 = 2 keys
+    assert f.generation_capacity == 2
+    k = [bytes([i]) * 8 for i in range(1, 6)]
+    f.add(k[0])
+    f.add(k[1])  # full: it becomes the previous generation
+    f.add(k[2])
+    f.add(k[3])  # full again: k0, k1 are forgotten, k2, k3 remembered
+    assert k[2] in f and k[3] in f and k[0] not in f and k[1] not in f
