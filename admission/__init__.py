@@ -13,11 +13,11 @@ from .policy import (
     make_admission,
     make_eviction,
 )
-from .retention import RetentionPlanner, crossover_tokens, optimal_interval
+from .retention import INTERVAL_GRANULE, IntervalChoice, IntervalTuner, RetentionPlanner, crossover_tokens, optimal_interval
 from .sighting import SightingFilter
 
 __all__ = [
-    "ADMISSION_POLICIES", "EVICTION_POLICIES", "LRU", "MODEL_PRESETS", "Adaptive", "AdmissionPolicy",
+    "ADMISSION_POLICIES", "EVICTION_POLICIES", "INTERVAL_GRANULE", "IntervalChoice", "IntervalTuner", "LRU", "MODEL_PRESETS", "Adaptive", "AdmissionPolicy",
     "AlwaysAdmit", "EntryView", "EvictionPolicy", "FlopAware", "ModelShape", "PolicyContext",
     "RetentionPlanner", "SecondHit", "SightingFilter", "crossover_tokens", "flops_saved", "get_model",
     "make_admission", "make_eviction", "optimal_interval",

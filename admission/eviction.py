@@ -128,10 +128,18 @@ class LRU:
 
 
 class OriginValue:
-    """Per snapshot origin: the decayed share of stored snapshots that got reused."""
+    """Per snapshot origin: the decayed share of stored snapshots that got reused.
 
-    def __init__(self, half_life: int = 1024) -> None:
+    An origin seen only a few times is judged by the share over all origins
+    (``prior`` snapshots' worth of it), not by a fixed prior: with (reused + 0.5) /
+    (stored + 1), a junction origin seen twice and never reused rated 0.17, four times
+    the prompt ends that earned every hit on reuse-twice, so the prompt-end
+    snapshots ranked below their own KV, left before it, and left that KV unable to
+    serve exact reuse (token hit rate 0.019 at 5% of the footprint; 0.056 with LRU)."""
+
+    def __init__(self, half_life: int = 1024, prior: float = 4.0) -> None:
         self.half_life = half_life
+        self.prior = prior
         self.stored: dict[int, float] = {}
         self.reused: dict[int, float] = {}
         self._events = 0
@@ -149,7 +157,8 @@ class OriginValue:
         self.reused[origin] = self.reused.get(origin, 0.0) + 1.0
 
     def rate(self, origin: int) -> float:
-        return (self.reused.get(origin, 0.0) + 0.5) / (self.stored.get(origin, 0.0) + 1.0)
+        overall = (sum(self.reused.values()) + 0.5) / (sum(self.stored.values()) + 1.0)
+        return (self.reused.get(origin, 0.0) + self.prior * overall) / (self.stored.get(origin, 0.0) + self.prior)
 
     def value(self, origin: int) -> float:
         """This origin's reuse rate over the best origin's, in (0, 1]."""

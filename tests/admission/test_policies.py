@@ -145,7 +145,12 @@ class FakeEntry:
     num_hits: int = 0
     origin: int = 0
     parent: bytes | None = None  # blocks: the parent block's hash
-    container: bytes | None = None  # snapshots: the entry key of the block they hang from
+    container: bytes | None = None  # snapshots: the store key of the block they hang from
+
+    @property
+    def parent_key(self) -> bytes | None:
+        """As the store's entries: the parent's store key, scoped by the namespace (store/index.py)."""
+        return None if self.parent is None else bytes((Kind.BLOCK,)) + self.namespace_id + self.parent
 
 
 def test_flop_aware_ranks_long_prefix_snapshots_above_short_ones() -> None:

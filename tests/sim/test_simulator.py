@@ -88,7 +88,11 @@ def test_cli_simulate_plan_and_trace(tmp_path: Path) -> None:
     run = _cli("simulate", "--trace", str(trace), "--capacity", "1GiB,4GiB", "--policy", "adaptive,lru",
                "--out", str(out))
     assert run.returncode == 0, run.stderr
-    assert "token hit" in run.stdout and run.stdout.count("adaptive") == 2
+    lines = run.stdout.splitlines()
+    assert "token hit" in run.stdout and sum(line.startswith("adaptive ") for line in lines) == 2
+    # ... and what each policy chose: the default's periodic interval and why, per capacity.
+    chose = [line for line in lines if line.startswith("  adaptive @ ")]
+    assert len(chose) == 2 and all("periodic" in line and "snapshots admitted/offered" in line for line in chose)
     results = json.loads((out / "simulate.json").read_text())
     assert {r["policy"] for r in results} == {"adaptive", "lru"} and (out / "simulate.png").stat().st_size > 0
     plan = json.loads(_cli("plan", "--model", "all", "--json").stdout)
@@ -96,3 +100,18 @@ def test_cli_simulate_plan_and_trace(tmp_path: Path) -> None:
     assert hybrid["kv_bytes_per_token"] == 16384 and hybrid["crossover_tokens"] > 1000
     bad = _cli("simulate", "--workload", "multi-turn", "--capacity", "lots")
     assert bad.returncode == 2 and "capacity" in bad.stderr
+
+
+def test_the_default_takes_periodic_snapshots_where_contexts_are_resumed_mid_way() -> None:
+    """Long contexts resumed at truncated points: the default's interval tuner plans periodic
+    snapshots (the prior, then I* from the traffic), and exact reuse beats the same policy
+    without them."""
+    import dataclasses
+
+    reqs = generate("long-context", 40, seed=0)
+    default = get_policy("adaptive")
+    ours = simulate(reqs, MODEL, 4 << 30, default)
+    without = simulate(reqs, MODEL, 4 << 30, dataclasses.replace(default, auto_interval=False))
+    assert ours.snapshots["periodic"]["admitted"] > 0 and "periodic" not in without.snapshots
+    assert ours.token_hit_rate > without.token_hit_rate + 0.05
+    assert ours.retention is not None and ours.retention["interval"] > 0
