@@ -12,11 +12,16 @@ dropped saves, counted in ``failures``.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
+from ..protocol.errors import StoreError
 from ..protocol.namespace import Namespace
 from ..protocol.wire import GetItem, ItemResult, ItemSpec
 from .cluster import ClusterClient
@@ -26,6 +31,8 @@ from .device import DeviceBuffer
 from .node import NodeClient
 from .prompt import Prompt
 from .results import LookupResult, SaveResult
+
+log = logging.getLogger(__name__)
 
 
 class StoreClient(Protocol):
@@ -64,12 +71,43 @@ def connect(namespace: Namespace, config: ClientConfig | None = None) -> StoreCl
 
 
 class PrefixClient:
-    """The async client engines embed (see the module docstring); every method is ``impl``'s."""
+    """The async client engines embed (see the module docstring); every method is ``impl``'s.
+
+    A single ``url`` that names one node of a larger cluster (a Kubernetes Service in front of the
+    pods, say) is found out on the first call: the node's ``/v1/members`` lists more than itself.
+    The client then talks to the cluster through it (``impl`` becomes a cluster client seeded with
+    that URL, warned once), because one node answers only for its own branches: its lookups would
+    be silently partial (DESIGN §8), and the node refuses them (409)."""
 
     def __init__(self, namespace: Namespace, config: ClientConfig | None = None) -> None:
         self.impl: StoreClient = connect(namespace, config)
         self.namespace = namespace
         self.config = self.impl.config
+        self._shape_known = not isinstance(self.impl, NodeClient)
+        self._shape_asked = -math.inf
+        self._buffers: list[Buffer | DeviceBuffer] = []
+
+    async def _shape(self) -> None:
+        """Once (retried every membership_refresh_s while the node does not answer): is the one
+        node this client was pointed at part of a larger cluster?"""
+        if self._shape_known or time.monotonic() - self._shape_asked < self.config.membership_refresh_s:
+            return
+        self._shape_asked = time.monotonic()
+        node = self.impl
+        assert isinstance(node, NodeClient)
+        try:
+            listed = (await node.members()).get("members")
+        except StoreError:
+            return  # down: its calls are misses; asked again later
+        self._shape_known = True
+        if isinstance(listed, list) and len(listed) > 1:
+            log.warning("prefixstore: %s is one node of a %d-node cluster; talking to the cluster through it "
+                        "(configure ClientConfig(urls=...) with the members or the headless Service to say so)",
+                        self.config.url, len(listed))
+            self.impl = ClusterClient(self.namespace, dataclasses.replace(self.config, urls=(self.config.url,)))
+            for buf in self._buffers:
+                self.impl.register_buffer(buf)
+            await node.close()
 
     async def __aenter__(self) -> PrefixClient:
         return self
@@ -102,6 +140,7 @@ class PrefixClient:
 
     async def lookup(self, prompt: Prompt | Sequence[int] | np.ndarray, lease: bool | None = None) -> LookupResult:
         """The reusable KV and state lengths of a prompt, and a lease on them (one round trip on a node)."""
+        await self._shape()
         return await self.impl.lookup(prompt, lease)
 
     async def release(self, lease_id: bytes | None) -> bool:
@@ -116,21 +155,26 @@ class PrefixClient:
         return await self.impl.read_device(items, outs)
 
     async def offer(self, items: Sequence[ItemSpec]) -> list[ItemResult]:
+        await self._shape()
         return await self.impl.offer(items)
 
     async def put(self, items: Sequence[tuple[ItemSpec, Buffer]], commit: bool = True) -> list[ItemResult]:
+        await self._shape()
         return await self.impl.put(items, commit)
 
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
                    snapshots: Mapping[int, Buffer] | None = None, start: int = 0) -> SaveResult:
         """Offer KV [start, kv_upto) and the snapshots, then put what the store wants."""
+        await self._shape()
         return await self.impl.save(prompt, kv_upto, kv_payload, snapshots, start)
 
     def register_buffer(self, buf: Buffer | DeviceBuffer) -> bool:
         """Register a staging buffer with the NIXL agent once (a no-op, False, on the HTTP path)."""
+        self._buffers.append(buf)
         return self.impl.register_buffer(buf)
 
     def unregister_buffer(self, buf: Buffer | DeviceBuffer) -> bool:
+        self._buffers = [b for b in self._buffers if b is not buf]
         return self.impl.unregister_buffer(buf)
 
     async def close(self) -> None:

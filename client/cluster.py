@@ -1,4 +1,4 @@
-"""The cluster client: one lookup fans out to the nodes that own the prompt's levels, in parallel.
+"""The cluster client: lookups walk the prompt's branches, saves go to each level's home.
 
 ``PrefixClient(ns, ClientConfig(urls=(...)))`` uses this class: the same
 methods and results as the single-node client (client/client.py ``StoreClient``),
@@ -7,31 +7,26 @@ so an engine changes nothing but configuration. It *composes* one
 per-node call wrapper that counts requests in flight, smooths latency and
 opens the node's circuit breaker on failure.
 
-Placement (protocol/placement.py): level j of a prompt (parent hash h_j, h_0
-the root, and the prompt's token at jB) lives on the first member in
-rendezvous order of that level key, which holds the children of h_j starting
-with that token (the prompt's next block h_{j+1}, other blocks and tails) and
-the snapshots registered in them. A lookup::
+Placement (protocol/placement.py): the prefix tree is placed by branches. A
+conversation's levels live on one node, conversations spread over the cluster
+(each fork head hashes to its own node), and every level has one home that
+holds all of it. A lookup (client/walk.py) asks the branch node of the
+prompt's first block, which answers every level it is the home of and names
+the fork head where the prompt continues: a few hops, one per fork along the
+prompt, never all N nodes. A save (client/saves.py) offers its items to the
+home of their first level, which decides whether the new blocks continue the
+branch or fork a new one on another node.
 
-    levels 0..n ──group by owner──►  node A: levels {0, 3, 4}   node B: {1}   node C: {2, 5}
-                                        │ POST /v1/probe, all at once, each under timeout_s
-                                        ▼
-    merge: m = first level whose next block is not held;  kv = m·B + usable tokens of level m's child;
-           state = best snapshot of levels 0..m (boundary <= kv)            == the single-node answer
-
-A level is asked of a node holding a replica of its next block when the
-client knows one (hot prefixes, learned from earlier answers), chosen by
-load (two random choices, fewer requests in flight). When the level that ends
-the match was answered by a replica, or (for ``owner_grace_s`` after a
-membership change) its owner changed, it is asked again of its owner or
-previous owner: at most a few follow-ups, only on those paths.
-
-Failures never reach the engine: a node that errors or times out opens a
+Which node of a branch: its first ``replicas`` live members in rendezvous order
+(the cluster's setting, from ``/v1/members``) and the nodes the client has
+learned hold hot copies of the hop's first block, chosen by load (two random
+choices, fewer requests in flight). A node that errors or times out opens a
 circuit breaker (``retry_after_s``, doubling to ``max_retry_after_s``); while
-it is open the node's levels are misses and saves to it are dropped, then it
-is tried again. Saves go to each item's owner. Reads go to a holder of each
-entry (the node that answered for it, or a replica), a miss on a replica
-retried once on the node that answered.
+it is open it is skipped (the next member in rendezvous order takes its new
+saves; its branches are misses) and then tried again. Within
+``owner_grace_s`` of a membership change a hop whose owner moved also asks the
+previous owner, so a scale-out does not cut existing branches. Failures never
+reach the engine: a miss or a dropped save, counted in ``failures``.
 
 A lookup's lease is one opaque id standing for the leases each node granted
 for what it answered; ``release`` releases them all.
@@ -55,12 +50,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..protocol.errors import ItemStatus, StoreError
-from ..protocol.hashing import BlockHash
+from ..protocol.hashing import root_hash
 from ..protocol.keys import Kind, make_entry_key
 from ..protocol.namespace import Namespace
-from ..protocol.placement import level_key, normalize_url, rank
-from ..protocol.probe import LevelAnswer, LookupReport, ProbeAnswer, ProbeLevel
-from ..protocol.wire import EntryRef, GetItem, ItemResult, ItemSpec
+from ..protocol.placement import normalize_url, rank, root_branch
+from ..protocol.probe import LookupReport, ProbeAnswer, ProbeLevel
+from ..protocol.wire import GetItem, ItemResult, ItemSpec
 from .config import ClientConfig
 from .datapath import Buffer, as_view
 from .device import DeviceBuffer
@@ -68,6 +63,8 @@ from .failures import Failures
 from .node import NodeClient, check_device_outs
 from .prompt import Prompt
 from .results import LookupResult, SaveResult
+from .saves import MAX_ROUNDS, UNAVAILABLE, SaveCalls, SaveItem, save_chain
+from .walk import Walk, probe_levels
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +72,6 @@ MAX_KNOWN_KEYS = 1 << 18
 """Entry keys whose holders the client remembers from lookups (for reads); oldest forgotten first."""
 REPLICA_TTL_S = 5.0
 """How long a replica set learned from an answer is used to spread probes and reads."""
-MAX_FOLLOW_UPS = 3
 
 Reader = Callable[[NodeClient, list[GetItem], list[Any]], Awaitable[list[int]]]
 """NodeClient.read or NodeClient.read_device, as one node's client runs it."""
@@ -132,7 +128,7 @@ class Node:
         return result
 
 
-class ClusterClient:
+class ClusterClient(SaveCalls):
     def __init__(self, namespace: Namespace, config: ClientConfig | None = None) -> None:
         config = config or ClientConfig()
         if not config.urls:
@@ -151,7 +147,13 @@ class ClusterClient:
         self._refresh: asyncio.Task[bool] | None = None
         self._where: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # entry key -> node that answered
         self._replicas: dict[bytes, tuple[float, tuple[str, ...]]] = {}  # entry key -> (until, replica nodes)
-        self._level_of: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # container key -> level key
+        self.replicas = 1  # copies of every branch (the cluster's ``replicas``, from /v1/members)
+        self.namespace_root = root_hash(namespace)
+        # Learned from walks and saves, oldest forgotten first (MAX_KNOWN_KEYS each):
+        self._homes: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # block -> branch of its level
+        self._parents: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # entry key -> parent hash
+        self._offered: collections.OrderedDict[bytes, tuple[str, ItemSpec]] = collections.OrderedDict()  # raw offers
+        self.last_walk: Walk | None = None  # the last lookup's walk (diagnostics: nodes asked, probes)
         self._leases: dict[bytes, tuple[float, list[tuple[str, bytes]]]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._buffers: list[Buffer | DeviceBuffer] = []  # staging buffers registered by the engine (NIXL)
@@ -242,11 +244,14 @@ class ClusterClient:
                     raise TypeError("members: expected a list")
                 members = tuple(sorted(normalize_url(str(u)) for u in listed))
                 grace = body.get("owner_grace_s")
+                replicas = body.get("replicas", 1)
             except (StoreError, KeyError, TypeError, ValueError) as err:
                 node.failed("members", err)
                 continue
             if self.config.owner_grace_s is None and isinstance(grace, (int, float)):
                 self.owner_grace_s = float(grace)
+            if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 1:
+                self.replicas = replicas
             if members and members != self.members:
                 if self.epoch:  # the first answer replaces the seed list; later ones are changes
                     self.previous = self.members
@@ -297,12 +302,6 @@ class ClusterClient:
         if len(self._where) > MAX_KNOWN_KEYS:
             self._where.popitem(last=False)
 
-    def _remember_level(self, container: bytes, level: bytes) -> None:
-        self._level_of[container] = level
-        self._level_of.move_to_end(container)
-        if len(self._level_of) > MAX_KNOWN_KEYS:
-            self._level_of.popitem(last=False)
-
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -321,109 +320,89 @@ class ClusterClient:
 
     # ------------------------------------------------------------ lookup
 
-    async def _probe(self, url: str, levels: list[ProbeLevel], lease: bool) -> tuple[str, ProbeAnswer | None]:
-        # On the NIXL path the node also places the payloads it reports (store/nixl_lookup.py):
-        # the node's client then reads them with one READ, as after a single node's lookup.
-        return url, await self._node(url).run("lookup", lambda c: c.probe(levels, lease))
+    def homes(self, branch: bytes) -> list[str]:
+        """The live nodes a branch is placed on: its first ``replicas`` members in rendezvous order
+        (the primary first); while all of those are down, the next live member, which takes the
+        branch's new saves meanwhile."""
+        now = time.monotonic()
+        order = rank(self.members, branch)
+        live = [u for u in order[: self.replicas] if self._usable(u, now)]
+        if not live:
+            live = [u for u in order[self.replicas:] if self._usable(u, now)][:1]
+        return live
+
+    def owner(self, key: bytes) -> str | None:
+        return rank(self.members, key)[0] if self.members else None
+
+    async def _hop(self, branch: bytes, levels: Sequence[ProbeLevel], first: bytes | None,
+                   lease: bool) -> list[tuple[str, ProbeAnswer]]:
+        """One hop of a walk (client/walk.py): a live home of the branch or a node holding copies of
+        its first entry, by load; on failure the next one; within owner_grace_s of a change that
+        moved the branch, its previous owner too, at the same time."""
+        now = time.monotonic()
+        candidates = self.homes(branch)
+        copies = [u for u in self.replicas_of(first, now) if self._usable(u, now)] if first is not None else []
+        extra: list[str] = []
+        if self._in_grace():
+            before = rank(self.previous, branch)[: self.replicas]
+            extra = [u for u in before if u not in candidates and self._usable(u, now)][:1]
+        tried: set[str] = set()
+        out: list[tuple[str, ProbeAnswer]] = []
+        pick = self._pick([*candidates, *copies], now)
+        while pick is not None:
+            tried.add(pick)
+            asked = [pick, *extra]
+            extra = []
+            got = await asyncio.gather(*(self._node(u).run("lookup", lambda c: c.probe(levels, lease)) for u in asked))
+            out += [(u, a) for u, a in zip(asked, got) if a is not None]
+            if got[0] is not None:
+                break
+            now = time.monotonic()
+            pick = self._pick([u for u in [*candidates, *copies] if u not in tried], now) \
+                or next(iter(u for u in self.homes(branch) if u not in tried), None)
+        for url, answer in out:
+            for key, nodes in answer.replicas.items():
+                self._replicas[key] = (now + REPLICA_TTL_S, tuple(u for u in nodes if u != url) + (url,))
+        return out
 
     async def lookup(self, prompt: Prompt | Sequence[int] | np.ndarray, lease: bool | None = None) -> LookupResult:
-        """One parallel round trip to the owners of the prompt's levels, merged into the single-node answer."""
+        """Walk the prompt's branches (client/walk.py); the merged answer is the single-node answer."""
         p = prompt if isinstance(prompt, Prompt) else self.prompt(prompt)
         lease = self.config.lease if lease is None else lease
         await self._ensure_members()
-        B, n, T = p.block_tokens, len(p.hashes), p.num_tokens
-        levels: list[ProbeLevel] = []
-        for j in range(n + 1):
-            seg = p.tokens(j * B, min((j + 1) * B, T))
-            if j == n and not seg:
-                break
-            levels.append(ProbeLevel(level=j, parent=p.parent_of_block(j), next=p.hashes[j] if j < n else b"",
-                                     tokens=seg, extra=p.extra_keys[j] if j < len(p.extra_keys) else b""))
+        levels = probe_levels(p)
         if not levels or not self.members:
             return LookupResult(prompt=p, ok=bool(self.members))
-        now = time.monotonic()
-        asked: dict[int, set[str]] = collections.defaultdict(set)
-        plan: dict[str, list[ProbeLevel]] = collections.defaultdict(list)
-        for lv in levels:
-            order = rank(self.members, level_key(lv.parent, lv.tokens))
-            candidates = [order[0], *self.replicas_of(make_entry_key(Kind.BLOCK, BlockHash(lv.next)), now)] \
-                if lv.next else [order[0]]
-            url = self._pick(candidates, now)
-            if url is not None:  # None: the owner's circuit is open: this level is a miss
-                plan[url].append(lv)
-                asked[lv.level].add(url)
-        answers: dict[int, LevelAnswer] = {}
-        found: dict[object, str] = {}  # level (held next block) or entry key -> the node that reported it
-        leases: list[tuple[str, bytes]] = []
-        num_ok = await self._gather(plan, lease, answers, found, leases)
-        # Follow-ups: the level that ends the match, asked again where a better answer may be.
-        for _ in range(MAX_FOLLOW_UPS):
-            m = _matched(answers, n)
-            retry: dict[str, list[ProbeLevel]] = collections.defaultdict(list)
-            now = time.monotonic()
-            for lv in levels[m:]:
-                extra = []
-                if lv.level == m:
-                    extra.append(rank(self.members, level_key(lv.parent, lv.tokens))[0])  # a replica missed
-                if self._in_grace():
-                    extra.append(rank(self.previous, level_key(lv.parent, lv.tokens))[0])  # owner before
-                for url in extra:
-                    if url not in asked[lv.level] and self._usable(url, now):
-                        retry[url].append(lv)
-                        asked[lv.level].add(url)
-            if not retry:
-                break
-            num_ok += await self._gather(retry, lease, answers, found, leases)
-        return self._merge(p, levels, answers, found, leases, ok=num_ok > 0)
+        walk = Walk(p, levels, lambda branch, lvs, first: self._hop(branch, lvs, first, lease),
+                    self.namespace.has_state)
+        await walk.run()
+        self.last_walk = walk
+        return self._merge(p, walk)
 
-    async def _gather(self, plan: Mapping[str, list[ProbeLevel]], lease: bool, answers: dict[int, LevelAnswer],
-                      found: dict[object, str], leases: list[tuple[str, bytes]]) -> int:
-        results = await asyncio.gather(*(self._probe(url, lvs, lease) for url, lvs in plan.items()))
-        now = time.monotonic()
-        ok = 0
-        for url, answer in results:
-            if answer is None:
-                continue
-            ok += 1
-            if answer.lease_id is not None:
-                leases.append((url, answer.lease_id))
-            for key, nodes in answer.replicas.items():
-                self._replicas[key] = (now + REPLICA_TTL_S, tuple(u for u in nodes if u != url) + (url,))
-            for la in answer.levels:
-                old = answers.get(la.level)
-                answers[la.level] = _better(old, la) if old else la
-                if la.held:
-                    found.setdefault(la.level, url)
-                for ref in (la.child, la.snapshot):
-                    if ref is not None:
-                        found.setdefault(ref.key, url)
-        return ok
-
-    def _merge(self, p: Prompt, levels: list[ProbeLevel], answers: dict[int, LevelAnswer],
-               found: dict[object, str], leases: list[tuple[str, bytes]], ok: bool) -> LookupResult:
+    def _merge(self, p: Prompt, walk: Walk) -> LookupResult:
         B, n = p.block_tokens, len(p.hashes)
-        m = _matched(answers, n)
-        for j in range(m):  # where each matched block was found: reads go there (or to a replica)
-            self._remember(p.block_key(j), found[j])
-        child: EntryRef | None = None
-        kv = m * B
-        at_m = answers.get(m)
-        if at_m is not None and not at_m.held and at_m.child is not None:
-            child = at_m.child
-            kv += child.usable_tokens
-            self._remember(child.key, found[child.key])
-        snapshot: EntryRef | None = None
-        for j in range(min(m, len(levels) - 1), -1, -1):
-            got = answers.get(j)
-            if got is None or got.snapshot is None:
-                continue
-            s = got.snapshot
-            if s.usable_tokens <= kv and (snapshot is None or s.usable_tokens > snapshot.usable_tokens):
-                snapshot = s
-        if snapshot is not None:
-            self._remember(snapshot.key, found[snapshot.key])
+        m = walk.matched()
+        for j in range(m):  # where each matched block was found: reads go there (or to a copy)
+            held_at = walk.states[j].held_at
+            assert held_at is not None
+            self._remember(p.block_key(j), held_at)
+            self._parent_of_key(p.block_key(j), p.parent_of_block(j))
+        for j, branch in enumerate(walk.branch_of):  # where the level under each block lives (saves)
+            if branch is not None and 0 < j <= n:
+                self.learned(p.hashes[j - 1], branch)
+        found = walk.child(m)
+        child = found[0] if found is not None else None
+        if found is not None:
+            self._remember(found[0].key, found[1])
+            self._parent_of_key(found[0].key, p.parent_of_block(m))
+        kv = m * B + (child.usable_tokens if child is not None else 0)
+        best = walk.best_snapshot(m, kv)
+        snapshot = best[0] if best is not None else None
+        if best is not None:
+            self._remember(best[0].key, best[1])
         state = snapshot.usable_tokens if snapshot is not None else 0
         hint = kv if self.namespace.has_state and kv > state else 0
+        leases = walk.leases()
         lease_id = None
         if leases:
             lease_id = os.urandom(16)
@@ -431,24 +410,27 @@ class ClusterClient:
             if len(self._leases) > 4096:  # forgotten by an engine that never releases: they expire on the nodes
                 now = time.monotonic()
                 self._leases = {k: v for k, v in self._leases.items() if v[0] > now}
+        ok = bool(walk.answered)
         if ok:
-            self._spawn(self._report(p, kv, state, hint, m))
+            self._spawn(self._report(p, walk, kv, state, hint, m))
         return LookupResult(prompt=p, kv_tokens=kv, state_tokens=state, checkpoint_hint=hint, matched_blocks=m,
                             child=child, snapshot=snapshot, lease_id=lease_id, ok=ok)
 
-    async def _report(self, p: Prompt, kv: int, state: int, hint: int, m: int) -> None:
-        """Tell the junction's owner what a single node would have counted (policies, metrics)."""
+    async def _report(self, p: Prompt, walk: Walk, kv: int, state: int, hint: int, m: int) -> None:
+        """Tell the junction's home what a single node would have counted (policies, metrics)."""
         B = p.block_tokens
         junction = p.prefix_hash(hint) if hint else None
-        # The snapshot at kv would register in the entry ending there: its level is that entry's parent.
-        start = (kv - 1) // B * B if kv else 0
-        level = level_key(p.parent_of_block(start // B), p.tokens(start, start + 1))
+        # A snapshot at kv would register in the entry ending there: its level is that entry's parent's.
+        level = (kv - 1) // B if kv else 0
+        branch = walk.branch_of[level] if level < len(walk.branch_of) else None
+        if branch is None:
+            return
         report = LookupReport(namespace_id=self.namespace.id, num_tokens=p.num_tokens, kv_tokens=kv,
                               state_tokens=state, junction=junction,
                               missing_block=p.hashes[m] if m < len(p.hashes) else None)
-        url = rank(self.members, level)[0]
-        if self._usable(url, time.monotonic()):
-            await self._node(url).run("lookup_report", lambda c: c.report(report))
+        homes = self.homes(branch)
+        if homes:
+            await self._node(homes[0]).run("lookup_report", lambda c: c.report(report))
 
     async def release(self, lease_id: bytes | None) -> bool:
         held = self._leases.pop(lease_id, None) if lease_id is not None else None
@@ -515,105 +497,147 @@ class ClusterClient:
 
     # ------------------------------------------------------------ write
 
-    def _route(self, items: Sequence[ItemSpec]) -> list[str | None]:
-        """Each item's owner: the owner of the hash it registers under (None: unknown, for a snapshot
-        whose container this client has not seen)."""
-        levels: dict[bytes, bytes] = {}
-        out: list[str | None] = []
+    def learned(self, parent: bytes, branch: bytes) -> None:
+        """The level under block ``parent`` is homed on ``branch`` (learned from walks and saves)."""
+        self._homes[bytes(parent)] = branch
+        self._homes.move_to_end(bytes(parent))
+        if len(self._homes) > MAX_KNOWN_KEYS:
+            self._homes.popitem(last=False)
+
+    def _parent_of_key(self, key: bytes, parent: bytes) -> None:
+        self._parents[key] = bytes(parent)
+        self._parents.move_to_end(key)
+        if len(self._parents) > MAX_KNOWN_KEYS:
+            self._parents.popitem(last=False)
+
+    def branch_of(self, parent: bytes, tokens: bytes = b"") -> bytes | None:
+        """The branch key of the level under ``parent`` (the root level: by the first token), as
+        learned; None when this client has not seen it."""
+        if parent == self.namespace_root:
+            return root_branch(parent, tokens)
+        return self._homes.get(bytes(parent))
+
+    def _level_parent(self, spec: ItemSpec, batch: Mapping[bytes, bytes]) -> bytes | None:
+        """The parent hash of the level an item registers under (a snapshot: its container's parent)."""
+        if spec.kind is Kind.STATE:
+            key = spec.container or b""
+            return batch.get(key) or self._parents.get(key)
+        return spec.parent
+
+    async def offer_at(self, url: str, specs: Sequence[ItemSpec], place: bool = True) -> list[ItemResult]:
+        got = await self._node(url).run("save", lambda c: c.offer(specs, place), unanswered=lambda rs: all(
+            r.reason == UNAVAILABLE for r in rs))
+        return got if got is not None else [ItemResult(ItemStatus.REJECTED, UNAVAILABLE)] * len(specs)
+
+    async def put_at(self, url: str, items: Sequence[tuple[ItemSpec, Buffer]]) -> list[ItemResult]:
+        got = await self._node(url).run("save", lambda c: c.put(items), unanswered=lambda rs: all(
+            r.reason == UNAVAILABLE for r in rs))
+        return got if got is not None else [ItemResult(ItemStatus.DROPPED, UNAVAILABLE)] * len(items)
+
+    async def _route(self, items: Sequence[ItemSpec]) -> list[tuple[str, ItemSpec] | None]:
+        """Each item's home and the item naming its branch (None: this client does not know where
+        its level lives: a snapshot of a container it has not seen, a block of a level never
+        looked up or saved through it)."""
+        await self._ensure_members()
+        batch: dict[bytes, bytes] = {}
+        out: list[tuple[str, ItemSpec] | None] = []
         for it in items:
-            if it.kind is Kind.STATE:
-                level = levels.get(it.container or b"") or self._level_of.get(it.container or b"")
-            else:
+            if it.kind is not Kind.STATE:
                 assert it.parent is not None
-                level = level_key(it.parent, it.tokens)
-                levels[make_entry_key(it.kind, it.hash)] = level
-            out.append(rank(self.members, level)[0] if level is not None and self.members else None)
+                batch[make_entry_key(it.kind, it.hash)] = bytes(it.parent)
+            parent = self._level_parent(it, batch)
+            branch = self.branch_of(parent, it.tokens) if parent is not None else None
+            homes = self.homes(branch) if branch is not None else []
+            out.append((homes[0], dataclasses.replace(it, branch=branch)) if homes else None)
         return out
 
-    async def _per_node(self, items: Sequence[ItemSpec],
-                        call: Callable[[NodeClient, list[int]], Awaitable[list[ItemResult]]],
-                        unavailable: ItemResult) -> list[ItemResult]:
-        await self._ensure_members()
-        owners = self._route(items)
-        out: list[ItemResult] = [unavailable] * len(items)
-        groups: dict[str, list[int]] = collections.defaultdict(list)
-        now = time.monotonic()
-        for i, url in enumerate(owners):
-            if url is not None and self._usable(url, now):
-                groups[url].append(i)
-        dropped = len(items) - sum(len(g) for g in groups.values())
-        if dropped:
-            self._failures.record("save", f"{dropped} item(s): owner unavailable or unknown")
+    async def offer(self, items: Sequence[ItemSpec]) -> list[ItemResult]:
+        """want / have / rejected per item, each asked of the home of its level (without fork
+        decisions: an engine putting what it was told to keeps its chain on that home). An item
+        under a fork record there is asked again of that branch's node."""
+        routes = await self._route(items)
+        out: list[ItemResult] = [ItemResult(ItemStatus.REJECTED, "placement unknown: look the prompt up first")
+                                 ] * len(items)
+        for _ in range(MAX_ROUNDS):
+            groups: dict[str, list[int]] = collections.defaultdict(list)
+            for i, r in enumerate(routes):
+                if r is not None:
+                    groups[r[0]].append(i)
+            if not groups:
+                break
+            answers = await asyncio.gather(*(self.offer_at(url, [routes[i][1] for i in idx], False)  # type: ignore[index]
+                                             for url, idx in groups.items()))
+            again: list[tuple[str, ItemSpec] | None] = [None] * len(items)
+            for (url, idx), got in zip(groups.items(), answers):
+                for i, d in zip(idx, got):
+                    if d.status is ItemStatus.ELSEWHERE and d.branch is not None and (homes := self.homes(d.branch)):
+                        again[i] = (homes[0], dataclasses.replace(routes[i][1], branch=d.branch))  # type: ignore[index]
+                        continue
+                    out[i] = ItemResult(ItemStatus.WANT, d.reason) if d.fork else d
+                    self._offered[make_entry_key(items[i].kind, items[i].hash)] = (url, routes[i][1])  # type: ignore[index]
+                    while len(self._offered) > MAX_KNOWN_KEYS:
+                        self._offered.popitem(last=False)
+            routes = again
+        return out
 
-        async def one(url: str, idx: list[int]) -> None:
-            results = await self._node(url).run("save", lambda c: call(c, idx), unanswered=lambda rs: all(
-                r.reason == "store unavailable" for r in rs))
-            for i, r in zip(idx, results or []):
+    async def put(self, items: Sequence[tuple[ItemSpec, Buffer]], commit: bool = True) -> list[ItemResult]:
+        """Payloads to the node each item was offered to (else to the home of its level)."""
+        routed = await self._route([s for s, _ in items])
+        out: list[ItemResult] = [ItemResult(ItemStatus.DROPPED, "placement unknown: look the prompt up first")
+                                 ] * len(items)
+        groups: dict[str, list[tuple[int, ItemSpec]]] = collections.defaultdict(list)
+        for i, ((spec, _), r) in enumerate(zip(items, routed)):
+            offered = self._offered.pop(make_entry_key(spec.kind, spec.hash), None)
+            where = offered or r
+            if where is not None:
+                groups[where[0]].append((i, dataclasses.replace(spec, branch=where[1].branch)))
+        if not groups:
+            self._failures.record("save", f"{len(items)} item(s): placement unknown")
+
+        async def one(url: str, idx: list[tuple[int, ItemSpec]]) -> None:
+            got = await self._node(url).run("save", lambda c: c.put([(s, items[i][1]) for i, s in idx], commit),
+                                            unanswered=lambda rs: all(r.reason == UNAVAILABLE for r in rs))
+            for (i, _), r in zip(idx, got or [ItemResult(ItemStatus.DROPPED, UNAVAILABLE)] * len(idx)):
                 out[i] = r
 
         await asyncio.gather(*(one(url, idx) for url, idx in groups.items()))
         return out
 
-    async def offer(self, items: Sequence[ItemSpec]) -> list[ItemResult]:
-        """want / have / rejected per item, each asked of its owner."""
-        return await self._per_node(items, lambda c, idx: c.offer([items[i] for i in idx]),
-                                    ItemResult(ItemStatus.REJECTED, "store unavailable"))
-
-    async def put(self, items: Sequence[tuple[ItemSpec, Buffer]], commit: bool = True) -> list[ItemResult]:
-        """Payloads to each item's owner. Blocks and tails need ``ItemSpec.start`` in a cluster
-        (``save`` sets it); their parent usually lives on another node."""
-        specs = [s for s, _ in items]
-        return await self._per_node(specs, lambda c, idx: c.put([items[i] for i in idx], commit),
-                                    ItemResult(ItemStatus.DROPPED, "store unavailable"))
-
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
                    snapshots: Mapping[int, Buffer] | None = None, start: int = 0) -> SaveResult:
-        """Offer KV [start, kv_upto) and snapshots to their owners, then put what each wants.
-
-        Nodes work in parallel: a block's parent lives elsewhere anyway (each node takes a block whose
-        parent it does not hold, with its start); a snapshot goes to the node of its container."""
+        """Offer KV [start, kv_upto) and snapshots to the homes of their levels, branch by branch
+        (client/saves.py), putting what each home wants."""
+        await self._ensure_members()
         B = prompt.block_tokens
-        kv = prompt.kv_items(kv_upto, start - start % B)
-        specs: list[ItemSpec] = [dataclasses.replace(spec, start=a) for spec, a, _ in kv]
-        payload_of: list[Callable[[], Buffer]] = [functools.partial(kv_payload, a, b) for _, a, b in kv]
+        items: list[SaveItem] = []
+        for spec, a, b in prompt.kv_items(kv_upto, start - start % B):
+            items.append(SaveItem(dataclasses.replace(spec, start=a), a // B, functools.partial(kv_payload, a, b)))
         for t in sorted(snapshots or {}):
             spec = prompt.state_item(t, kv_upto)
             block_end = -(-t // B) * B
             container_block = block_end // B - 1 if block_end <= kv_upto else kv_upto // B
             assert spec.container is not None
-            self._remember_level(spec.container, level_key(prompt.parent_of_block(container_block),
-                                                           prompt.tokens(container_block * B, container_block * B + 1)))
-            specs.append(spec)
-            payload_of.append(functools.partial((snapshots or {}).__getitem__, t))
-        decisions = await self.offer(specs)
-        wanted = [i for i, d in enumerate(decisions) if d.status is ItemStatus.WANT]
-        results = await self.put([(specs[i], payload_of[i]()) for i in wanted]) if wanted else []
-        stored = sum(r.status is ItemStatus.OK for r in results)
-        have = sum(d.status is ItemStatus.HAVE for d in decisions) + sum(r.status is ItemStatus.HAVE for r in results)
-        dropped = sum(d.reason == "store unavailable" for d in decisions) + sum(
-            r.status is ItemStatus.DROPPED for r in results)
-        saved = [(specs[i].kind, r) for i, r in zip(wanted, results)]
-        return SaveResult(stored=stored, already=have, rejected=len(specs) - stored - have - dropped,
-                          dropped=dropped, results=saved)
-
-
-def _matched(answers: Mapping[int, LevelAnswer], n: int) -> int:
-    m = 0
-    while m < n and (got := answers.get(m)) is not None and got.held:
-        m += 1
-    return m
-
-
-def _better(a: LevelAnswer, b: LevelAnswer) -> LevelAnswer:
-    """Two nodes' answers for one level (owner and replica, or owner and previous owner), combined."""
-    held = a.held or b.held
-    child = None
-    if not held:
-        cands = [c for c in (a.child, b.child) if c is not None]
-        child = max(cands, key=lambda c: c.usable_tokens) if cands else None
-    snaps = [s for s in (a.snapshot, b.snapshot) if s is not None]
-    snapshot = max(snaps, key=lambda s: s.usable_tokens) if snaps else None
-    return LevelAnswer(level=a.level, held=held, child=child, snapshot=snapshot)
+            self._parent_of_key(spec.container, prompt.parent_of_block(container_block))
+            items.append(SaveItem(spec, container_block, functools.partial((snapshots or {}).__getitem__, t)))
+        if not items:
+            return SaveResult()
+        items.sort(key=lambda it: it.level)  # chain order: a round's items hang from its first level
+        first = items[0].level
+        branch = self.branch_of(prompt.parent_of_block(first), prompt.tokens(first * B, first * B + 1))
+        if branch is None:  # never walked here: walk now (no lease), learning where each level lives
+            await self.lookup(prompt, lease=False)
+            branch = self.branch_of(prompt.parent_of_block(first), prompt.tokens(first * B, first * B + 1))
+        if branch is None or not self.members:
+            self._failures.record("save", "the prompt's level is not stored anywhere this client can reach")
+            return SaveResult(dropped=len(items))
+        for it in items:
+            if it.spec.kind is not Kind.STATE:
+                assert it.spec.parent is not None
+                self._parent_of_key(make_entry_key(it.spec.kind, it.spec.hash), it.spec.parent)
+        result = await save_chain(self, items, branch)
+        if result.dropped:
+            self._failures.record("save", f"{result.dropped} item(s) dropped: their home is unavailable")
+        return result
 
 
 __all__ = ["ClusterClient"]

@@ -242,13 +242,17 @@ class NodeClient:
 
     # ------------------------------------------------------------ write
 
-    async def offer(self, items: Sequence[ItemSpec]) -> list[ItemResult]:
-        """want / have / rejected per item; a store failure answers 'rejected' for all."""
+    async def offer(self, items: Sequence[ItemSpec], place: bool = True) -> list[ItemResult]:
+        """want / have / rejected per item; a store failure answers 'rejected' for all. ``place``
+        (a cluster, protocol/placement.py): let the node decide fork heads (a cluster save does)."""
         out: list[ItemResult] = []
         for s in range(0, len(items), self.config.max_items):
             chunk = items[s : s + self.config.max_items]
+            header: dict[str, object] = {"ns": self.namespace.id, "items": [i.to_wire() for i in chunk]}
+            if not place:
+                header["place"] = False
             try:
-                answer = await self.call("/v1/offer", {"ns": self.namespace.id, "items": [i.to_wire() for i in chunk]})
+                answer = await self.call("/v1/offer", header)
                 out.extend(results_of(answer, len(chunk)))
             except (StoreError, WireError) as err:
                 self._failures.record("offer", err)
@@ -258,6 +262,18 @@ class NodeClient:
     async def put(self, items: Sequence[tuple[ItemSpec, Buffer]], commit: bool = True) -> list[ItemResult]:
         """Send payloads (checksummed here) and commit them. Failures drop the save."""
         out: list[ItemResult] = []
+        if items and all(spec.record for spec, _ in items):
+            # Fork records (a cluster save, protocol/placement.py) carry no payload: one HTTP put, no data path.
+            for s in range(0, len(items), self.config.max_items):
+                records = [spec for spec, _ in items[s : s + self.config.max_items]]
+                try:
+                    answer = await self.call("/v1/put", {"ns": self.namespace.id, "commit": commit,
+                                                         "items": [x.to_wire() for x in records]})
+                    out.extend(results_of(answer, len(records)))
+                except (StoreError, WireError) as err:
+                    self._failures.record("put", err)
+                    out.extend(ItemResult(ItemStatus.DROPPED, "store unavailable") for _ in records)
+            return out
         for s in range(0, len(items), self.config.max_items):
             chunk = items[s : s + self.config.max_items]
             views = [as_view(buf) for _, buf in chunk]

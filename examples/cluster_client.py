@@ -1,12 +1,13 @@
-"""A cluster client: the same methods, over every node of a cluster (docs/cluster.md).
+"""A cluster client: the same methods, over a cluster of nodes (docs/cluster.md).
 
     prefixstore serve --port 8077 --node-url http://127.0.0.1:8077 --peers http://127.0.0.1:8077,http://127.0.0.1:8078 &
     prefixstore serve --port 8078 --node-url http://127.0.0.1:8078 --peers http://127.0.0.1:8077,http://127.0.0.1:8078 --data-dir none &
     python examples/cluster_client.py http://127.0.0.1:8077 [MORE SEED URLS]
 
-Any live seed tells the client the member list. Each entry lives on its
-rendezvous owner, so a prompt's blocks spread over the nodes; a lookup asks
-the owners in one parallel round trip and answers as one node would.
+Any live seed tells the client the member list. The cluster places branches of
+the prefix tree: a conversation stays on one node, conversations under a shared
+system prompt fork onto different nodes, so a lookup asks one or two nodes
+whatever the cluster's size, and answers exactly as one node would.
 """
 
 import asyncio
@@ -20,22 +21,34 @@ from prefixstore.protocol import KVLayout, Namespace
 SEEDS = tuple(sys.argv[1:]) or ("http://127.0.0.1:8077",)
 
 ns = Namespace(model="my-transformer", kv=KVLayout(num_layers=2, num_heads=4, head_dim=64), block_tokens=16)
-tokens = list(range(20_000, 20_512))  # 32 blocks
-kv = np.random.default_rng(0).integers(0, 256, (ns.kv.num_layers, len(tokens), ns.kv.layer_token_bytes),
-                                       dtype=np.uint8)
+system = list(range(20_000, 20_064))  # a shared system prompt: 4 blocks
+conversations = [system + list(range(30_000 + 1000 * k, 30_000 + 1000 * k + 448)) for k in range(16)]
+rng = np.random.default_rng(0)
+kv = {k: rng.integers(0, 256, (ns.kv.num_layers, len(c), ns.kv.layer_token_bytes), dtype=np.uint8)
+      for k, c in enumerate(conversations)}
+for k in kv:  # the system prompt's KV is the same in every conversation
+    kv[k][:, : len(system)] = kv[0][:, : len(system)]
 
 
 async def main() -> None:
     async with PrefixClient(ns, ClientConfig(urls=SEEDS)) as client:  # urls=: a cluster client
-        saved = await client.save(client.prompt(tokens), len(tokens), lambda a, b: kv[:, a:b].tobytes())
-        print(f"saved {saved.stored} entries ({saved.already} already stored)")
-        res = await client.lookup(tokens)
-        reads = res.kv_reads(res.kv_tokens)
-        buffers = [bytearray(ns.kv.payload_bytes(end - start)) for _, start, end in reads]
-        got = await client.read([item for item, _, _ in reads], buffers)
-        await client.release(res.lease_id)
-        exact = all(g == len(b) and b == kv[:, s:e].tobytes() for g, b, (_, s, e) in zip(got, buffers, reads))
-        print(f"lookup: kv_tokens={res.kv_tokens}; read {len(reads)} entries, exact: {exact}")
+        stored = 0
+        for k, tokens in enumerate(conversations):
+            saved = await client.save(client.prompt(tokens), len(tokens), lambda a, b, k=k: kv[k][:, a:b].tobytes())
+            stored += saved.stored
+        print(f"saved {len(conversations)} conversations ({stored} entries)")
+        exact_all, most_nodes = True, 0
+        for k, tokens in enumerate(conversations):
+            res = await client.lookup(tokens)
+            reads = res.kv_reads(res.kv_tokens)
+            buffers = [bytearray(ns.kv.payload_bytes(end - start)) for _, start, end in reads]
+            got = await client.read([item for item, _, _ in reads], buffers)
+            await client.release(res.lease_id)
+            exact_all &= res.kv_tokens == len(tokens) and all(
+                g == len(b) and b == kv[k][:, s:e].tobytes() for g, b, (_, s, e) in zip(got, buffers, reads))
+            walk = client.impl.last_walk  # type: ignore[attr-defined]  # the cluster client's diagnostics
+            most_nodes = max(most_nodes, len(walk.nodes))
+        print(f"lookups: every conversation whole and exact: {exact_all}; most nodes asked by one lookup: {most_nodes}")
         print(f"failures: {dict(client.failures) or 'none'}")
 
 

@@ -25,13 +25,14 @@ class Problem(enum.Enum):
     TIMEOUT = "timeout"  # the body did not arrive in time
     UNSUPPORTED = "unsupported"  # a content type this endpoint does not take
     UNAUTHORIZED = "unauthorized"  # missing or unknown bearer token
+    CONFLICT = "conflict"  # not this way here: e.g. a single-node call to a node of a larger cluster
     UNAVAILABLE = "unavailable"  # the store cannot serve it now (damage, overload); retry later
     INTERNAL = "internal"  # a bug on the store's side (logged there)
 
 
 HTTP_STATUS: dict[Problem, int] = {
     Problem.INVALID: 400, Problem.UNAUTHORIZED: 401, Problem.FORBIDDEN: 403, Problem.UNKNOWN: 404,
-    Problem.TIMEOUT: 408, Problem.TOO_LARGE: 413, Problem.QUOTA: 413, Problem.UNSUPPORTED: 415,
+    Problem.TIMEOUT: 408, Problem.CONFLICT: 409, Problem.TOO_LARGE: 413, Problem.QUOTA: 413, Problem.UNSUPPORTED: 415,
     Problem.INTERNAL: 500, Problem.UNAVAILABLE: 503,
 }
 
@@ -91,6 +92,7 @@ class ItemStatus(enum.StrEnum):
     MISSING = "missing"  # get/commit: not stored (or expired)
     CORRUPT = "corrupt"  # get: its bytes failed their checksum on the store; it was dropped
     HTTP = "http"  # NIXL get: not in registered memory here; read it over HTTP
+    ELSEWHERE = "elsewhere"  # cluster offer: below a fork head; offer it to that branch's node (the reason names it)
     DROPPED = "dropped"  # client only: the save could not reach a store (a future miss)
 
 

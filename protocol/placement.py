@@ -1,40 +1,42 @@
-"""Where an entry lives in a cluster: rendezvous (highest-random-weight) hashing.
+"""Where an entry lives in a cluster: branches of the prefix tree, placed by rendezvous hashing.
 
-One function, used by clients and nodes alike, so every party that sees the
-same member list computes the same owner for every key, with no coordination.
+One function (:func:`rank`), used by clients and nodes alike, so every party that sees the same
+member list computes the same owner for every key, with no coordination. Members are named by
+their URL (``http://pod-0.svc.ns.svc.cluster.local:8077``, no trailing slash). The score of a
+member for a key is the xxh3-64 of the member's name and the key; the members ordered by
+falling score are the key's **rendezvous order**: the first is its owner, the next ones hold its
+copies (the ``replicas`` setting, hot-prefix replication). Removing a member moves only the keys
+it owned; adding one moves to it only the keys it now wins (about 1/N of them).
 
-Members are named by their URL (``http://pod-0.svc.ns.svc.cluster.local:8077``,
-no trailing slash). The score of a member for a key is the xxh3-64 of the
-member's name and the key; the members ordered by falling score are the key's
-**rendezvous order**: the first is its owner, the next ones take its replicas
-(hot-prefix replication). Removing a member moves only the keys it owned;
-adding one moves to it only the keys it now wins (about 1/N of them).
+**What is placed: branches, not levels** (DESIGN §8). A *level* of a namespace is one parent
+hash h with everything registered under it: its children (blocks and tails) and the snapshots
+whose container is one of them. Every level has one **home**, the node that holds all of it, so
+the home answers that level exactly as a single node would (store/lookups.py). Homes::
 
-Placement key (the *level key*). An entry is placed by the hash it is
-registered under in the index (its parent; a snapshot: its container's
-parent) **and its first token**, so that one node can answer everything a
-lookup needs to know about one level of a prompt::
+    the root level (children of h_0)      rank(members, level_key(h_0, t_0))[0]   per first token
+    the children of a block c             c's own node        if c is a continuation
+                                          rank(members, c)[0] if c is a fork head
 
-    level j of a prompt (j = 0..n, n full blocks):  key (h_j, t_jB)   (h_0 = the namespace root)
+A block is a **continuation** when, at its level's home, it is the first block child of its
+parent: the next turn of a conversation extends its leaf and stays on its node. Any later block
+child of the same parent is a **fork head** (a new conversation under a shared system prompt, a
+regenerated answer), and so is every block under the root. A fork head is kept twice:
 
-      owner(h_j, t) holds  - every block and tail whose parent is h_j and whose
-                             first token is t (the prompt's next block h_{j+1},
-                             other conversations' blocks diverging there, tails)
-                           - every snapshot whose container is one of those
+* as a **record** at its level's home: its tokens and extra keys, no payload (``ItemSpec.record``),
+  so the home still sees every child of the level (partial matches stay exact) and every snapshot
+  registered in it (a snapshot at the end of a shared system prompt is found by every conversation);
+* in full on its **branch node** rank(c)[0], as the first block of its branch: its children,
+  their continuations and everything registered under them live there.
 
-    so a fan-out asks owner(h_j, t_jB) "is h_{j+1} stored; which child of h_j
-    agrees longest with my tokens [jB, (j+1)B); which snapshot under h_j is the
-    best" and merges the levels exactly as a single node would walk them.
+So a conversation stays together (one node answers all of it) and conversations spread over the
+cluster (each fork head hashes to its own node). The **branch key** of an entry is the key whose
+rendezvous order placed it: ``level_key(h_0, t_0)`` for the root level, else the hash of the fork
+head its branch starts with. Copies go to the next members in that order, so the copies of a
+branch stay together too.
 
-The first token costs no exactness: a child that agrees with the prompt for
-even one token starts with the prompt's token, and a snapshot counts only if
-its container agrees with the prompt up to its boundary. It spreads the
-children of a hot parent (every conversation under one system prompt) over
-the cluster instead of piling them on the parent's owner.
-
-A block therefore lives with its siblings, not with its parent: a chain of
-blocks is spread over the cluster level by level. Tails and snapshots live
-with the blocks of the same level.
+A lookup walks the prompt's branches (protocol/probe.py): it asks the branch node of the prompt's
+first block, which answers every level it is the home of and names the fork head where the
+prompt continues elsewhere; hops = forks along the prompt, not N.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ from collections.abc import Iterable, Sequence
 
 import xxhash
 
-from .hashing import TOKEN_BYTES
+from .hashing import HASH_BYTES, TOKEN_BYTES
+
+BRANCH_KEY_SIZES = (HASH_BYTES, HASH_BYTES + TOKEN_BYTES)
+"""A branch key is a fork head's hash (16 bytes) or the root level's key (root hash and first token)."""
 
 
 def normalize_url(url: str) -> str:
@@ -76,10 +81,16 @@ def _reverse(m: str) -> tuple[int, ...]:
 
 
 def level_key(parent: bytes, tokens: bytes) -> bytes:
-    """The placement key of a level: its parent hash h_j and the first token (packed uint32) of the
-    tokens that follow it. For a block or tail: its parent and its own tokens; for a snapshot: those of
-    its container."""
+    """A parent hash and the first token (packed uint32) of the tokens that follow it: the branch
+    key of the root level (``level_key(h_0, prompt tokens)``), split by first token so that
+    namespaces whose entries carry no common first token (keys turned into tokens by the SGLang
+    and LMCache adapters) spread their first blocks' records over the cluster."""
     return bytes(parent) + bytes(tokens[:TOKEN_BYTES])
 
 
-__all__ = ["level_key", "normalize_url", "owner", "rank", "score"]
+def root_branch(root: bytes, tokens: bytes) -> bytes:
+    """The branch key of the root level for a prompt starting with ``tokens`` (packed)."""
+    return level_key(root, tokens)
+
+
+__all__ = ["BRANCH_KEY_SIZES", "level_key", "normalize_url", "owner", "rank", "root_branch", "score"]

@@ -1,24 +1,31 @@
-"""The cluster lookup's per-node question and answer (``POST /v1/probe``).
+"""The cluster lookup's per-node question and answer (``POST /v1/probe``): one hop of a walk.
 
-A cluster lookup asks each node about the **levels** of the prompt it owns
-(protocol/placement.py): level j is the parent hash h_j (h_0 the root), the
-prompt's next block h_{j+1} (absent at the last level), the prompt's tokens
-of that block [jB, min((j+1)B, T)) and its extra keys. The node answers, per
-level, exactly what a single node's lookup computes at that level:
+A cluster lookup walks the prompt's branches (protocol/placement.py). Each hop asks one node
+about the prompt's **levels** from some level s on: level j is the parent hash h_j (h_0 the
+root), the prompt's next block h_{j+1} (absent at the last level), the prompt's tokens of that
+block [jB, min((j+1)B, T)) and its extra keys. The node answers the levels in order, each with
+exactly what a single node's lookup computes there, and stops at the first level that ends its
+part:
 
-* ``held``: block h_{j+1} is stored here as a child of h_j;
-* ``child``: when it is not, the stored child of h_j (block or tail) whose
-  tokens agree longest with the segment (``usable_tokens`` of them);
-* ``snapshot``: the largest-boundary snapshot registered under h_j whose
-  container agrees with the prompt up to its boundary, and whose boundary the
-  KV of this level reaches ((j+1)B when h_{j+1} is held, jB + child's usable
-  tokens otherwise).
+* ``held``: block h_{j+1} is stored here under h_j -- the node goes on to level j+1, unless
+* ``fork``: what is stored here is h_{j+1}'s fork record: the prompt continues on h_{j+1}'s
+  branch node, which the client asks next from level j (there the block is held in full). The
+  node stops after this level;
+* not held: ``child``, the stored child of h_j (block, tail, or another fork head's record) whose
+  tokens agree longest with the segment (``usable_tokens`` of them), ends the match. The node stops.
+* ``snapshot``: the largest-boundary snapshot registered under h_j whose container agrees with
+  the prompt up to its boundary, and whose boundary the KV of this level reaches ((j+1)B when
+  h_{j+1} is held, jB + child's usable tokens otherwise).
+* ``exact``: this node is the level's home (it holds all of the level), so ``child`` and
+  ``snapshot`` are the single-node answer. A node answering a level it is not the home of (a
+  branch node confirming its fork head at level s, a node holding hot copies) says so; the client
+  asks the home where an exact answer matters (client/cluster.py).
 
-The client takes the first level that is not held as the end of the matched
-block run (m), its child as the match's end, and the best snapshot of the
-levels 0..m: the single-node answer, in one parallel round trip.
-``replicas`` maps entry keys of this answer that have replicas on other nodes
-to those nodes (hot-prefix replication), so the client can spread its reads.
+A child that is a fork record has tier ``elsewhere`` (its payload is on its branch node, which
+the client asks to confirm and lease it). The client takes the first level that is not held as
+the end of the matched block run (m), its child as the match's end, and the best snapshot of the
+levels 0..m: the single-node answer. ``replicas`` maps entry keys of this answer that have copies
+on other nodes to those nodes, so the client can spread its hops and reads.
 """
 
 from __future__ import annotations
@@ -89,11 +96,14 @@ class ProbeRequest:
         max_levels = limits.max_lookup_tokens // B + 1  # a prompt's levels: its full blocks and one more
         raw = req_list(h, "levels", "", max_levels)
         levels = tuple(ProbeLevel.from_wire(x, f"levels[{i}]", B) for i, x in enumerate(raw))
-        # The levels of one prompt: distinct and in order, only the last without a next block.
-        # (Repeating one level thousands of times made one probe scan its children thousands of times.)
+        # The levels of one prompt from some level on: consecutive, each hanging from the block the
+        # one before names, only the last without a next block. (Repeating one level thousands of
+        # times made one probe scan its children thousands of times.)
         for i in range(1, len(levels)):
-            if levels[i].level <= levels[i - 1].level:
-                raise WireError(f"levels[{i}].level", "levels must be strictly increasing")
+            if levels[i].level != levels[i - 1].level + 1:
+                raise WireError(f"levels[{i}].level", "levels must be consecutive")
+            if levels[i].parent != levels[i - 1].next:
+                raise WireError(f"levels[{i}].parent", "must be the block the level before names as next")
         if any(not lv.next for lv in levels[:-1]):
             raise WireError("levels", "only the last level may have no next block")
         if levels and levels[-1].level >= max_levels:
@@ -105,24 +115,32 @@ class ProbeRequest:
                    nixl=req_bool(h, "nixl", default=False))
 
 
+TIER_ELSEWHERE = "elsewhere"
+"""The tier of a child that is a fork record: its payload is on its branch node."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LevelAnswer:
     level: int
     held: bool
     child: EntryRef | None = None
     snapshot: EntryRef | None = None
+    fork: bool = False  # held as a fork record: the prompt continues on h_{j+1}'s branch node
+    exact: bool = True  # this node is the level's home: child and snapshot are the single-node answer
 
     def to_wire(self) -> list[object]:
         return [self.level, self.held, self.child.to_wire() if self.child else None,
-                self.snapshot.to_wire() if self.snapshot else None]
+                self.snapshot.to_wire() if self.snapshot else None, self.fork, self.exact]
 
     @classmethod
     def from_wire(cls, raw: object, ctx: str) -> LevelAnswer:
-        if not isinstance(raw, list) or len(raw) != 4 or not isinstance(raw[0], int) or not isinstance(raw[1], bool):
-            raise WireError(ctx, "expected [level, held, child, snapshot]")
+        if not isinstance(raw, list) or len(raw) != 6 or not isinstance(raw[0], int) \
+                or not all(isinstance(x, bool) for x in (raw[1], raw[4], raw[5])):
+            raise WireError(ctx, "expected [level, held, child, snapshot, fork, exact]")
         return cls(level=raw[0], held=raw[1],
                    child=EntryRef.from_wire(raw[2], f"{ctx}.child") if raw[2] is not None else None,
-                   snapshot=EntryRef.from_wire(raw[3], f"{ctx}.snapshot") if raw[3] is not None else None)
+                   snapshot=EntryRef.from_wire(raw[3], f"{ctx}.snapshot") if raw[3] is not None else None,
+                   fork=raw[4], exact=raw[5])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -186,4 +204,4 @@ class LookupReport:
                    junction=opt_bin(h, "junction", size=HASH_BYTES), missing_block=opt_bin(h, "missing", size=HASH_BYTES))
 
 
-__all__ = ["LevelAnswer", "LookupReport", "ProbeAnswer", "ProbeLevel", "ProbeRequest"]
+__all__ = ["TIER_ELSEWHERE", "LevelAnswer", "LookupReport", "ProbeAnswer", "ProbeLevel", "ProbeRequest"]

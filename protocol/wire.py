@@ -281,8 +281,15 @@ class ItemSpec:
     checksum: int | None = None  # xxh3-64 of the payload; required in a put
     origin: int = 0  # snapshots: why the engine took it (protocol.keys.Origin); a hint for eviction
     # Blocks and tails: first token position. Needed only in a cluster, where the
-    # parent usually lives on another node (protocol/placement.py); else derived.
+    # parent may live on another node (protocol/placement.py); else derived.
     start: int | None = None
+    # Cluster only (protocol/placement.py). ``branch``: the branch key this item is placed by (a
+    # cluster client names it on every item; a node of a larger cluster refuses items without it,
+    # which is how a single-node client pointed at one is told). ``record``: a block's fork record
+    # (tokens and extra keys, no payload: size 0), kept at its level's home while the block itself
+    # lives with its branch.
+    branch: bytes | None = None
+    record: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -304,6 +311,10 @@ class ItemSpec:
             d["origin"] = self.origin
         if self.start is not None and self.kind is not Kind.STATE:
             d["start"] = self.start
+        if self.branch is not None:
+            d["branch"] = self.branch
+        if self.record:
+            d["record"] = True
         return d
 
     @classmethod
@@ -311,15 +322,21 @@ class ItemSpec:
         h = req_map(raw, ctx.rstrip("."))
         kind = req_kind(h, "kind", ctx)
         digest = BlockHash(req_bin(h, "hash", ctx, size=HASH_BYTES))
-        size = req_int(h, "size", ctx, 1, max_size)
+        record = req_bool(h, "record", ctx, default=False)
+        if record and kind is not Kind.BLOCK:
+            raise WireError(f"{ctx}record", "only a block has a fork record")
+        size = req_int(h, "size", ctx, 0, 0) if record else req_int(h, "size", ctx, 1, max_size)
         checksum = req_int(h, "checksum", ctx, 0, (1 << 64) - 1) if "checksum" in h else None
+        branch = req_bin(h, "branch", ctx) if "branch" in h else None
+        if branch is not None and len(branch) not in (HASH_BYTES, HASH_BYTES + TOKEN_BYTES):
+            raise WireError(f"{ctx}branch", f"expected {HASH_BYTES} or {HASH_BYTES + TOKEN_BYTES} bytes")
         if kind is Kind.STATE:
             container = req_bin(h, "container", ctx, size=ENTRY_KEY_BYTES)
             if container[0] not in (Kind.BLOCK, Kind.TAIL):
                 raise WireError(f"{ctx}container", "must name a block or a tail")
             origin = req_int(h, "origin", ctx, 0, max(Origin)) if "origin" in h else 0
             return cls(kind=kind, hash=digest, size=size, container=container,
-                       boundary=req_int(h, "boundary", ctx, 1), checksum=checksum, origin=origin)
+                       boundary=req_int(h, "boundary", ctx, 1), checksum=checksum, origin=origin, branch=branch)
         parent = BlockHash(req_bin(h, "parent", ctx, size=HASH_BYTES))
         tokens = req_bin(h, "tokens", ctx, multiple=TOKEN_BYTES)
         if not tokens:
@@ -329,7 +346,7 @@ class ItemSpec:
             raise WireError(f"{ctx}extra", f"{len(extra)} bytes, at most {MAX_EXTRA_BYTES}", Problem.TOO_LARGE)
         start = req_int(h, "start", ctx, 0) if "start" in h else None
         return cls(kind=kind, hash=digest, size=size, parent=parent, tokens=tokens, extra=extra, checksum=checksum,
-                   start=start)
+                   start=start, branch=branch, record=record)
 
 
 def parse_items(h: dict[str, object], limits: Limits, name: str = "items") -> list[ItemSpec]:
@@ -380,6 +397,10 @@ STATUS_DROPPED: Final = ItemStatus.DROPPED
 
 #: The reason of a put or offer item refused because its tenant holds its quota_bytes.
 REASON_QUOTA: Final = "tenant quota exceeded"
+REASON_RECORD: Final = "held here as a fork record: the block's branch node holds its payload"
+"""A put of a block's payload to the node that keeps the block as a fork record (its level's home,
+protocol/placement.py) is refused: the record answers for the level; the payload belongs on the
+branch node. Replication skips such a node as a copy holder for that block."""
 
 #: Offer decisions.
 WANT: Final = ItemStatus.WANT
@@ -391,19 +412,36 @@ REJECTED: Final = ItemStatus.REJECTED
 class ItemResult:
     status: ItemStatus
     reason: str = ""
+    # Cluster offers (protocol/placement.py). ``fork``: this block is a fork head at its level's
+    # home, which keeps its record (put it with ``record``); the block itself and what hangs from
+    # it go to its branch's node. ``branch``: with ELSEWHERE, the branch key whose node takes it.
+    fork: bool = False
+    branch: bytes | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, ItemStatus):  # a plain string of a status: typed here, once
             object.__setattr__(self, "status", _status(self.status, "status"))
 
-    def to_wire(self) -> list[str]:
-        return [self.status.value, self.reason]
+    def to_wire(self) -> list[object]:
+        if not self.fork and self.branch is None:
+            return [self.status.value, self.reason]
+        placed: dict[str, object] = {"fork": self.fork}
+        if self.branch is not None:
+            placed["branch"] = self.branch
+        return [self.status.value, self.reason, placed]
 
     @classmethod
     def from_wire(cls, raw: object) -> ItemResult:
-        if not isinstance(raw, list) or len(raw) != 2 or not all(isinstance(x, str) for x in raw):
-            raise WireError("results", "expected [status, reason] strings")
-        return cls(_status(raw[0], "results"), raw[1])
+        if not isinstance(raw, list) or len(raw) not in (2, 3) or not all(isinstance(x, str) for x in raw[:2]) \
+                or (len(raw) == 3 and not isinstance(raw[2], dict)):
+            raise WireError("results", "expected [status, reason] strings, and the placement")
+        if len(raw) == 2:
+            return cls(_status(raw[0], "results"), raw[1])
+        placed = raw[2]
+        branch = placed.get("branch")
+        if not isinstance(placed.get("fork", False), bool) or not (branch is None or isinstance(branch, bytes)):
+            raise WireError("results", "placement: expected {fork: bool, branch: bytes}")
+        return cls(_status(raw[0], "results"), raw[1], bool(placed.get("fork", False)), branch)
 
 
 def _status(raw: object, ctx: str) -> ItemStatus:
@@ -452,6 +490,7 @@ __all__ = [
     "PREFIX",
     "PREFIX_BYTES",
     "REASON_QUOTA",
+    "REASON_RECORD",
     "REJECTED",
     "STATUS_CORRUPT",
     "STATUS_DROPPED",

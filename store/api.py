@@ -29,6 +29,7 @@ from ..protocol.wire import (
     CONTENT_TYPE,
     PREFIX_BYTES,
     GetResult,
+    ItemSpec,
     LookupRequest,
     WireError,
     encode_header,
@@ -38,7 +39,8 @@ from ..protocol.wire import (
     req_bool,
     req_entry_keys,
 )
-from .http import LOOKUP_NIXL, PEER, STORE, TENANT, control_header, frame_response, owned, stalled
+from .http import (LOOKUP_NIXL, PEER, STORE, TENANT, control_header, frame_response, owned, single_node_only,
+                   stalled)
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,17 @@ async def register_namespace(request: web.Request) -> web.Response:
     return frame_response({"ns": await store.register_namespace(ns)})
 
 
+def placed(request: web.Request, items: list[ItemSpec]) -> None:
+    """On a node of a larger cluster every item names its branch (protocol/placement.py): an item
+    without one comes from a single-node client, whose saves would land where no lookup finds them."""
+    for i, item in enumerate(items):
+        if item.branch is None:
+            single_node_only(request, f"items[{i}].branch")
+
+
 async def lookup(request: web.Request) -> web.Response:
     store = request.app[STORE]
+    single_node_only(request, "lookup")
     header = await control_header(request)
     req = LookupRequest.from_header(header, store.limits, lambda ns_id: owned(request, ns_id).block_tokens)
     answer = store.lookup(req)
@@ -78,7 +89,9 @@ async def offer(request: web.Request) -> web.Response:
     header = await control_header(request)
     ns_id = req_bin(header, "ns", size=8)
     owned(request, ns_id)
-    results = store.offer(ns_id, parse_items(header, store.limits))
+    items = parse_items(header, store.limits)
+    placed(request, items)
+    results = store.offer(ns_id, items, req_bool(header, "place", default=True))
     return frame_response({"results": [r.to_wire() for r in results]})
 
 
@@ -102,6 +115,7 @@ async def put(request: web.Request) -> web.Response:
     ns_id = req_bin(header, "ns", size=8)
     owned(request, ns_id)
     items = parse_items(header, store.limits)
+    placed(request, items)
     commit_now = req_bool(header, "commit", default=True)
     replica = req_bool(header, "replica", default=False)
     if request[TENANT] == PEER and not (commit_now and replica):

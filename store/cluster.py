@@ -23,7 +23,7 @@ from ..protocol.errors import Problem
 from ..protocol.probe import LookupReport, ProbeRequest
 from ..protocol.wire import WireError, req_bin, req_entry_keys
 from .config import StoreConfig
-from .http import PROBE_NIXL, STORE, control_header, frame_response, owned
+from .http import CLUSTER_SIZE, PROBE_NIXL, STORE, control_header, frame_response, owned
 from .membership import DnsResolver, Membership
 from .replication import Replicator
 
@@ -48,7 +48,9 @@ async def probe(request: web.Request) -> web.Response:
     store = request.app[STORE]
     header = await control_header(request)
     req = ProbeRequest.from_header(header, store.limits, lambda ns_id: owned(request, ns_id).block_tokens)
-    answer = store.probe(req, request.app[REPLICATOR].replicas_of())
+    membership = request.app[MEMBERSHIP]
+    root_home = membership.is_home if membership.is_cluster else (lambda key: True)
+    answer = store.probe(req, request.app[REPLICATOR].replicas_of(), root_home=root_home, copies=store.replica_keys)
     if req.nixl and (extension := request.app.get(PROBE_NIXL)) is not None:
         answer = dataclasses.replace(answer, nixl=extension(req, answer))
     return frame_response(answer.to_header())
@@ -85,6 +87,7 @@ def install(app: web.Application, config: StoreConfig, clock: Callable[[], float
     replicator = Replicator(store, membership, clock)
     app[MEMBERSHIP] = membership
     app[REPLICATOR] = replicator
+    app[CLUSTER_SIZE] = lambda: len(membership.members) if membership.is_cluster else 1
     membership.on_change(lambda view: store.metrics.members.set(len(membership.members)))
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

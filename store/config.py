@@ -139,6 +139,10 @@ class StoreConfig:
     owner_grace_s: float = field(default=300.0, metadata=_doc(
         "After a membership change, how long a miss on a key whose owner changed is retried on its "
         "previous owner, so a scale-out does not flush the cache."))
+    replicas: int = field(default=1, metadata=_doc(
+        "Copies of every branch a cluster stores (1: each on one node), on the first members in its "
+        "rendezvous order: capacity traded for survival (a node lost costs nothing while a copy lives). "
+        "Cluster clients learn it from /v1/members; hot-prefix replication adds copies on top."))
     log_level: str = field(default="INFO", metadata=_doc("Logging level of `prefixstore serve`."))
     tenants_file: str = field(default="", metadata=_doc(
         "TOML (or .json) file of tenants: [tenants.NAME] token_sha256 = sha256 hex of its bearer token, "
@@ -160,7 +164,7 @@ class StoreConfig:
         positive = ("ram_bytes", "page_bytes", "sighting_filter_bytes", "disk_bytes", "max_body_bytes", "max_header_bytes",
                     "max_items", "max_lookup_tokens", "max_get_bytes", "max_child_scan", "max_connections",
                     "max_namespaces_per_tenant", "max_offers_per_tenant", "max_leases_per_tenant", "max_entries",
-                    "replication_max_replicas", "replication_bytes_per_s")
+                    "replication_max_replicas", "replication_bytes_per_s", "replicas")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)!r}")

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from ..admission import ModelShape, PolicyContext, make_admission, make_eviction
 from ..protocol.keys import Kind
@@ -234,8 +234,11 @@ class Store:
     def lookup(self, req: LookupRequest) -> LookupAnswer:
         return self.lookups.lookup(req)
 
-    def probe(self, req: ProbeRequest, replicas_of: Mapping[bytes, tuple[str, ...]] | None = None) -> ProbeAnswer:
-        return self.lookups.probe(req, replicas_of)
+    def probe(self, req: ProbeRequest, replicas_of: Mapping[bytes, tuple[str, ...]] | None = None,
+              root_home: Callable[[bytes], bool] = lambda key: True,
+              copies: Collection[bytes] = frozenset()) -> ProbeAnswer:
+        """One hop of a cluster lookup's walk (store/lookups.py)."""
+        return self.lookups.probe(req, replicas_of, root_home, copies)
 
     def report(self, report: LookupReport) -> None:
         self.lookups.report(report)
@@ -243,8 +246,8 @@ class Store:
     def release(self, lease_id: bytes) -> bool:
         return self.leases.release(lease_id)
 
-    def offer(self, ns_id: bytes, items: Sequence[ItemSpec]) -> list[ItemResult]:
-        return self.writes.offer(self.namespaces.get(ns_id), items)
+    def offer(self, ns_id: bytes, items: Sequence[ItemSpec], place: bool = True) -> list[ItemResult]:
+        return self.writes.offer(self.namespaces.get(ns_id), items, place)
 
     def plan_put(self, ns_id: bytes, items: Sequence[ItemSpec]) -> PutPlan:
         return self.writes.plan_put(self.namespaces.get(ns_id), items)

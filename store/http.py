@@ -48,6 +48,20 @@ LOOKUP_NIXL: web.AppKey[LookupExtension] = web.AppKey("lookup_nixl")
 ProbeExtension = Callable[[ProbeRequest, ProbeAnswer], "NixlPlacements | None"]
 PROBE_NIXL: web.AppKey[ProbeExtension] = web.AppKey("probe_nixl")
 """The same for a cluster probe."""
+CLUSTER_SIZE: web.AppKey[Callable[[], int]] = web.AppKey("cluster_size")
+"""Set by store/cluster.py: how many members this node's cluster has now (1: a single node)."""
+
+
+def single_node_only(request: web.Request, what: str) -> None:
+    """Refuse, with 409 naming the fix, a call that only a single node can answer (a lookup over
+    this node's index alone) when this node is one of several: its index holds only its branches
+    (protocol/placement.py), so the answer would be silently partial."""
+    size = request.app[CLUSTER_SIZE]() if CLUSTER_SIZE in request.app else 1
+    if size > 1:
+        raise WireError(what, f"this node is one of the {size} members of a cluster and holds only its "
+                        "branches: connect through the cluster (ClientConfig(urls=(...)) with the members "
+                        "or the headless Service, docs/cluster.md); cluster clients use /v1/probe",
+                        Problem.CONFLICT)
 
 # The cluster token (tenants file: cluster_token_sha256) authenticates another node pushing replicas:
 # it reaches every tenant's namespaces, but only on these paths (no lookups, no reads).

@@ -29,6 +29,13 @@ Invariants (verified by :meth:`Index.check`, which the tests call):
    and the byte/entry counters equal the sums over entries.
 
 Only committed entries live here; pending puts are invisible to lookups.
+
+In a cluster (protocol/placement.py) a level's home also holds **fork records**: entries of a
+fork head block with its tokens and extra keys but no payload (``Entry.record``; size 0, in no
+payload tier, persisted with its record). They are children of their parent like any block, so
+partial matches and snapshot containers at the level stay exact; they are never read (the block
+itself lives on its branch node). ``continuation`` names, per parent, the block child (not a
+record) this node took first: the continuation a fork decision is made against.
 """
 
 from __future__ import annotations
@@ -101,6 +108,8 @@ class Entry:
     priority: float = 0.0  # eviction priority as of its last store or read
     origin: int = 0  # snapshots: protocol.keys.Origin
     expires_s: float = 0.0  # pending entries: reclaimed after this time
+    record: bool = False  # a cluster's fork record: tokens and extra keys, no payload (module docstring)
+    branch: bytes = b""  # cluster: the branch key that placed it here (protocol/placement.py)
     anchor: Entry | None = None  # pending entries: the parent or container this one pins until it commits
 
     @property
@@ -208,6 +217,8 @@ class Index:
     stored_entries: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     snapshots_per_ns: dict[bytes, int] = field(default_factory=lambda: defaultdict(int))
     disk_records: int = 0  # record bytes (charge - payload) of entries on disk
+    continuation: dict[bytes, bytes] = field(default_factory=dict)  # parent node key -> its first block child here
+    fork_records: int = 0  # entries that are fork records
 
     def get(self, key: bytes) -> Entry | None:
         return self.entries.get(key)
@@ -239,6 +250,8 @@ class Index:
                 # In a cluster a child may be committed before its parent arrives
                 # on the same node (its parent was another node's then): adopt it.
                 e.num_children = len(self.children.get(e.namespace_id + e.hash, ()))
+                if not e.record:
+                    self.continuation.setdefault(e.node, e.key)
         self._count(e, +1)
 
     def remove(self, e: Entry) -> Entry | None:
@@ -259,6 +272,8 @@ class Index:
             return c
         assert e.node is not None and e.parent_key is not None
         _discard(self.children, e.node, e.key)
+        if self.continuation.get(e.node) == e.key:
+            del self.continuation[e.node]
         p = self.entries.get(e.parent_key)
         if p is not None:
             p.num_children -= 1
@@ -294,6 +309,11 @@ class Index:
         self._count(e, +1)
 
     def _count(self, e: Entry, sign: int) -> None:
+        if e.record:  # no payload in any tier; its record counts toward the disk budget
+            self.fork_records += sign
+            if e.on_disk:
+                self.disk_records += sign * e.charge
+            return
         mk = e.metric_kind
         if e.pages is not None:
             self.stored_bytes[(mk, "ram")] += sign * e.size
@@ -377,11 +397,11 @@ class Index:
         return Match(m, last, child, usable, kv_tokens, snapshot, state_tokens)
 
     def best_child(self, parent: bytes, seg: bytes, extra: bytes, scan: int,
-                   budget: ScanBudget) -> tuple[Entry | None, int]:
+                   budget: ScanBudget, skip: Entry | None = None) -> tuple[Entry | None, int]:
         """Of the (``scan`` most recent) blocks and tails under ``parent`` (a :func:`node_key`)
         stored with extra keys ``extra``, the one whose tokens agree longest with the prompt's
-        ``seg`` (packed), and how many tokens agree; (None, 0) if none does. Used by lookups
-        (``match``) and by cluster probes (store/lookups.py)."""
+        ``seg`` (packed), and how many tokens agree; (None, 0) if none does; ``skip`` is not
+        considered. Used by lookups (``match``) and by cluster probes (store/lookups.py)."""
         child, usable = None, 0
         kids = self.children.get(parent)
         if not kids or not seg:
@@ -392,7 +412,7 @@ class Index:
             if n >= scan:
                 break
             c = entries[ck]
-            if c.extra != extra:
+            if c.extra != extra or c is skip:
                 continue
             a = lcp_tokens(c.tokens, seg)
             if a > usable:
@@ -448,11 +468,14 @@ class Index:
         num_snaps: dict[bytes, int] = defaultdict(int)
         sb: dict[tuple[str, str], int] = defaultdict(int)
         se: dict[tuple[str, str], int] = defaultdict(int)
+        records = 0
         for key, e in self.entries.items():
             if key != store_key(e.namespace_id, e.kind, e.hash) or not e.committed or e.dead:
                 raise IndexInvariantError(f"entry {key.hex()}: key (scoped by its namespace)/committed/dead "
                                           "flags inconsistent")
-            if e.pages is None and not e.on_disk:
+            if e.record and (e.kind is not Kind.BLOCK or e.size != 0 or e.pages is not None):
+                raise IndexInvariantError(f"entry {key.hex()}: a fork record is a block with no payload")
+            if e.pages is None and not e.on_disk and not e.record:
                 raise IndexInvariantError(f"entry {key.hex()}: in no tier")
             if e.kind is Kind.STATE:
                 c = self.entries.get(e.container or b"")
@@ -481,6 +504,9 @@ class Index:
                     raise IndexInvariantError(f"entry {key.hex()}: child of a root must start at 0")
                 if key not in self.children.get(e.node or b"", {}):
                     raise IndexInvariantError(f"entry {key.hex()}: not registered under its parent")
+            if e.record:
+                records += 1
+                continue
             mk = e.metric_kind
             if e.pages is not None:
                 sb[(mk, "ram")] += e.size
@@ -496,6 +522,12 @@ class Index:
                 for k in keys:
                     if k not in self.entries:
                         raise IndexInvariantError(f"{name}[{parent.hex()}] names a removed entry {k.hex()}")
+        if records != self.fork_records:
+            raise IndexInvariantError("fork record counter is off")
+        for n, k in self.continuation.items():
+            c = self.entries.get(k)
+            if c is None or c.node != n or c.record or c.kind is not Kind.BLOCK:
+                raise IndexInvariantError(f"continuation[{n.hex()}] does not name a block child of it")
         for label in set(sb) | set(self.stored_bytes):
             if sb.get(label, 0) != self.stored_bytes.get(label, 0) or se.get(label, 0) != self.stored_entries.get(label, 0):
                 raise IndexInvariantError(f"stored bytes/entries counter {label} is off")

@@ -123,11 +123,15 @@ class StoredRecord:
     size: int
     checksum: int
     origin: int = 0
+    record: bool = False  # a cluster's fork record (store/index.py): no payload
+    branch: bytes = b""  # cluster: the branch key that placed it (protocol/placement.py)
 
     def encode(self) -> bytes:
-        return seal(msgpack.packb([self.key, self.namespace_id, self.parent, self.start, self.tokens,
-                                   self.extra, self.container, self.boundary, self.size, self.checksum,
-                                   self.origin], use_bin_type=True))
+        fields: list[object] = [self.key, self.namespace_id, self.parent, self.start, self.tokens, self.extra,
+                                self.container, self.boundary, self.size, self.checksum, self.origin]
+        if self.record or self.branch:  # placement fields, only in a cluster: older records have 11
+            fields += [self.record, self.branch]
+        return seal(msgpack.packb(fields, use_bin_type=True))
 
     @classmethod
     def decode(cls, sealed: bytes) -> StoredRecord:
@@ -136,9 +140,12 @@ class StoredRecord:
         if raw is None:
             raise ValueError("record seal does not verify")
         fields = msgpack.unpackb(raw, raw=False)
-        if not isinstance(fields, list) or len(fields) != 11:
-            raise ValueError("record: expected 11 fields")
-        key, ns, parent, start, tokens, extra, container, boundary, size, checksum, origin = fields
+        if not isinstance(fields, list) or len(fields) not in (11, 13):
+            raise ValueError("record: expected 11 fields (13 with placement)")
+        key, ns, parent, start, tokens, extra, container, boundary, size, checksum, origin = fields[:11]
+        record, branch = fields[11:] if len(fields) == 13 else (False, b"")
+        if not isinstance(record, bool) or not isinstance(branch, bytes):
+            raise ValueError("record: a placement field has the wrong type")
         if not all(isinstance(v, bytes) for v in (key, ns, tokens, extra)) \
                 or not all(v is None or isinstance(v, bytes) for v in (parent, container)) \
                 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
@@ -146,7 +153,7 @@ class StoredRecord:
             raise ValueError("record: a field has the wrong type")
         return cls(key=key, namespace_id=ns, parent=parent, start=start, tokens=tokens, extra=extra,
                    container=container, boundary=boundary, size=size, checksum=checksum,
-                   origin=origin)
+                   origin=origin, record=record, branch=branch)
 
 
 class ReadOutcome:

@@ -9,29 +9,36 @@ have counted): hits (the KV entry and the snapshot served), the junction sightin
 ``checkpoint_hint`` (cache-on-second-sighting), and misses (the first missing block, the
 missing junction snapshot), plus ``prefixstore_lookup_tokens_total{kind,result}``.
 
-Probes (``/v1/probe``) answer, per level of the prompt that this node is asked about, exactly
-the single-node match restricted to one parent hash h_j:
+Probes (``/v1/probe``) are one hop of a cluster lookup's walk (protocol/probe.py): the levels
+of the prompt from some level s on, answered in order, each exactly as the single-node match
+restricted to one parent hash h_j computes it, until one ends this node's part:
 
-* ``held``: block h_{j+1} is indexed here under h_j;
+* ``held``: block h_{j+1} is indexed here under h_j; the walk goes on to level j+1 here, unless
+  it is a fork record (``fork``): the prompt continues on h_{j+1}'s branch node; stop;
 * else ``child``: of the (most recent ``max_child_scan``) children of h_j with the prompt's extra
-  keys, the one whose tokens agree longest with the level's tokens;
+  keys, the one whose tokens agree longest with the level's tokens; stop;
 * ``snapshot``: of the snapshots registered under h_j, the largest boundary b with
   ``b - jB <= agreement of its container`` (B for the prompt's own block h_{j+1}) and
-  ``b <= jB + B`` when h_{j+1} is held here, ``b <= jB + child's usable tokens`` when it is not.
+  ``b <= jB + B`` when h_{j+1} is held here, ``b <= jB + child's usable tokens`` when it is not;
+* ``exact``: whether this node is the level's home (it holds the whole level): for the first
+  level asked, the root level's home (``root_home``) or holding h_s in its own right (not a fork
+  record, not a hot copy: ``copies``); for the levels after it, their parent is a block held
+  here in its own right, so yes unless it is a copy.
 
 so the client's merge (first level not held; best snapshot of levels <= m) is the single-node
-answer (protocol/probe.py). Probes teach nothing themselves; the client's report does.
+answer. Probes teach nothing themselves; the client's report does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from ..admission import AdmissionPolicy, EvictionPolicy
 from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, tail_hash
 from ..protocol.keys import Kind
 from ..protocol.namespace import Namespace
-from ..protocol.probe import LevelAnswer, LookupReport, ProbeAnswer, ProbeRequest
+from ..protocol.placement import root_branch
+from ..protocol.probe import TIER_ELSEWHERE, LevelAnswer, LookupReport, ProbeAnswer, ProbeRequest
 from ..protocol.wire import EntryRef, LookupAnswer, LookupRequest, split_hashes
 from .config import StoreConfig
 from .index import Entry, Index, ScanBudget, store_key
@@ -42,9 +49,10 @@ from .namespaces import Namespaces
 
 
 def entry_ref(e: Entry, usable: int) -> EntryRef:
-    """How an answer names an entry: its wire key (never the store's scoped key), sizes, tier."""
-    return EntryRef(key=e.wire_key, num_tokens=e.num_tokens, usable_tokens=usable, size=e.size,
-                    tier="ram" if e.pages is not None else "disk")
+    """How an answer names an entry: its wire key (never the store's scoped key), sizes, tier
+    (``elsewhere`` for a fork record: its payload is on its branch node)."""
+    tier = TIER_ELSEWHERE if e.record else "ram" if e.pages is not None else "disk"
+    return EntryRef(key=e.wire_key, num_tokens=e.num_tokens, usable_tokens=usable, size=e.size, tier=tier)
 
 
 class LookupService:
@@ -112,10 +120,16 @@ class LookupService:
         parent = BlockHash(req.hashes[(j - 1) * HASH_BYTES : j * HASH_BYTES]) if j else root
         return tail_hash(parent, req.tokens[j * B * TOKEN_BYTES : kv_tokens * TOKEN_BYTES], dict(req.extras).get(j, b""))
 
-    def probe(self, req: ProbeRequest, replicas_of: Mapping[bytes, tuple[str, ...]] | None = None) -> ProbeAnswer:
-        """Answer every level of ``req`` this node can (module docstring); lease what it reports."""
+    def probe(self, req: ProbeRequest, replicas_of: Mapping[bytes, tuple[str, ...]] | None = None,
+              root_home: Callable[[bytes], bool] = lambda key: True,
+              copies: Collection[bytes] = frozenset()) -> ProbeAnswer:
+        """One hop of a walk (module docstring); lease what it reports. ``root_home(key)``: whether
+        this node is the home of the root level with branch key ``key``; ``copies``: store keys of
+        entries held as hot copies of another node's."""
         ns = self._namespaces.get(req.namespace_id)
         ns_id = ns.id  # every key probed below is scoped by the request's namespace (store/index.py)
+        root = self._namespaces.root(ns_id)
+        assert root is not None
         B = ns.block_tokens
         index = self._index
         scan = self._config.max_child_scan
@@ -124,15 +138,29 @@ class LookupService:
         self._leases.expire(now)
         answers: list[LevelAnswer] = []
         held_entries: list[Entry] = []
+        exact = True
+        if req.levels:
+            first = req.levels[0]
+            if first.parent == root:
+                exact = root_home(root_branch(root, first.tokens))
+            else:
+                p = index.get_block(ns_id, first.parent)
+                exact = p is not None and not p.record and p.key not in copies
         for lv in req.levels:
             j, parent, seg = lv.level, lv.parent, lv.tokens
             nxt = index.get_block(ns_id, lv.next) if lv.next else None
             held = nxt is not None and nxt.parent == parent
+            fork = held and nxt is not None and nxt.record
             child: Entry | None = None
             usable = 0
-            if held:
+            if held and not fork:
                 assert nxt is not None
                 held_entries.append(nxt)
+                limit = j * B + B
+            elif fork:
+                # Confirmed by its branch node; if that node has lost it, the match ends here, inside
+                # the best other child: answered now, so the client need not ask again.
+                child, usable = index.best_child(ns_id + parent, seg, lv.extra, scan, budget, skip=nxt)
                 limit = j * B + B
             else:
                 child, usable = index.best_child(ns_id + parent, seg, lv.extra, scan, budget)
@@ -140,16 +168,20 @@ class LookupService:
             snapshot = index.best_snapshot_under(
                 ns_id + parent, seg, j * B, B, own_next=lv.next if held else None, extra=lv.extra, limit=limit,
                 scan=scan, budget=budget)
-            if child is not None:
+            if child is not None and not child.record:
                 held_entries.append(child)
             if snapshot is not None:
                 held_entries.append(snapshot)
                 container = index.get(snapshot.container or b"")
-                if container is not None:
+                if container is not None and not container.record:
                     held_entries.append(container)
-            answers.append(LevelAnswer(level=j, held=held,
+            answers.append(LevelAnswer(level=j, held=held, fork=fork, exact=exact,
                                        child=entry_ref(child, usable) if child is not None else None,
                                        snapshot=entry_ref(snapshot, snapshot.boundary) if snapshot is not None else None))
+            if not held or fork:
+                break
+            assert nxt is not None
+            exact = nxt.key not in copies  # level j+1's parent is held here: its home, unless a copy
         lease_id = None
         if req.lease and held_entries:
             unique: dict[bytes, Entry] = {e.key: e for e in held_entries}

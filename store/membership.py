@@ -74,6 +74,11 @@ def _host_for_url(name: str) -> str:
     return f"[{name}]" if ":" in name else name
 
 
+PLACEMENT = "branch"
+"""How this node places entries (protocol/placement.py), served in /v1/members so that a client of
+another placement can refuse to mix with it."""
+
+
 class Membership:
     """The member list this node serves to clients and ranks keys with."""
 
@@ -116,6 +121,18 @@ class Membership:
     def is_owner(self, key: bytes) -> bool:
         members = self.members
         return bool(members) and rank(members, key)[0] == self.self_url
+
+    def in_grace(self) -> bool:
+        """Within owner_grace_s of a change of members (the previous list still counts)."""
+        return bool(self.view.previous) and self.clock() - self.view.changed_s < self.config.owner_grace_s
+
+    def is_home(self, key: bytes) -> bool:
+        """Whether this node holds what ``key`` places (one of its first ``replicas`` members in
+        rendezvous order, now or, within owner_grace_s, before the last change)."""
+        r = self.config.replicas
+        if self.self_url in rank(self.members, key)[:r]:
+            return True
+        return self.in_grace() and self.self_url in rank(self.view.previous, key)[:r]
 
     def _adopt(self, members: tuple[str, ...]) -> bool:
         if members == self.view.members:
@@ -179,7 +196,8 @@ class Membership:
         view = self.view
         return {"members": list(self.members), "epoch": view.epoch, "self": self.self_url,
                 "previous": list(view.previous), "changed_s_ago": max(0.0, self.clock() - view.changed_s),
-                "owner_grace_s": self.config.owner_grace_s, "refresh_s": self.config.membership_refresh_s}
+                "owner_grace_s": self.config.owner_grace_s, "refresh_s": self.config.membership_refresh_s,
+                "replicas": self.config.replicas, "placement": PLACEMENT}
 
 
-__all__ = ["DnsResolver", "Membership", "View", "system_addresses", "system_name_of"]
+__all__ = ["PLACEMENT", "DnsResolver", "Membership", "View", "system_addresses", "system_name_of"]

@@ -89,7 +89,7 @@ class ReadPath:
         try:
             for i, item in enumerate(items):
                 e = self._index.get(scope(ns.id, item.key))
-                if e is None:
+                if e is None or e.record:  # a fork record holds no payload: its block is on its branch node
                     plan.slots.append(GetSlot(ItemStatus.MISSING))
                     continue
                 offset, length = self._byte_range(ns, e, item, f"items[{i}]")

@@ -1,7 +1,7 @@
 """CDN-style hot-prefix replication (DESIGN §8).
 
-The owner of an entry (first in rendezvous order of its level key,
-protocol/placement.py) keeps a **decayed read count** per entry it serves::
+The owner of an entry (first in rendezvous order of its branch key, protocol/placement.py)
+keeps a **decayed read count** per entry it serves::
 
     value <- value * 2^(-(now - t) / half_life) + 1      on each read
     rate  =  value * ln 2 / half_life                     reads per second, smoothed
@@ -16,15 +16,16 @@ rate, one more per doubling above ``replication_threshold``, up to
 
 Growing happens at those thresholds; shrinking only once the rate has fallen
 below half of them (hysteresis), so an entry near a threshold does not flap.
-New copies go to the next members in rendezvous order (each key has its own
-order, so one node's hot keys land on different nodes); dropped copies go
-furthest-first and the primary is never dropped.
+New copies go to the next members in the rendezvous order of the entry's branch (after the
+``replicas`` homes every branch has anyway), so a hot branch's copies land together and a node
+holding them can answer a walk through the whole branch; different branches' copies land on
+different nodes. Dropped copies go furthest-first and the homes are never dropped.
 
 A push is a normal ``/v1/put`` with ``replica: true``: the receiving node's
 admission, byte budget and eviction apply exactly as for a client's put, and
 it remembers which keys it took as replicas, so only those are deleted by
 ``/v1/replica/drop`` (and only while unpinned leaves: a node never drops
-anything it holds in its own right). A snapshot is pushed with its container.
+anything it holds in its own right). A snapshot is pushed with its container (a fork record, when the container is one).
 Pushes share a token bucket of ``replication_bytes_per_s`` per node; a push
 beyond it waits.
 
@@ -48,9 +49,8 @@ from collections.abc import Callable, Sequence
 
 from ..protocol.errors import ItemStatus, StoreError
 from ..protocol.keys import Kind
-from ..protocol.placement import level_key
 from ..protocol.transport import FramePool, post
-from ..protocol.wire import STATUS_HAVE, STATUS_OK, GetItem, ItemResult, ItemSpec
+from ..protocol.wire import REASON_RECORD, STATUS_HAVE, STATUS_OK, GetItem, ItemResult, ItemSpec
 from .core import Store
 from .index import Entry, scope, unscope
 from .membership import Membership
@@ -110,6 +110,8 @@ class Replicator:
         self.half_life_s = self.config.replication_half_life_s
         self._reads: dict[bytes, list[float]] = {}  # entry key -> [decayed count, as of time]
         self.pushed: dict[bytes, tuple[str, ...]] = {}  # owner side: entry key -> nodes holding a replica
+        # owner side: entry key -> nodes that keep it as a fork record (they refuse its payload; skipped)
+        self.refused: dict[bytes, tuple[str, ...]] = {}
         self.replica_keys = store.replica_keys  # receiver side: entries this node took as replicas
         self.bucket = TokenBucket(self.config.replication_bytes_per_s, clock)
         self._pools: dict[str, FramePool] = {}  # per other node
@@ -124,13 +126,14 @@ class Replicator:
     @property
     def tracked(self) -> int:
         """Entries this node keeps books on (read rates, replica sets): bounded by the index."""
-        return len(self._reads) + len(self.pushed)
+        return len(self._reads) + len(self.pushed) + len(self.refused)
 
     def _forget(self, e: Entry) -> None:
         """An entry left this node: its read rate, replica set and replica mark go with it, so the
         books never outgrow the index (a single node too, where no tick prunes them)."""
         self._reads.pop(e.key, None)
         self.pushed.pop(e.key, None)
+        self.refused.pop(e.key, None)
         self.replica_keys.discard(e.key)
 
     def on_read(self, e: Entry) -> None:
@@ -155,12 +158,9 @@ class Replicator:
     def replicas_of(self) -> dict[bytes, tuple[str, ...]]:
         return self.pushed
 
-    def level_of(self, e: Entry) -> bytes | None:
-        """The placement key of an entry (protocol/placement.py): parent and first token of it or its container."""
-        if e.kind is Kind.STATE:
-            c = self.store.index.get(e.container or b"")
-            return level_key(c.parent, c.tokens) if c is not None and c.parent is not None else None
-        return level_key(e.parent, e.tokens) if e.parent is not None else None
+    def branch_of(self, e: Entry) -> bytes | None:
+        """The branch key that placed an entry here (protocol/placement.py); None if it came without one."""
+        return e.branch or None
 
     # ------------------------------------------------------------ the loop
 
@@ -198,29 +198,34 @@ class Replicator:
             if e is None or e.dead:
                 self._reads.pop(key, None)
                 self.pushed.pop(key, None)
+                self.refused.pop(key, None)
                 continue
             if rate * self.half_life_s / math.log(2) < FORGET_BELOW and not have:
                 del self._reads[key]
+                self.refused.pop(key, None)
                 continue
             if not have and rate < self.config.replication_threshold:
                 continue  # neither growing nor shrinking: skip the placement work (most keys)
-            lk = self.level_of(e)
-            if lk is None or not members:
+            branch = self.branch_of(e)
+            if branch is None or not members:
                 continue
-            order = self.membership.rank(lk)
+            order = self.membership.rank(branch)
             if order[0] != me:
-                continue  # not the primary here (a replica, or a key whose owner changed): the owner decides
-            total = rate * (1 + len(have))
-            copies = 1 + len(have)
-            grow = copies_for(total, self.config.replication_threshold, self.config.replication_max_replicas)
-            keep = copies_for(2 * total, self.config.replication_threshold, self.config.replication_max_replicas)
+                continue  # not the primary here (a copy, or a key whose owner changed): the owner decides
+            homes = min(self.config.replicas, len(order))  # every branch has these copies anyway
+            copies = homes + len(have)
+            total = rate * copies
+            most = max(homes, self.config.replication_max_replicas)
+            grow = max(homes, copies_for(total, self.config.replication_threshold, most))
+            keep = max(homes, copies_for(2 * total, self.config.replication_threshold, most))
             if grow > copies:
                 target = grow
             elif keep < copies:
                 target = keep
             else:
                 target = copies
-            want = [u for u in order[1:target]]
+            skip = self.refused.get(key, ())
+            want = [u for u in order[homes:] if u not in skip][: target - homes]
             add = [u for u in want if u not in have]
             gone = [u for u in have if u not in want]
             if add:
@@ -269,22 +274,26 @@ class Replicator:
                           timeout_s=max(5.0, self.config.request_timeout_s / 4))
 
     def _spec(self, e: Entry) -> ItemSpec:
+        branch = e.branch or None
         if e.kind is Kind.STATE:
             assert e.container is not None
             return ItemSpec(kind=e.kind, hash=e.hash, size=e.size, container=unscope(e.container), boundary=e.boundary,
-                            checksum=e.checksum, origin=e.origin)
+                            checksum=e.checksum, origin=e.origin, branch=branch)
         return ItemSpec(kind=e.kind, hash=e.hash, size=e.size, parent=e.parent, tokens=e.tokens, extra=e.extra,
-                        checksum=e.checksum, start=e.start)
+                        checksum=e.checksum, start=e.start, branch=branch, record=e.record)
 
     async def _payloads(self, entries: list[Entry]) -> list[bytes] | None:
+        """The payloads of ``entries`` (a fork record's is empty); None if one is gone."""
         ns_id = entries[0].namespace_id
-        plan = await self.store.prepare_get(ns_id, [GetItem(key=e.wire_key) for e in entries])
+        read = [e for e in entries if not e.record]
+        plan = await self.store.prepare_get(ns_id, [GetItem(key=e.wire_key) for e in read])
         try:
             if any(s.status != STATUS_OK for s in plan.slots):
                 return None
-            return [b"".join(bytes(v) for v in self.store.payload_views(s)) for s in plan.slots]
+            got = {e.key: b"".join(bytes(v) for v in self.store.payload_views(s)) for e, s in zip(read, plan.slots)}
         finally:
             self.store.finish_get(plan)
+        return [got.get(e.key, b"") for e in entries]
 
     async def _push(self, e: Entry, node: str) -> None:
         metrics = self.store.metrics
@@ -330,6 +339,8 @@ class Replicator:
             self.pushed[e.key] = tuple(sorted(set(self.pushed.get(e.key, ())) | {node}))
         else:
             metrics.replication_pushes.labels("skipped").inc()  # the receiver's admission or budget said no
+            if mine.reason == REASON_RECORD:  # that node is the level's home: the next node takes the copy
+                self.refused[e.key] = tuple(sorted(set(self.refused.get(e.key, ())) | {node}))
 
     async def _drop(self, e: Entry, node: str) -> None:
         self.pushed[e.key] = tuple(u for u in self.pushed.get(e.key, ()) if u != node)

@@ -26,13 +26,15 @@ def check_item(ns: Namespace, item: ItemSpec, ctx: str) -> None:
             raise WireError(f"{ctx}size", f"a snapshot of this namespace is {ns.state.snapshot_bytes} bytes, got {item.size}")
         return
     n = item.num_tokens
+    if item.record and (item.kind is not Kind.BLOCK or item.size != 0):
+        raise WireError(f"{ctx}record", "a fork record is a block's, with size 0 (no payload)")
     if item.kind is Kind.BLOCK and n != B:
         raise WireError(f"{ctx}tokens", f"a block holds exactly {B} tokens, got {n}")
     if item.kind is Kind.TAIL and not 0 < n < B:
         raise WireError(f"{ctx}tokens", f"a tail holds 1 to {B - 1} tokens, got {n}")
     if ns.kv.token_bytes == 0:
         raise WireError(f"{ctx}kind", "this namespace has no KV layout")
-    expected = ns.kv.payload_bytes(n)
+    expected = 0 if item.record else ns.kv.payload_bytes(n)
     if item.size != expected:
         raise WireError(f"{ctx}size", f"{n} tokens of this namespace's KV are {expected} bytes, got {item.size}")
     assert item.parent is not None

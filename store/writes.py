@@ -12,6 +12,13 @@ recomputed from its contents (store/validate.py) and scoped by its namespace (st
 Moved elsewhere: payload bytes (the HTTP plane streams them into the pages ``plan_put``
 reserves; NIXL WRITEs them), and space (store/space.py makes room and deletes).
 
+Cluster placement (protocol/placement.py) is decided here too, at offers: a block offered to the
+home of its level is a continuation (the first block child of its parent here, claimed for
+``pending_ttl_s`` so two concurrent saves do not both take it) or a fork head (``fork`` in its
+result: the client puts its record here and the block on its branch node); the items of the
+offer below a fork head answer ``elsewhere``. A put takes what its items say (a record, or a
+block) without deciding again, so every copy of a branch stores what its home decided.
+
 Rules: a pending entry pins its parent or container (anchor) until it commits or is dropped, so
 they survive until the commit; a block whose parent is another node's (a cluster) pins nothing.
 The pending entry keeps the pinned anchor itself (``Entry.anchor``), not its key: an anchor
@@ -33,7 +40,7 @@ from ..protocol.errors import ItemStatus, Problem
 from ..protocol.hashing import HASH_BYTES, BlockHash
 from ..protocol.keys import Kind
 from ..protocol.namespace import Namespace
-from ..protocol.wire import REASON_QUOTA, ItemResult, ItemSpec, WireError
+from ..protocol.wire import REASON_QUOTA, REASON_RECORD, ItemResult, ItemSpec, WireError
 from .arena import Arena
 from .config import StoreConfig
 from .disk import Disk
@@ -49,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _COMMITTING = math.inf  # expires_s of a pending entry whose commit is in flight
 _ORDER = {Kind.BLOCK: 0, Kind.TAIL: 1, Kind.STATE: 2}  # parents before children
+MAX_CLAIMS = 1 << 16  # continuation claims of offered blocks not yet committed (oldest forgotten first)
 
 
 @dataclass(slots=True)
@@ -75,7 +83,7 @@ class PutPlan:
 def record_of(e: Entry) -> StoredRecord:
     return StoredRecord(key=e.key, namespace_id=e.namespace_id, parent=e.parent, start=e.start, tokens=e.tokens,
                         extra=e.extra, container=e.container, boundary=e.boundary, size=e.size,
-                        checksum=e.checksum, origin=e.origin)
+                        checksum=e.checksum, origin=e.origin, record=e.record, branch=e.branch)
 
 
 class WritePath:
@@ -101,6 +109,8 @@ class WritePath:
         # Offered and wanted, per owner, oldest first: admitted at put without asking again.
         # At most max_offers_per_tenant each (an owner flooding offers forgets its own oldest).
         self._wanted: dict[str, OrderedDict[bytes, float]] = {}
+        # Cluster: parent node key -> (the block offered as its continuation, until when).
+        self._claims: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()
 
     def offers_of(self, owner: str) -> int:
         return len(self._wanted.get(owner, ()))
@@ -128,7 +138,8 @@ class WritePath:
                 raise WireError(f"{ctx}hash", f"does not equal p({item.boundary}) of the container's tokens")
             return Entry(key=key, kind=Kind.STATE, hash=item.hash, namespace_id=ns_id, parent=None, start=0,
                          tokens=b"", extra=b"", container=container, boundary=item.boundary,
-                         size=item.size, checksum=item.checksum or 0, last_access_s=now, origin=item.origin)
+                         size=item.size, checksum=item.checksum or 0, last_access_s=now, origin=item.origin,
+                         branch=item.branch or b"")
         assert item.parent is not None
         if item.parent == self._namespaces.root(ns_id):
             start = 0
@@ -146,9 +157,48 @@ class WritePath:
                 return "parent not stored"
         return Entry(key=key, kind=item.kind, hash=item.hash, namespace_id=ns_id, parent=item.parent, start=start,
                      tokens=item.tokens, extra=item.extra, container=None, boundary=0, size=item.size,
-                     checksum=item.checksum or 0, last_access_s=now)
+                     checksum=item.checksum or 0, last_access_s=now, record=item.record, branch=item.branch or b"")
 
-    def _triage(self, ns: Namespace, items: Sequence[ItemSpec], for_put: bool
+    def _under_fork(self, ns: Namespace, item: ItemSpec, below: set[bytes], forks: set[bytes]) -> bytes | None:
+        """The fork head (or block below one) an item hangs from, when its place is that branch's
+        node, not here: a block or tail under a fork head or a block of the same offer below one,
+        or under a fork record held here; a snapshot whose container is below a fork head (one in
+        a fork head itself belongs to the head's level, here)."""
+        if item.branch is not None and item.branch == item.hash:
+            return None  # a branch's first block: it belongs on this node whatever its parent is here
+        if item.kind is Kind.STATE:
+            under = item.container[1:] if item.container else None
+            return under if under is not None and under in below and under not in forks else None
+        assert item.parent is not None
+        if item.parent in below:
+            return item.parent
+        p = self._index.get_block(ns.id, item.parent)
+        return item.parent if p is not None and p.record else None
+
+    def _forks(self, ns: Namespace, item: ItemSpec, key: bytes, now: float) -> bool:
+        """Whether a block offered to the home of its level is a fork head there (module docstring).
+        Only in a cluster, only for a block placed by its level's branch (a branch's first block,
+        whose branch key is its own hash, is never a fork on its own node)."""
+        if not self.foreign_parents or item.kind is not Kind.BLOCK or item.record or item.branch is None \
+                or item.branch == item.hash:
+            return False
+        assert item.parent is not None
+        if item.parent == self._namespaces.root(ns.id):
+            return True  # every first block is a fork head: the root level only keeps records
+        node = ns.id + item.parent
+        first = self._index.continuation.get(node)
+        if first is not None:
+            return first != key
+        claim = self._claims.get(node)
+        if claim is not None and claim[1] > now and claim[0] != key:
+            return True
+        self._claims[node] = (key, now + self._config.pending_ttl_s)
+        self._claims.move_to_end(node)
+        while len(self._claims) > MAX_CLAIMS:
+            self._claims.popitem(last=False)
+        return False
+
+    def _triage(self, ns: Namespace, items: Sequence[ItemSpec], for_put: bool, place: bool = True
                 ) -> tuple[list[ItemResult], list[Entry | None]]:
         """First pass of offer and put: validate everything, allocate nothing."""
         owner = self._ledger.owner_of(ns)
@@ -157,20 +207,61 @@ class WritePath:
         batch: dict[bytes, Entry] = {}
         results: list[ItemResult] = []
         new: list[Entry | None] = []
+        below: set[bytes] = set()  # cluster offers: fork heads and the blocks offered under them
+        batch_forks: set[bytes] = set()  # ... the fork heads themselves (their snapshots stay here)
+        heads: dict[bytes, bytes] = {}  # a block below a fork head -> that head (its branch key)
         for i, item in enumerate(items):
             ctx = f"items[{i}]."
             check_item(ns, item, ctx)
-            if for_put and item.checksum is None:
+            if for_put and item.checksum is None and not item.record:
                 raise WireError(f"{ctx}checksum", "a put item needs the xxh3-64 of its payload")
             key = store_key(ns.id, item.kind, item.hash)  # scoped: only this namespace's entries answer
-            if self._find(key, batch) is not None:
-                results.append(ItemResult(ItemStatus.HAVE))
+            under = self._under_fork(ns, item, below, batch_forks)
+            if under is not None:
+                branch = heads.get(under, under)
+                results.append(ItemResult(ItemStatus.ELSEWHERE, f"on the branch of fork head {branch.hex()}",
+                                          branch=branch))
+                new.append(None)
+                if item.kind is not Kind.STATE:
+                    below.add(item.hash)
+                    heads[item.hash] = branch
+                continue
+            known = self._find(key, batch)
+            if known is not None and for_put and known.record and not item.record:
+                # Never a payload over the record that keeps this level exact (and never a replica
+                # that a drop would delete together with the record).
+                results.append(ItemResult(ItemStatus.REJECTED, REASON_RECORD))
+                new.append(None)
+                continue
+            if known is not None:
+                fork = known.record and not for_put
+                if fork:
+                    below.add(item.hash)
+                    batch_forks.add(item.hash)
+                results.append(ItemResult(ItemStatus.HAVE, fork=fork))
                 new.append(None)
                 continue
             got = self._resolve(ns, item, key, batch, now, ctx)
             if isinstance(got, str):
                 results.append(ItemResult(ItemStatus.REJECTED, got))
                 new.append(None)
+                continue
+            fork = not for_put and place and self._forks(ns, item, key, now)
+            if fork:
+                # The home keeps this block's record: charged and counted as one, never admitted as a payload.
+                got.record, got.size = True, 0
+                below.add(item.hash)
+                batch_forks.add(item.hash)
+            if item.record or fork:
+                charge = entry_charge(0, item.tokens, item.extra)
+                if self._ledger.over_quota(ns, charge, taken):
+                    results.append(ItemResult(ItemStatus.REJECTED, REASON_QUOTA, fork=fork))
+                    new.append(None)
+                    continue
+                batch[key] = got
+                taken += charge
+                results.append(ItemResult(ItemStatus.WANT, fork=fork))
+                new.append(got)
                 continue
             if self._arena.pages_for(item.size) > self._arena.num_pages:
                 results.append(ItemResult(ItemStatus.REJECTED, "larger than the RAM arena"))
@@ -193,9 +284,11 @@ class WritePath:
             new.append(got)
         return results, new
 
-    def offer(self, ns: Namespace, items: Sequence[ItemSpec]) -> list[ItemResult]:
-        """Per item: want / have / rejected. Bytes move only for wanted items."""
-        results, _ = self._triage(ns, items, for_put=False)
+    def offer(self, ns: Namespace, items: Sequence[ItemSpec], place: bool = True) -> list[ItemResult]:
+        """Per item: want / have / rejected. Bytes move only for wanted items. ``place`` (a cluster):
+        decide continuations and fork heads (module docstring); without it every block is taken
+        as it is offered (a client that puts what it was told to, keeping its chain here)."""
+        results, _ = self._triage(ns, items, for_put=False, place=place)
         now = self._clock()
         wanted = self._wanted.setdefault(self._ledger.owner_of(ns), OrderedDict())
         for item, r in zip(items, results):
@@ -238,6 +331,20 @@ class WritePath:
                 self._metrics.admission.labels(item.kind.metric_kind, decision).inc()
                 continue
             dep = self._anchor_key(e)
+            if e.record:  # no payload: nothing to reserve, no bytes in the body
+                if dep in failed:
+                    failed.add(e.key)
+                    self._release_anchor(e)
+                    results[i] = ItemResult(ItemStatus.REJECTED, "parent not stored")
+                    new[i] = None
+                    targets.append(None)
+                    continue
+                e.expires_s = now + self._config.pending_ttl_s
+                self.pending[e.key] = e
+                self._space.charge(e, 1)
+                targets.append(None)
+                results[i] = ItemResult(ItemStatus.PENDING)
+                continue
             pages = None if dep in failed else self._space.allocate(e.size)
             if pages is None:
                 failed.add(e.key)
@@ -280,7 +387,7 @@ class WritePath:
     def verify_put(self, plan: PutPlan) -> None:
         """After the body arrived: drop items whose bytes do not match their checksum."""
         for i, e in enumerate(plan.entries):
-            if e is None or self.pending.get(e.key) is not e:
+            if e is None or self.pending.get(e.key) is not e or e.record:
                 continue
             assert e.pages is not None
             if not self._arena.virtual and self._arena.checksum(e.pages, 0, e.size) != e.checksum:
@@ -329,6 +436,8 @@ class WritePath:
             if e.expires_s <= now:
                 self.drop_pending(e)
                 self._metrics.evictions.labels(e.metric_kind, "expired").inc()
+        while self._claims and next(iter(self._claims.values()))[1] <= now:
+            self._claims.popitem(last=False)
         for owner, wanted in list(self._wanted.items()):
             while wanted and next(iter(wanted.values())) <= now:  # oldest first: same TTL for all
                 wanted.popitem(last=False)
@@ -445,7 +554,7 @@ class WritePath:
             e = Entry(key=r.key, kind=Kind(r.key[0]), hash=BlockHash(r.key[-HASH_BYTES:]), namespace_id=r.namespace_id,
                       parent=BlockHash(r.parent) if r.parent else None, start=r.start, tokens=r.tokens,
                       extra=r.extra, container=r.container, boundary=r.boundary, size=r.size,
-                      checksum=r.checksum, on_disk=True, origin=r.origin)
+                      checksum=r.checksum, on_disk=True, origin=r.origin, record=r.record, branch=r.branch)
             if not self._rederives(e) or not self.attachable(e):
                 dropped.append(r.key)
                 continue
@@ -461,7 +570,8 @@ class WritePath:
         """Whether a record read back from disk is what a put of it would have been: its key is
         its namespace's, its hash follows from its contents, its sizes from its namespace."""
         ns = self._namespaces.find(e.namespace_id)
-        if ns is None or e.key != store_key(ns.id, e.kind, e.hash) or e.size <= 0 or e.checksum >= 1 << 64:
+        if ns is None or e.key != store_key(ns.id, e.kind, e.hash) or (e.size <= 0) != e.record \
+                or e.checksum >= 1 << 64:
             return False
         try:
             if e.kind is Kind.STATE:
@@ -473,7 +583,7 @@ class WritePath:
             if e.parent is None or len(e.parent) != HASH_BYTES or e.container is not None:
                 return False
             check_item(ns, ItemSpec(kind=e.kind, hash=e.hash, size=e.size, parent=e.parent, tokens=e.tokens,
-                                    extra=e.extra), "")
+                                    extra=e.extra, record=e.record), "")
         except WireError:
             return False
         return True

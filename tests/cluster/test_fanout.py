@@ -8,7 +8,7 @@ from collections import Counter
 
 from prefixstore.client import ClientConfig, PrefixClient, Prompt, SyncPrefixClient
 from prefixstore.client.cluster import ClusterClient
-from prefixstore.protocol.placement import level_key, rank
+from prefixstore.protocol.placement import rank, root_branch
 
 from ..factories import kv_payload, make_namespace, state_payload
 from ..serve_process import http_get
@@ -41,10 +41,10 @@ def test_nodes_and_client_agree_on_placement(make_cluster) -> None:  # type: ign
     assert owners == set(cluster.urls)  # 40 keys over 3 nodes: each owns some
 
 
-def test_fanout_spreads_a_chain_and_reads_exact_bytes(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_a_conversation_lives_on_its_branch_node_and_reads_exact_bytes(make_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = make_cluster(3)
     ns = make_namespace(block_tokens=4)
-    tokens = list(range(1, 43))  # 10 full blocks + 2 tokens: 11 levels over 3 nodes
+    tokens = list(range(1, 43))  # 10 full blocks + 2 tokens: 11 levels, one branch
 
     async def run() -> None:
         async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls))) as client:
@@ -54,6 +54,8 @@ def test_fanout_spreads_a_chain_and_reads_exact_bytes(make_cluster) -> None:  # 
             assert saved.stored == 12 and saved.dropped == 0, saved
             res = await client.lookup(tokens + [7, 7])
             assert (res.kv_tokens, res.state_tokens, res.matched_blocks) == (42, 41, 10)
+            walk = client.impl.last_walk
+            assert walk is not None and walk.nodes == {rank(cluster.urls, p.hashes[0])[0]}, walk.nodes
             reads = res.kv_reads(42)
             bufs = [bytearray(ns.kv.payload_bytes(b - a)) for _, a, b in reads]
             got = await client.read([it for it, _, _ in reads], bufs)
@@ -71,9 +73,40 @@ def test_fanout_spreads_a_chain_and_reads_exact_bytes(make_cluster) -> None:  # 
     with SyncPrefixClient(ns, ClientConfig(urls=(cluster.urls[2],))) as sync:
         assert sync.lookup(tokens).kv_tokens == 42
     held = [json.loads(http_get(u + "/v1/stats")[1])["entries"].get("kv/disk", 0) for u in cluster.urls]
-    # Each level (10 blocks and the tail) lives on its placement owner: parent hash and first token.
+    # The whole chain (10 blocks and the tail) lives on the branch node of its first block; the
+    # root level's home keeps only a record of that block (no payload, not counted as an entry).
     p = Prompt(ns, tokens)
-    parents = [p.root, *p.hashes[:10]]
-    owners = Counter(rank(cluster.urls, level_key(parents[j], p.tokens(4 * j, 4 * j + 1)))[0] for j in range(11))
-    assert held == [owners[u] for u in cluster.urls], (held, owners)
-    assert sum(1 for n in held if n) > 1  # the one chain is spread (all 11 on one node: p ~ 2e-5)
+    branch_node = rank(cluster.urls, p.hashes[0])[0]
+    assert held == [11 if u == branch_node else 0 for u in cluster.urls], held
+
+
+def test_conversations_spread_over_the_nodes(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """24 conversations with different first blocks: each on its own branch node, all three used. A
+    lookup asks that node, and in a namespace with state the root level's home too (for snapshots
+    the root level may hold: nothing deeper was found), never a third node."""
+    cluster = make_cluster(3)
+    ns = make_namespace(block_tokens=4, model="spread")
+    prompts = [[1000 + i, *range(1, 12)] for i in range(24)]
+
+    async def run() -> list[str]:
+        async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls))) as client:
+            for t in prompts:
+                await client.save(client.prompt(t), len(t), lambda a, b, t=t: kv_payload(ns, t, a, b))
+            homes = []
+            for t in prompts:
+                res = await client.lookup(t)
+                assert res.kv_tokens == 12
+                walk = client.impl.last_walk
+                p = client.prompt(t)
+                branch_node = rank(cluster.urls, p.hashes[0])[0]
+                root_home = rank(cluster.urls, root_branch(p.root, p.tokens(0, 1)))[0]
+                assert walk is not None and branch_node in walk.nodes <= {branch_node, root_home}, walk.nodes
+                homes.append(branch_node)
+                await client.release(res.lease_id)
+            return homes
+
+    homes = asyncio.run(run())
+    ns_prompts = [Prompt(ns, t) for t in prompts]
+    assert homes == [rank(cluster.urls, p.hashes[0])[0] for p in ns_prompts]
+    held = [json.loads(http_get(u + "/v1/stats")[1])["entries"].get("kv/disk", 0) for u in cluster.urls]
+    assert held == [3 * Counter(homes)[u] for u in cluster.urls] and all(held), held

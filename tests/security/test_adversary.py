@@ -20,9 +20,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from prefixstore.client import PrefixClient
+from prefixstore.client import ClientConfig, PrefixClient
+from prefixstore.client.node import NodeClient
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import Namespace
+from prefixstore.protocol.errors import ItemStatus
+from prefixstore.protocol.probe import ProbeLevel
 from prefixstore.protocol.wire import CONTENT_TYPE, encode_frame
 from prefixstore.store import STORE, StoreConfig, StoreRunner, create_app
 
@@ -138,19 +141,30 @@ async def test_a_tenant_cannot_squat_on_keys_of_another_tenants_future_blocks(
     await register_beta(running)
     future = list(range(500, 500 + 8 * NS_A.block_tokens))
     p = Prompt(NS_A, future)
+    branch = p.hashes[0]  # this node as the branch node of the prompt's first block
     squat = p.kv_items(len(future))[1:]  # blocks 2..8, keyed exactly as alpha's will be
     payloads = [kv_payload(NS_A, future, s, e) for _, s, e in squat]
-    items = [dataclasses.replace(with_payload(spec, pl), start=s).to_wire() for (spec, s, _), pl in zip(squat, payloads)]
+    items = [dataclasses.replace(with_payload(spec, pl), start=s, branch=branch).to_wire()
+             for (spec, s, _), pl in zip(squat, payloads)]
     frame = encode_frame({"ns": NS_B.id, "commit": True, "items": items}, payloads)
     async with aiohttp.ClientSession() as session:
         async with session.post(running.url + "/v1/put", data=frame, headers={
                 "Authorization": f"Bearer {TOKENS['beta']}", "Content-Type": CONTENT_TYPE}) as r:
             assert r.status == 200
     assert len(running.store.index.entries) == 7  # beta stored them (in its own namespace)
-    async with client(running, "alpha", NS_A) as a:
-        res = await a.save(a.prompt(future), len(future), lambda s, e: kv_payload(NS_A, future, s, e))
-        assert res.stored == 8 and res.rejected == 0 and res.dropped == 0, res
-        assert (await a.lookup(future, lease=False)).kv_tokens == len(future)
+    # Alpha saves the prompt here as a cluster client would (every item names its branch) and walks it.
+    node = NodeClient(NS_A, ClientConfig(url=running.url, token=TOKENS["alpha"]))
+    try:
+        own = [(dataclasses.replace(spec, start=s, branch=branch), kv_payload(NS_A, future, s, e))
+               for spec, s, e in p.kv_items(len(future))]
+        results = await node.put(own)
+        assert all(r.status is ItemStatus.OK for r in results), results
+        levels = [ProbeLevel(level=j, parent=p.parent_of_block(j), next=p.hashes[j],
+                             tokens=p.tokens(j * NS_A.block_tokens, (j + 1) * NS_A.block_tokens)) for j in range(8)]
+        answer = await node.probe(levels, lease=False)
+        assert [a.held for a in answer.levels] == [True] * 8
+    finally:
+        await node.close()
     running.store.check()
 
 

@@ -100,7 +100,7 @@ def test_a_probe_compares_a_bounded_number_of_entries_and_levels_are_a_prompts(
         assert calls[0] <= 8 * scan  # SCAN_BUDGET_PER_SCAN
         # One level named over and over (the amplification's cheapest form) is refused outright.
         repeated = {"ns": NS.id, "lease": False, "levels": [levels[3].to_wire()] * 50}
-        with pytest.raises(Exception, match="strictly increasing"):
+        with pytest.raises(Exception, match="consecutive"):
             ProbeRequest.from_header(repeated, h.store.limits, lambda ns_id: 4)
     finally:
         h.close()
