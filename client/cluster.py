@@ -54,7 +54,7 @@ from ..protocol.hashing import root_hash
 from ..protocol.keys import Kind, make_entry_key
 from ..protocol.namespace import Namespace
 from ..protocol.placement import normalize_url, rank, root_branch
-from ..protocol.probe import LookupReport, ProbeAnswer, ProbeLevel
+from ..protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
 from ..protocol.wire import GetItem, ItemResult, ItemSpec
 from .config import ClientConfig
 from .datapath import Buffer, as_view
@@ -64,11 +64,12 @@ from .node import NodeClient, check_device_outs
 from .prompt import Prompt
 from .results import LookupResult, SaveResult
 from .saves import MAX_ROUNDS, UNAVAILABLE, SaveCalls, SaveItem, save_chain
-from .walk import Walk, probe_levels
+from .walk import Walk
 
 log = logging.getLogger(__name__)
 
 MAX_KNOWN_KEYS = 1 << 18
+BLOCK_BYTE = bytes((Kind.BLOCK,))  # an entry key is the kind byte and the hash (protocol/keys.py)
 """Entry keys whose holders the client remembers from lookups (for reads); oldest forgotten first."""
 REPLICA_TTL_S = 5.0
 """How long a replica set learned from an answer is used to spread probes and reads."""
@@ -334,7 +335,7 @@ class ClusterClient(SaveCalls):
     def owner(self, key: bytes) -> str | None:
         return rank(self.members, key)[0] if self.members else None
 
-    async def _hop(self, branch: bytes, levels: Sequence[ProbeLevel], first: bytes | None,
+    async def _hop(self, branch: bytes, req: ProbeRequest, first: bytes | None,
                    lease: bool) -> list[tuple[str, ProbeAnswer]]:
         """One hop of a walk (client/walk.py): a live home of the branch or a node holding copies of
         its first entry, by load; on failure the next one; within owner_grace_s of a change that
@@ -353,7 +354,7 @@ class ClusterClient(SaveCalls):
             tried.add(pick)
             asked = [pick, *extra]
             extra = []
-            got = await asyncio.gather(*(self._node(u).run("lookup", lambda c: c.probe(levels, lease)) for u in asked))
+            got = await asyncio.gather(*(self._node(u).run("lookup", lambda c: c.probe(req, lease)) for u in asked))
             out += [(u, a) for u, a in zip(asked, got) if a is not None]
             if got[0] is not None:
                 break
@@ -370,11 +371,9 @@ class ClusterClient(SaveCalls):
         p = prompt if isinstance(prompt, Prompt) else self.prompt(prompt)
         lease = self.config.lease if lease is None else lease
         await self._ensure_members()
-        levels = probe_levels(p)
-        if not levels or not self.members:
+        if not p.num_tokens or not self.members:
             return LookupResult(prompt=p, ok=bool(self.members))
-        walk = Walk(p, levels, lambda branch, lvs, first: self._hop(branch, lvs, first, lease),
-                    self.namespace.has_state)
+        walk = Walk(p, lambda branch, req, first: self._hop(branch, req, first, lease), self.namespace.has_state)
         await walk.run()
         self.last_walk = walk
         return self._merge(p, walk)
@@ -382,13 +381,16 @@ class ClusterClient(SaveCalls):
     def _merge(self, p: Prompt, walk: Walk) -> LookupResult:
         B, n = p.block_tokens, len(p.hashes)
         m = walk.matched()
-        for j in range(m):  # where each matched block was found: reads go there (or to a copy)
-            held_at = walk.states[j].held_at
-            assert held_at is not None
-            self._remember(p.block_key(j), held_at)
-            self._parent_of_key(p.block_key(j), p.parent_of_block(j))
-        for j, branch in enumerate(walk.branch_of):  # where the level under each block lives (saves)
-            if branch is not None and 0 < j <= n:
+        # Where each matched block was found (reads go there, or to a copy): one run per hop.
+        keys = [BLOCK_BYTE + h for h in p.hashes[:m]]
+        self._where.update((k, u) for k, u in zip(keys, walk.held_at[:m]) if u is not None)
+        while len(self._where) > MAX_KNOWN_KEYS:
+            self._where.popitem(last=False)
+        if m:
+            self._parent_of_key(keys[-1], p.parent_of_block(m - 1))
+        for j in (m - 1, m):  # where the levels a save continues from live (client/saves.py)
+            branch = walk.branch_of[j] if 0 < j < len(walk.branch_of) else None
+            if branch is not None:
                 self.learned(p.hashes[j - 1], branch)
         found = walk.child(m)
         child = found[0] if found is not None else None

@@ -17,6 +17,7 @@ The cluster client (client/cluster.py) composes node clients; it uses the node c
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
@@ -25,7 +26,7 @@ import numpy as np
 from ..protocol.errors import ItemStatus, Problem, StoreError
 from ..protocol.keys import Kind
 from ..protocol.namespace import Namespace
-from ..protocol.probe import LookupReport, ProbeAnswer, ProbeLevel, ProbeRequest
+from ..protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
 from ..protocol.transport import FramePool, get_json, post
 from ..protocol.wire import GetItem, ItemResult, ItemSpec, LookupAnswer, LookupRequest, WireError
 from .config import ClientConfig
@@ -137,10 +138,9 @@ class NodeClient:
 
     # ------------------------------------------------------------ node calls for the cluster (raise StoreError)
 
-    async def probe(self, levels: Sequence[ProbeLevel], lease: bool) -> ProbeAnswer:
+    async def probe(self, req: ProbeRequest, lease: bool) -> ProbeAnswer:
         """This node's answer for some levels of a prompt (DESIGN §8); placed payloads are remembered."""
-        req = ProbeRequest(namespace_id=self.namespace.id, levels=tuple(levels), lease=lease,
-                           nixl=lease and self.data.connected)
+        req = dataclasses.replace(req, lease=lease, nixl=lease and self.data.connected)
         started = time.monotonic()
         try:
             answer = ProbeAnswer.from_header(await self.call("/v1/probe", req.to_header()))

@@ -29,12 +29,12 @@ every home answers; a dead home's levels are misses (the match stops there), nev
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from ..protocol.hashing import BlockHash
+from ..protocol.hashing import TOKEN_BYTES, BlockHash
 from ..protocol.placement import root_branch
-from ..protocol.probe import TIER_ELSEWHERE, LevelAnswer, ProbeAnswer, ProbeLevel
+from ..protocol.probe import TIER_ELSEWHERE, ProbeAnswer, ProbeRequest
 from ..protocol.wire import EntryRef
 from .prompt import Prompt
 
@@ -42,92 +42,119 @@ MAX_HOPS = 12
 """Probes one lookup sends at most (hops along forks and follow-ups). A prompt forking more often
 than this is answered up to where the walk stopped: lower, never wrong."""
 
-Hop = Callable[[bytes, Sequence[ProbeLevel], bytes | None], Awaitable[list[tuple[str, ProbeAnswer]]]]
-"""``(branch key, levels, first entry key) -> [(node, answer)]``: ask a live home of the branch (or a
+Hop = Callable[[bytes, ProbeRequest, bytes | None], Awaitable[list[tuple[str, ProbeAnswer]]]]
+"""``(branch key, request, first entry key) -> [(node, answer)]``: ask a live home of the branch (or a
 node holding copies of the first entry), within owner_grace_s also the previous owner; [] when none
 answered (client/cluster.py)."""
 
-
-@dataclass
-class LevelState:
-    """What the walk learned about one level of the prompt."""
-
-    held_at: str | None = None  # a node holding the prompt's next block in full
-    fork: bool = False  # the level's home holds the next block as a fork record
-    exact: bool = False  # the level's home answered it
-    children: list[tuple[EntryRef, str]] = field(default_factory=list)  # (child, node that reported it)
-    snapshots: list[tuple[EntryRef, str]] = field(default_factory=list)
+Found = tuple[EntryRef, str]  # an entry and the node that reported it
 
 
 @dataclass
 class Walk:
+    """What the walk learned, per level of the prompt, in flat arrays (a 32k-token prompt has 2,049
+    levels: no object per level)."""
+
     prompt: Prompt
-    levels: list[ProbeLevel]
     hop: Hop
     has_state: bool
-    states: list[LevelState] = field(default_factory=list)
+    held_at: list[str | None] = field(default_factory=list)  # level j -> a node holding block j+1 in full
+    exact: bytearray = field(default_factory=bytearray)  # level j -> 1 when its home answered it
     branch_of: list[bytes | None] = field(default_factory=list)  # level -> branch key of its home
+    forks: set[int] = field(default_factory=set)  # levels whose next block a home holds as a fork record
+    children: dict[int, list[Found]] = field(default_factory=dict)
+    snapshots: dict[int, list[Found]] = field(default_factory=dict)
     answered: list[tuple[str, ProbeAnswer]] = field(default_factory=list)
     probes: int = 0
     nodes: set[str] = field(default_factory=set)  # nodes that answered (cluster_scale counts them)
 
     def __post_init__(self) -> None:
-        self.states = [LevelState() for _ in self.levels]
-        self.branch_of = [None] * len(self.levels)
-        if self.levels:
-            self.branch_of[0] = root_branch(self.prompt.root, self.levels[0].tokens)
+        p = self.prompt
+        self.hash_bytes = b"".join(p.hashes)
+        L = self.num_levels
+        self.held_at = [None] * L
+        self.exact = bytearray(L)
+        self.branch_of = [None] * L
+        if L:
+            self.branch_of[0] = root_branch(p.root, p.tokens(0, 1))
 
     @property
     def n(self) -> int:
         """Full blocks of the prompt (levels 0..n-1 have a next block; level n, if any, is its tail)."""
         return len(self.prompt.hashes)
 
+    @property
+    def num_levels(self) -> int:
+        p = self.prompt
+        return self.n + (1 if p.num_tokens > self.n * p.block_tokens else 0)
+
     # ------------------------------------------------------------ asking
 
-    async def _ask(self, branch: bytes, start: int, stop: int | None = None) -> list[tuple[int, LevelAnswer]]:
-        """One probe of levels [start, stop) on ``branch``; the answers absorbed, the last per node."""
+    def request(self, start: int, stop: int | None = None) -> ProbeRequest:
+        """Levels [start, stop) of the prompt as one probe."""
+        p, B, n = self.prompt, self.prompt.block_tokens, self.n
+        stop = self.num_levels if stop is None else min(stop, self.num_levels)
+        blocks = min(stop, n) - start
+        end_tok = stop * B if stop <= n else p.num_tokens
+        extras = tuple((j, e) for j, e in enumerate(p.extra_keys[start:stop], start) if e)
+        return ProbeRequest(namespace_id=p.namespace.id, start=start, parent=p.parent_of_block(start),
+                            hashes=self.hash_bytes[start * 16:(start + blocks) * 16],
+                            tokens=p.packed[start * B * TOKEN_BYTES:end_tok * TOKEN_BYTES], extras=extras)
+
+    async def _ask(self, branch: bytes, start: int, stop: int | None = None) -> list[ProbeAnswer]:
+        """One probe of levels [start, stop) on ``branch``; the answers absorbed."""
         if self.probes >= MAX_HOPS:
             return []
         self.probes += 1
-        levels = self.levels[start:stop]
-        first = self.prompt.block_key(start) if levels and levels[0].next else None
-        got = await self.hop(branch, levels, first)
-        lasts: list[tuple[int, LevelAnswer]] = []
+        first = self.prompt.block_key(start) if start < self.n else None
+        got = await self.hop(branch, self.request(start, stop), first)
+        out = []
         for url, answer in got:
+            if answer.start != start:
+                continue  # not an answer to this question
             self.answered.append((url, answer))
             self.nodes.add(url)
-            for la in answer.levels:
-                self._absorb(url, la, branch, start)
-            if answer.levels:
-                lasts.append((len(answer.levels), answer.levels[-1]))
-        return lasts
+            self._absorb(url, answer, branch, start, stop)
+            out.append(answer)
+        return out
 
     def head_hop(self, branch: bytes, start: int) -> bool:
         """Whether a hop asks the branch node of the fork head at level ``start`` (the prompt's block
         h_{start+1} is the branch key): that node holds the head, not the rest of level ``start``."""
         return start < self.n and self.prompt.hashes[start] == branch
 
-    def _absorb(self, url: str, la: LevelAnswer, branch: bytes, start: int) -> None:
-        j = la.level
-        if not start <= j < len(self.states):
-            return
-        st = self.states[j]
-        if la.held and not la.fork and st.held_at is None:
-            st.held_at = url
-        st.fork = st.fork or la.fork
-        st.exact = st.exact or la.exact
-        if la.child is not None:
-            st.children.append((la.child, url))
-        if la.snapshot is not None:
-            st.snapshots.append((la.snapshot, url))
-        if j > start or not self.head_hop(branch, start):
-            self.branch_of[j] = branch  # homed on this hop's branch
-        if la.fork and j + 1 < len(self.levels):
-            self.branch_of[j + 1] = self.prompt.hashes[j]  # the fork head's branch holds the next level
+    def _absorb(self, url: str, a: ProbeAnswer, branch: bytes, start: int, stop: int | None) -> None:
+        L = self.num_levels if stop is None else min(stop, self.num_levels)
+        held_end = min(start + a.held, self.n, L)  # levels [start, held_end) hold their next block
+        end = min(a.end, L - 1)  # the last level answered
+        if held_end > start:
+            run = self.held_at[start:held_end]
+            if run.count(None) == len(run):
+                self.held_at[start:held_end] = [url] * (held_end - start)
+            else:
+                self.held_at[start:held_end] = [u if u is not None else url for u in run]
+        if end >= start:
+            keep = {j: self.exact[j] for j in a.inexact if start <= j <= end}
+            self.exact[start:end + 1] = b"\x01" * (end + 1 - start)
+            for j, v in keep.items():
+                self.exact[j] = v
+            first = start + 1 if self.head_hop(branch, start) else start
+            if end >= first:
+                self.branch_of[first:end + 1] = [branch] * (end + 1 - first)
+        if a.stop is not None and start + a.held == end:
+            if a.stop.fork:
+                self.forks.add(end)
+                if end + 1 < len(self.branch_of) and end < self.n:
+                    self.branch_of[end + 1] = self.prompt.hashes[end]  # the fork head's branch holds the next level
+            if a.stop.child is not None:
+                self.children.setdefault(end, []).append((a.stop.child, url))
+        for j, ref in a.snapshots.items():
+            if start <= j <= end:
+                self.snapshots.setdefault(j, []).append((ref, url))
 
     async def run(self) -> None:
         """Walk the branches from the prompt's first block (module docstring), then follow up."""
-        if not self.levels:
+        if not self.num_levels:
             return
         branch = self.prompt.hashes[0] if self.n else self.branch_of[0]
         assert branch is not None
@@ -135,28 +162,29 @@ class Walk:
         tried: set[tuple[bytes, int]] = set()
         while self.probes < MAX_HOPS:
             tried.add((branch, start))
-            lasts = await self._ask(branch, start)
-            if not lasts:
+            got = await self._ask(branch, start)
+            if not got:
                 # No node of this branch answered. A fork head's branch: its home's answer stands (the
                 # match ends at its level). The branch node of h_1: the root level's home still knows level 0.
                 home = self.branch_of[start]
-                if self.states[start].exact or home is None or (home, start) in tried:
+                if self.exact[start] or home is None or (home, start) in tried:
                     break
                 branch = home
                 continue
-            _, last = max(lasts, key=lambda x: (x[1].level, x[1].held))
-            j = last.level
-            if last.held and last.fork:
-                head = BlockHash(self.levels[j].next)
+            last = max(got, key=lambda a: (a.end, a.stop is None or a.stop.fork))
+            j = min(last.end, self.num_levels - 1)
+            held = last.stop is None or last.stop.fork
+            if last.stop is not None and last.stop.fork:
+                head = BlockHash(self.prompt.hashes[j])
                 if (head, j) in tried:
                     break  # its branch node did not confirm it: the match ends at level j (the home's child)
                 branch, start = head, j
                 continue
-            if last.held or self.states[j].exact:
+            if held or self.exact[j]:
                 break
             # Level j was answered by a node that is not its home and does not hold the next block: the
             # branch node of a fork head that has lost it, or a node holding copies of this branch.
-            nxt = BlockHash(self.levels[j].next) if self.levels[j].next else None
+            nxt = BlockHash(self.prompt.hashes[j]) if j < self.n else None
             if nxt is not None and (nxt, j) not in tried and not (j == start and self.head_hop(branch, start)):
                 branch, start = nxt, j  # a copy: the next block may be a fork head on its own branch node
                 continue
@@ -168,15 +196,13 @@ class Walk:
         await self._snapshots()
 
     def matched(self) -> int:
-        m = 0
-        while m < self.n and self.states[m].held_at is not None:
-            m += 1
-        return m
+        try:
+            return self.held_at.index(None, 0, self.n)
+        except ValueError:
+            return self.n
 
-    def best_child(self, m: int) -> tuple[EntryRef, str] | None:
-        if m >= len(self.states):
-            return None
-        kids = [(c, u) for c, u in self.states[m].children if c.usable_tokens > 0]
+    def best_child(self, m: int) -> Found | None:
+        kids = [(c, u) for c, u in self.children.get(m, ()) if c.usable_tokens > 0]
         return max(kids, key=lambda cu: (cu[0].usable_tokens, cu[0].tier != TIER_ELSEWHERE)) if kids else None
 
     async def _confirm_child(self) -> None:
@@ -188,8 +214,7 @@ class Walk:
             if best is None or best[0].tier != TIER_ELSEWHERE:
                 return
             ref = best[0]
-            st = self.states[m]
-            st.children = [(c, u) for c, u in st.children if c is not ref]
+            self.children[m] = [(c, u) for c, u in self.children.get(m, ()) if c is not ref]
             head = ref.key[1:]
             await self._ask(head, m, m + 1)
             # the branch node's answer, if any, was absorbed: it names the child as held there
@@ -199,18 +224,26 @@ class Walk:
         if not self.has_state:
             return
         B = self.prompt.block_tokens
+        asked: set[int] = set()
         while self.probes < MAX_HOPS:
             m = self.matched()
             kv = self.kv_tokens(m)
             best = self.state_tokens(m, kv)
-            todo = [j for j in range(min(m, len(self.levels) - 1), -1, -1)
-                    if not self.states[j].exact and best <= j * B < kv and self.branch_of[j] is not None]
-            if not todo:
+            # The highest level j with best <= jB < kv that no home answered and whose home is known.
+            lo = -(-best // B)
+            hi = min(m, self.num_levels - 1, (kv - 1) // B if kv else -1)
+            j = hi
+            while j >= lo:
+                j = self.exact.rfind(0, lo, j + 1)
+                if j < 0 or (j not in asked and self.branch_of[j] is not None):
+                    break
+                j -= 1
+            if j < lo or j < 0:
                 return
-            j = todo[0]
             branch = self.branch_of[j]
             assert branch is not None
-            self.states[j].exact = True  # asked once, whatever the answer
+            asked.add(j)
+            self.exact[j] = 1  # asked once, whatever the answer
             await self._ask(branch, j, j + 1)
 
     # ------------------------------------------------------------ the merge
@@ -224,12 +257,11 @@ class Walk:
         best = self.best_snapshot(m, kv)
         return best[0].usable_tokens if best is not None else 0
 
-    def best_snapshot(self, m: int, kv: int) -> tuple[EntryRef, str] | None:
-        found = [(s, u) for j in range(min(m, len(self.states) - 1) + 1) for s, u in self.states[j].snapshots
-                 if s.usable_tokens <= kv]
+    def best_snapshot(self, m: int, kv: int) -> Found | None:
+        found = [(s, u) for j, ss in self.snapshots.items() if j <= m for s, u in ss if s.usable_tokens <= kv]
         return max(found, key=lambda su: su[0].usable_tokens) if found else None
 
-    def child(self, m: int) -> tuple[EntryRef, str] | None:
+    def child(self, m: int) -> Found | None:
         best = self.best_child(m)
         return best if best is not None and best[0].tier != TIER_ELSEWHERE else None
 
@@ -237,17 +269,4 @@ class Walk:
         return [(url, a.lease_id) for url, a in self.answered if a.lease_id is not None]
 
 
-def probe_levels(p: Prompt) -> list[ProbeLevel]:
-    """A prompt's levels: one per full block (with its hash as next), one more for a tail."""
-    B, n, T = p.block_tokens, len(p.hashes), p.num_tokens
-    levels: list[ProbeLevel] = []
-    for j in range(n + 1):
-        seg = p.tokens(j * B, min((j + 1) * B, T))
-        if j == n and not seg:
-            break
-        levels.append(ProbeLevel(level=j, parent=p.parent_of_block(j), next=p.hashes[j] if j < n else b"",
-                                 tokens=seg, extra=p.extra_keys[j] if j < len(p.extra_keys) else b""))
-    return levels
-
-
-__all__ = ["MAX_HOPS", "Hop", "LevelState", "Walk", "probe_levels"]
+__all__ = ["MAX_HOPS", "Found", "Hop", "Walk"]

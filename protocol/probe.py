@@ -2,24 +2,29 @@
 
 A cluster lookup walks the prompt's branches (protocol/placement.py). Each hop asks one node
 about the prompt's **levels** from some level s on: level j is the parent hash h_j (h_0 the
-root), the prompt's next block h_{j+1} (absent at the last level), the prompt's tokens of that
-block [jB, min((j+1)B, T)) and its extra keys. The node answers the levels in order, each with
-exactly what a single node's lookup computes there, and stops at the first level that ends its
-part:
+root), the prompt's next block h_{j+1} (absent at a last, partial level), the prompt's tokens of
+that block [jB, min((j+1)B, T)) and its extra keys. The request is the prompt itself from level
+s on, as a lookup sends it (h_s, the hashes h_{s+1}.., the packed tokens from sB, sparse extra
+keys): compact whatever its length, so a 32k-token probe costs what a 32k-token lookup does.
 
-* ``held``: block h_{j+1} is stored here under h_j -- the node goes on to level j+1, unless
-* ``fork``: what is stored here is h_{j+1}'s fork record: the prompt continues on h_{j+1}'s
-  branch node, which the client asks next from level j (there the block is held in full). The
-  node stops after this level;
-* not held: ``child``, the stored child of h_j (block, tail, or another fork head's record) whose
-  tokens agree longest with the segment (``usable_tokens`` of them), ends the match. The node stops.
-* ``snapshot``: the largest-boundary snapshot registered under h_j whose container agrees with
-  the prompt up to its boundary, and whose boundary the KV of this level reaches ((j+1)B when
-  h_{j+1} is held, jB + child's usable tokens otherwise).
-* ``exact``: this node is the level's home (it holds all of the level), so ``child`` and
-  ``snapshot`` are the single-node answer. A node answering a level it is not the home of (a
-  branch node confirming its fork head at level s, a node holding hot copies) says so; the client
-  asks the home where an exact answer matters (client/cluster.py).
+The node answers the levels in order, each with exactly what a single node's lookup computes
+there, and stops at the first level that ends its part. The answer is run-shaped:
+
+* ``held`` = k: blocks h_{s+1} .. h_{s+k} are stored here in full, each under the one before --
+  levels s .. s+k-1 go on;
+* ``stop``: level s+k (when the request has it) ends this node's part, either
+  ``fork``: what is stored here is h_{s+k+1}'s fork record: the prompt continues on that
+  block's branch node, which the client asks next from level s+k (there the block is held); or
+  not held: ``child``, the stored child of h_{s+k} (block, tail, or another fork head's record)
+  whose tokens agree longest with the segment (``usable_tokens`` of them), ends the match;
+* ``snapshots``: per level of the run and the stop level that has one, the largest-boundary
+  snapshot registered under h_j whose container agrees with the prompt up to its boundary and
+  whose boundary the KV of that level reaches ((j+1)B when h_{j+1} is held, jB + the child's
+  usable tokens otherwise);
+* ``inexact``: the levels answered here that this node is not the home of (it does not hold all
+  of the level, so ``child`` and ``snapshot`` there may not be the single-node answer): the
+  branch node confirming its fork head at level s, a node holding hot copies. The client asks the
+  home where an exact answer matters (client/walk.py).
 
 A child that is a fork record has tier ``elsewhere`` (its payload is on its branch node, which
 the client asks to confirm and lease it). The client takes the first level that is not held as
@@ -41,49 +46,34 @@ from .wire import MAX_EXTRA_BYTES, EntryRef, Limits, WireError, opt_bin, req_bin
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ProbeLevel:
-    level: int  # j
-    parent: bytes  # h_j (the root at j = 0)
-    next: bytes  # h_{j+1}, or b"" at the last level (no full block follows)
-    tokens: bytes  # the prompt's tokens [jB, min((j+1)B, T)), packed uint32
-    extra: bytes = b""  # the prompt's extra keys of block j+1
-
-    def to_wire(self) -> list[object]:
-        return [self.level, self.parent, self.next, self.tokens, self.extra]
-
-    @classmethod
-    def from_wire(cls, raw: object, ctx: str, block_tokens: int) -> ProbeLevel:
-        if not isinstance(raw, list) or len(raw) != 5:
-            raise WireError(ctx, "expected [level, parent, next, tokens, extra]")
-        h = dict(zip(("level", "parent", "next", "tokens", "extra"), raw))
-        level = h["level"]
-        if not isinstance(level, int) or isinstance(level, bool) or level < 0:
-            raise WireError(f"{ctx}.level", "expected a non-negative integer")
-        parent = req_bin(h, "parent", f"{ctx}.", size=HASH_BYTES)
-        nxt = req_bin(h, "next", f"{ctx}.")
-        if len(nxt) not in (0, HASH_BYTES):
-            raise WireError(f"{ctx}.next", f"expected {HASH_BYTES} bytes or none")
-        tokens = req_bin(h, "tokens", f"{ctx}.", multiple=TOKEN_BYTES)
-        if len(tokens) // TOKEN_BYTES > block_tokens:
-            raise WireError(f"{ctx}.tokens", f"a level holds at most {block_tokens} tokens (one block)")
-        if nxt and len(tokens) // TOKEN_BYTES != block_tokens:
-            raise WireError(f"{ctx}.tokens", f"a level with a next block holds exactly {block_tokens} tokens")
-        extra = req_bin(h, "extra", f"{ctx}.")
-        if len(extra) > MAX_EXTRA_BYTES:
-            raise WireError(f"{ctx}.extra", f"{len(extra)} bytes, at most {MAX_EXTRA_BYTES}", Problem.TOO_LARGE)
-        return cls(level=level, parent=parent, next=nxt, tokens=tokens, extra=extra)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class ProbeRequest:
+    """Levels ``start`` .. of one prompt: ``parent`` = h_start (the root at level 0), ``hashes`` =
+    h_{start+1} .. h_{start+k} concatenated (levels with a next block), ``tokens`` = the prompt's
+    tokens from start·B on, packed uint32: exactly k blocks, or k blocks and a partial last level."""
+
     namespace_id: bytes
-    levels: tuple[ProbeLevel, ...]
+    start: int
+    parent: bytes
+    hashes: bytes
+    tokens: bytes
+    extras: tuple[tuple[int, bytes], ...] = ()  # (level j, extra keys of the prompt's block j+1), sparse
     lease: bool = True
     nixl: bool = False  # also answer where the reported payloads lie (as a lookup does; store/nixl_lookup.py)
 
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes) // HASH_BYTES
+
+    def num_levels(self, block_tokens: int) -> int:
+        T = len(self.tokens) // TOKEN_BYTES
+        k = self.num_blocks
+        return k + (1 if T > k * block_tokens else 0)
+
     def to_header(self) -> dict[str, object]:
-        d: dict[str, object] = {"ns": self.namespace_id, "levels": [lv.to_wire() for lv in self.levels],
-                                "lease": self.lease}
+        d: dict[str, object] = {"ns": self.namespace_id, "start": self.start, "parent": self.parent,
+                                "hashes": self.hashes, "tokens": self.tokens, "lease": self.lease}
+        if self.extras:
+            d["extras"] = [[j, e] for j, e in self.extras]
         if self.nixl:
             d["nixl"] = True
         return d
@@ -94,25 +84,41 @@ class ProbeRequest:
         ns = req_bin(h, "ns", size=NAMESPACE_ID_BYTES)
         B = block_tokens_of(ns)
         max_levels = limits.max_lookup_tokens // B + 1  # a prompt's levels: its full blocks and one more
-        raw = req_list(h, "levels", "", max_levels)
-        levels = tuple(ProbeLevel.from_wire(x, f"levels[{i}]", B) for i, x in enumerate(raw))
-        # The levels of one prompt from some level on: consecutive, each hanging from the block the
-        # one before names, only the last without a next block. (Repeating one level thousands of
-        # times made one probe scan its children thousands of times.)
-        for i in range(1, len(levels)):
-            if levels[i].level != levels[i - 1].level + 1:
-                raise WireError(f"levels[{i}].level", "levels must be consecutive")
-            if levels[i].parent != levels[i - 1].next:
-                raise WireError(f"levels[{i}].parent", "must be the block the level before names as next")
-        if any(not lv.next for lv in levels[:-1]):
-            raise WireError("levels", "only the last level may have no next block")
-        if levels and levels[-1].level >= max_levels:
-            raise WireError("levels", f"level {levels[-1].level} is past the longest prompt "
+        start = req_int(h, "start", hi=max_levels - 1)
+        parent = req_bin(h, "parent", size=HASH_BYTES)
+        hashes = req_bin(h, "hashes", multiple=HASH_BYTES)
+        tokens = req_bin(h, "tokens", multiple=TOKEN_BYTES)
+        k, T = len(hashes) // HASH_BYTES, len(tokens) // TOKEN_BYTES
+        if T > limits.max_lookup_tokens:
+            raise WireError("tokens", f"{T} tokens, at most {limits.max_lookup_tokens} (max_lookup_tokens)",
+                            Problem.TOO_LARGE)
+        # The prompt from level start on: k full blocks (one per hash), then at most a partial level.
+        if not k * B <= T < (k + 1) * B or T == 0:
+            raise WireError("tokens", f"expected {k} blocks of {B} tokens (one per hash) and fewer than {B} "
+                            f"more, got {T} tokens")
+        levels = k + (1 if T > k * B else 0)
+        if start + levels > max_levels:
+            raise WireError("start", f"levels up to {start + levels - 1} are past the longest prompt "
                             f"(max_lookup_tokens={limits.max_lookup_tokens})", Problem.TOO_LARGE)
-        if sum(len(lv.tokens) for lv in levels) // TOKEN_BYTES > limits.max_lookup_tokens:
-            raise WireError("levels", f"more than {limits.max_lookup_tokens} tokens in all", Problem.TOO_LARGE)
-        return cls(namespace_id=ns, levels=levels, lease=req_bool(h, "lease", default=True),
-                   nixl=req_bool(h, "nixl", default=False))
+        extras: list[tuple[int, bytes]] = []
+        raw = h.get("extras")
+        if raw is not None:
+            if not isinstance(raw, list) or len(raw) > levels:
+                raise WireError("extras", f"expected a list of at most {levels} [level, extra keys]")
+            seen: set[int] = set()
+            for i, x in enumerate(raw):
+                if not isinstance(x, list) or len(x) != 2 or not isinstance(x[0], int) or isinstance(x[0], bool) \
+                        or not isinstance(x[1], bytes):
+                    raise WireError(f"extras[{i}]", "expected [level, extra keys]")
+                if not start <= x[0] < start + levels or x[0] in seen:
+                    raise WireError(f"extras[{i}]", f"level {x[0]} is not one of this probe's, or repeated")
+                if len(x[1]) > MAX_EXTRA_BYTES:
+                    raise WireError(f"extras[{i}]", f"{len(x[1])} bytes, at most {MAX_EXTRA_BYTES}", Problem.TOO_LARGE)
+                seen.add(x[0])
+                if x[1]:
+                    extras.append((x[0], x[1]))
+        return cls(namespace_id=ns, start=start, parent=parent, hashes=hashes, tokens=tokens, extras=tuple(extras),
+                   lease=req_bool(h, "lease", default=True), nixl=req_bool(h, "nixl", default=False))
 
 
 TIER_ELSEWHERE = "elsewhere"
@@ -120,45 +126,59 @@ TIER_ELSEWHERE = "elsewhere"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LevelAnswer:
-    level: int
-    held: bool
-    child: EntryRef | None = None
-    snapshot: EntryRef | None = None
-    fork: bool = False  # held as a fork record: the prompt continues on h_{j+1}'s branch node
-    exact: bool = True  # this node is the level's home: child and snapshot are the single-node answer
+class StopLevel:
+    """The level that ends a node's part of a probe (module docstring)."""
+
+    fork: bool = False  # the next block is held here as a fork record: continue on its branch node
+    child: EntryRef | None = None  # else: the best stored child of the level (the match ends inside it)
 
     def to_wire(self) -> list[object]:
-        return [self.level, self.held, self.child.to_wire() if self.child else None,
-                self.snapshot.to_wire() if self.snapshot else None, self.fork, self.exact]
+        return [self.fork, self.child.to_wire() if self.child is not None else None]
 
     @classmethod
-    def from_wire(cls, raw: object, ctx: str) -> LevelAnswer:
-        if not isinstance(raw, list) or len(raw) != 6 or not isinstance(raw[0], int) \
-                or not all(isinstance(x, bool) for x in (raw[1], raw[4], raw[5])):
-            raise WireError(ctx, "expected [level, held, child, snapshot, fork, exact]")
-        return cls(level=raw[0], held=raw[1],
-                   child=EntryRef.from_wire(raw[2], f"{ctx}.child") if raw[2] is not None else None,
-                   snapshot=EntryRef.from_wire(raw[3], f"{ctx}.snapshot") if raw[3] is not None else None,
-                   fork=raw[4], exact=raw[5])
+    def from_wire(cls, raw: object, ctx: str) -> StopLevel:
+        if not isinstance(raw, list) or len(raw) != 2 or not isinstance(raw[0], bool):
+            raise WireError(ctx, "expected [fork, child]")
+        return cls(fork=raw[0], child=EntryRef.from_wire(raw[1], f"{ctx}.child") if raw[1] is not None else None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProbeAnswer:
-    levels: tuple[LevelAnswer, ...]
+    start: int
+    held: int = 0  # levels start .. start+held-1: their next block is stored here in full
+    stop: StopLevel | None = None  # level start+held, when the probe asked it
+    inexact: tuple[int, ...] = ()  # levels answered that this node is not the home of
+    snapshots: dict[int, EntryRef] = field(default_factory=dict)  # level -> its best snapshot
     lease_id: bytes | None = None
     lease_ttl_s: float = 0.0
     replicas: dict[bytes, tuple[str, ...]] = field(default_factory=dict)
     nixl: NixlPlacements | None = None  # asked with ``nixl``: placements, as in a LookupAnswer
 
+    @property
+    def end(self) -> int:
+        """The last level answered: the stop level, or the last held one."""
+        return self.start + self.held if self.stop is not None else self.start + self.held - 1
+
     def to_header(self) -> dict[str, object]:
-        return {"levels": [lv.to_wire() for lv in self.levels], "lease": self.lease_id,
-                "lease_ttl_s": self.lease_ttl_s, "replicas": {k.hex(): list(v) for k, v in self.replicas.items()},
+        return {"start": self.start, "held": self.held, "stop": self.stop.to_wire() if self.stop else None,
+                "inexact": list(self.inexact), "snaps": [[j, r.to_wire()] for j, r in self.snapshots.items()],
+                "lease": self.lease_id, "lease_ttl_s": self.lease_ttl_s,
+                "replicas": {k.hex(): list(v) for k, v in self.replicas.items()},
                 "nixl": self.nixl.to_wire() if self.nixl is not None else None}
 
     @classmethod
     def from_header(cls, h: dict[str, object]) -> ProbeAnswer:
-        raw = req_list(h, "levels", "", 1 << 22)
+        start = req_int(h, "start")
+        held = req_int(h, "held")
+        end = start + held
+        inexact = req_list(h, "inexact", "", held + 1)
+        if not all(isinstance(j, int) and not isinstance(j, bool) and start <= j <= end for j in inexact):
+            raise WireError("inexact", f"expected levels in [{start}, {end}]")
+        snapshots: dict[int, EntryRef] = {}
+        for i, x in enumerate(req_list(h, "snaps", "", held + 1)):
+            if not isinstance(x, list) or len(x) != 2 or not isinstance(x[0], int) or not start <= x[0] <= end:
+                raise WireError(f"snaps[{i}]", f"expected [level in [{start}, {end}], entry]")
+            snapshots[x[0]] = EntryRef.from_wire(x[1], f"snaps[{i}]")
         replicas: dict[bytes, tuple[str, ...]] = {}
         rep = h.get("replicas") or {}
         if not isinstance(rep, dict):
@@ -171,7 +191,9 @@ class ProbeAnswer:
             except ValueError as err:
                 raise WireError("replicas", f"key {k!r} is not hex") from err
         ttl = h.get("lease_ttl_s", 0.0)
-        return cls(levels=tuple(LevelAnswer.from_wire(x, f"levels[{i}]") for i, x in enumerate(raw)),
+        return cls(start=start, held=held,
+                   stop=StopLevel.from_wire(h["stop"], "stop") if h.get("stop") is not None else None,
+                   inexact=tuple(j for j in inexact if isinstance(j, int)), snapshots=snapshots,
                    lease_id=opt_bin(h, "lease"), lease_ttl_s=float(ttl) if isinstance(ttl, (int, float)) else 0.0,
                    replicas=replicas,
                    nixl=NixlPlacements.from_wire(h["nixl"]) if h.get("nixl") is not None else None)
@@ -204,4 +226,4 @@ class LookupReport:
                    junction=opt_bin(h, "junction", size=HASH_BYTES), missing_block=opt_bin(h, "missing", size=HASH_BYTES))
 
 
-__all__ = ["TIER_ELSEWHERE", "LevelAnswer", "LookupReport", "ProbeAnswer", "ProbeLevel", "ProbeRequest"]
+__all__ = ["TIER_ELSEWHERE", "LookupReport", "ProbeAnswer", "ProbeRequest", "StopLevel"]

@@ -129,7 +129,7 @@ class StoreConfig:
         "Seconds between refreshes of DNS membership (and of the member list served to clients)."))
     replication_threshold: float = field(default=20.0, metadata=_doc(
         "Decayed reads per second of one entry above which its owner pushes replicas to the next nodes in "
-        "rendezvous order; the replica count grows with the rate (one more per doubling)."))
+        "rendezvous order; the replica count grows with the rate (one more copy per threshold of reads/s)."))
     replication_max_replicas: int = field(default=3, metadata=_doc(
         "Most copies of a hot entry, the primary included (1: no replication)."))
     replication_half_life_s: float = field(default=30.0, metadata=_doc(

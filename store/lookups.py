@@ -38,7 +38,7 @@ from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, tail_hash
 from ..protocol.keys import Kind
 from ..protocol.namespace import Namespace
 from ..protocol.placement import root_branch
-from ..protocol.probe import TIER_ELSEWHERE, LevelAnswer, LookupReport, ProbeAnswer, ProbeRequest
+from ..protocol.probe import TIER_ELSEWHERE, LookupReport, ProbeAnswer, ProbeRequest, StopLevel
 from ..protocol.wire import EntryRef, LookupAnswer, LookupRequest, split_hashes
 from .config import StoreConfig
 from .index import Entry, Index, ScanBudget, store_key
@@ -123,78 +123,105 @@ class LookupService:
     def probe(self, req: ProbeRequest, replicas_of: Mapping[bytes, tuple[str, ...]] | None = None,
               root_home: Callable[[bytes], bool] = lambda key: True,
               copies: Collection[bytes] = frozenset()) -> ProbeAnswer:
-        """One hop of a walk (module docstring); lease what it reports. ``root_home(key)``: whether
-        this node is the home of the root level with branch key ``key``; ``copies``: store keys of
-        entries held as hot copies of another node's."""
+        """One hop of a walk (module docstring); leases what it reports, as a lookup does (the
+        deepest held block -- its ancestors here are not leaves, so eviction spares them -- the
+        child, the snapshots and their containers). ``root_home(key)``: whether this node is the
+        home of the root level with branch key ``key``; ``copies``: store keys of entries held as
+        hot copies of another node's."""
         ns = self._namespaces.get(req.namespace_id)
         ns_id = ns.id  # every key probed below is scoped by the request's namespace (store/index.py)
         root = self._namespaces.root(ns_id)
         assert root is not None
-        B = ns.block_tokens
+        B, TB, H = ns.block_tokens, TOKEN_BYTES, HASH_BYTES
         index = self._index
+        entries = index.entries
         scan = self._config.max_child_scan
         budget = ScanBudget(scan)  # comparisons in all, over every level (store/index.py)
         now = self._clock()
         self._leases.expire(now)
-        answers: list[LevelAnswer] = []
-        held_entries: list[Entry] = []
-        exact = True
-        if req.levels:
-            first = req.levels[0]
-            if first.parent == root:
-                exact = root_home(root_branch(root, first.tokens))
-            else:
-                p = index.get_block(ns_id, first.parent)
-                exact = p is not None and not p.record and p.key not in copies
-        for lv in req.levels:
-            j, parent, seg = lv.level, lv.parent, lv.tokens
-            nxt = index.get_block(ns_id, lv.next) if lv.next else None
+        start, hashes, tokens = req.start, req.hashes, req.tokens
+        k, levels = req.num_blocks, req.num_levels(B)
+        extra_at = dict(req.extras).get
+        block_prefix = store_key(ns_id, Kind.BLOCK, bytes(H))[:-H]
+        snaps_under = index.snaps_under if index.snapshots_per_ns.get(ns_id) else None
+        inexact: list[int] = []
+        snapshots: dict[int, EntryRef] = {}
+        leased: list[Entry] = []
+        reported: list[Entry] = []  # held entries (replica sets)
+        parent = req.parent
+        if parent == root:
+            exact = root_home(root_branch(root, tokens))
+        else:
+            p = index.get_block(ns_id, parent)
+            exact = p is not None and not p.record and p.key not in copies
+        stop: StopLevel | None = None
+        last: Entry | None = None
+        i = 0
+        while i < levels:
+            j = start + i
+            if not exact:
+                inexact.append(j)
+            nxt_hash = hashes[i * H:(i + 1) * H] if i < k else b""
+            nxt = entries.get(block_prefix + nxt_hash) if nxt_hash else None
             held = nxt is not None and nxt.parent == parent
-            fork = held and nxt is not None and nxt.record
-            child: Entry | None = None
-            usable = 0
-            if held and not fork:
-                assert nxt is not None
-                held_entries.append(nxt)
-                limit = j * B + B
-            elif fork:
+            seg = tokens[i * B * TB:(i + 1) * B * TB]
+            if held and nxt is not None and not nxt.record:
+                if snaps_under is not None and snaps_under.get(ns_id + parent):
+                    snap = index.best_snapshot_under(ns_id + parent, seg, j * B, B, own_next=nxt_hash,
+                                                     extra=extra_at(j, b""), limit=j * B + B, scan=scan, budget=budget)
+                    if snap is not None:
+                        snapshots[j] = entry_ref(snap, snap.boundary)
+                        leased.append(snap)
+                last = nxt
+                if replicas_of:
+                    reported.append(nxt)
+                exact = nxt.key not in copies  # level j+1's parent is held here: its home, unless a copy
+                parent = nxt_hash
+                i += 1
+                continue
+            fork = held
+            extra = extra_at(j, b"")
+            if fork:
                 # Confirmed by its branch node; if that node has lost it, the match ends here, inside
                 # the best other child: answered now, so the client need not ask again.
-                child, usable = index.best_child(ns_id + parent, seg, lv.extra, scan, budget, skip=nxt)
+                child, usable = index.best_child(ns_id + parent, seg, extra, scan, budget, skip=nxt)
                 limit = j * B + B
             else:
-                child, usable = index.best_child(ns_id + parent, seg, lv.extra, scan, budget)
+                child, usable = index.best_child(ns_id + parent, seg, extra, scan, budget)
                 limit = j * B + usable
-            snapshot = index.best_snapshot_under(
-                ns_id + parent, seg, j * B, B, own_next=lv.next if held else None, extra=lv.extra, limit=limit,
-                scan=scan, budget=budget)
+            if snaps_under is not None and snaps_under.get(ns_id + parent):
+                snap = index.best_snapshot_under(ns_id + parent, seg, j * B, B, own_next=nxt_hash if held else None,
+                                                 extra=extra, limit=limit, scan=scan, budget=budget)
+                if snap is not None:
+                    snapshots[j] = entry_ref(snap, snap.boundary)
+                    leased.append(snap)
             if child is not None and not child.record:
-                held_entries.append(child)
-            if snapshot is not None:
-                held_entries.append(snapshot)
-                container = index.get(snapshot.container or b"")
+                leased.append(child)
+                if replicas_of:
+                    reported.append(child)
+            stop = StopLevel(fork=fork, child=entry_ref(child, usable) if child is not None else None)
+            break
+        if last is not None:
+            leased.append(last)
+        for e in list(leased):
+            if e.kind is Kind.STATE:
+                container = index.get(e.container or b"")
                 if container is not None and not container.record:
-                    held_entries.append(container)
-            answers.append(LevelAnswer(level=j, held=held, fork=fork, exact=exact,
-                                       child=entry_ref(child, usable) if child is not None else None,
-                                       snapshot=entry_ref(snapshot, snapshot.boundary) if snapshot is not None else None))
-            if not held or fork:
-                break
-            assert nxt is not None
-            exact = nxt.key not in copies  # level j+1's parent is held here: its home, unless a copy
+                    leased.append(container)
         lease_id = None
-        if req.lease and held_entries:
-            unique: dict[bytes, Entry] = {e.key: e for e in held_entries}
+        if req.lease and leased:
+            unique: dict[bytes, Entry] = {e.key: e for e in leased}
             lease_id = self._leases.grant(list(unique.values()), now, self._config.lease_ttl_s,
                                           owner=self._ledger.owner_of(ns))
         replicas: dict[bytes, tuple[str, ...]] = {}
         if replicas_of:
-            for e in held_entries:
+            for e in reported + [s for s in leased if s.kind is Kind.STATE]:
                 where = replicas_of.get(e.key)
                 if where:
                     replicas[e.wire_key] = where
-        return ProbeAnswer(levels=tuple(answers), lease_id=lease_id,
-                           lease_ttl_s=self._config.lease_ttl_s if lease_id else 0.0, replicas=replicas)
+        return ProbeAnswer(start=start, held=i, stop=stop, inexact=tuple(inexact), snapshots=snapshots,
+                           lease_id=lease_id, lease_ttl_s=self._config.lease_ttl_s if lease_id else 0.0,
+                           replicas=replicas)
 
     def report(self, report: LookupReport) -> None:
         """A cluster client's account of a lookup it merged: taught as a single node's lookup would."""

@@ -54,14 +54,11 @@ def describe_probe(store: Store, descriptors: Encoder, req: ProbeRequest, answer
     snapshots, under the probe's lease."""
     if answer.lease_id is None:
         return None
-    by_level = {lv.level: lv for lv in req.levels}
-    entries: list[Entry | None] = []
-    for a in answer.levels:
-        lv = by_level.get(a.level)
-        if a.held and lv is not None and lv.next:
-            entries.append(store.index.get_block(req.namespace_id, lv.next))
-        entries += [store.index.get(scope(req.namespace_id, ref.key)) for ref in (a.child, a.snapshot)
-                    if ref is not None]
+    ns_id = req.namespace_id
+    entries: list[Entry | None] = [store.index.get_block(ns_id, h)
+                                   for h in split_hashes(req.hashes[: answer.held * HASH_BYTES])]
+    refs = [*answer.snapshots.values(), *([answer.stop.child] if answer.stop and answer.stop.child else [])]
+    entries += [store.index.get(scope(ns_id, ref.key)) for ref in refs]
     return _place(store, descriptors, answer.lease_id, entries, agent, meta_gen)
 
 

@@ -42,19 +42,23 @@ async def register(running: RunningStore) -> None:
 
 async def test_probe_fields_are_checked(running: RunningStore) -> None:
     await register(running)
-    good = [0, ROOT, b"\x02" * 16, b"\x00" * 16, b""]
+    good = {"ns": NS.id, "start": 0, "parent": ROOT, "hashes": b"\x02" * 16, "tokens": b"\x00" * 16}
     cases = {
-        "levels": {"ns": NS.id, "levels": "x"},
-        "levels[0]": {"ns": NS.id, "levels": [[0, ROOT]]},
-        "levels[0].next": {"ns": NS.id, "levels": [[0, ROOT, b"\x02" * 5, b"\x00" * 16, b""]]},
-        "levels[0].tokens": {"ns": NS.id, "levels": [[0, ROOT, b"\x02" * 16, b"\x00" * 12, b""]]},
-        "levels[0].level": {"ns": NS.id, "levels": [[-1, ROOT, b"", b"", b""]]},
-        "ns": {"ns": b"\x00" * 8, "levels": [good]},
+        "start": {**good, "start": -1},
+        "parent": {**good, "parent": b"\x01" * 5},
+        "hashes": {**good, "hashes": b"\x02" * 5},
+        "tokens": {**good, "tokens": b"\x00" * 12},  # one hash: exactly one block (4 tokens) and < 4 more
+        "extras": {**good, "extras": "x"},
+        "extras[0]": {**good, "extras": [[7, b"x"]]},  # a level this probe does not ask
+        "extras[1]": {**good, "tokens": b"\x00" * 20, "extras": [[0, b"x"], [0, b"y"]]},  # repeated
+        "ns": {**good, "ns": b"\x00" * 8},
     }
     for field, header in cases.items():
         status, body = await post(running, "/v1/probe", header)
         assert 400 <= status < 500 and body["field"] == field, (field, status, body)
-    status, _ = await post(running, "/v1/probe", {"ns": NS.id, "levels": [good]})
+    status, _ = await post(running, "/v1/probe", good)
+    assert status == 200
+    status, _ = await post(running, "/v1/probe", {**good, "tokens": b"\x00" * 28})  # one block and a 3-token tail
     assert status == 200
 
 
@@ -70,10 +74,12 @@ async def test_report_and_drop_fields_are_checked(running: RunningStore) -> None
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(levels=st.lists(st.lists(st.one_of(st.integers(-2, 5), st.binary(max_size=20), st.none(), st.text(max_size=3)),
-                                max_size=6), max_size=4),
-       lease=st.one_of(st.booleans(), st.integers(-(1 << 63), (1 << 63) - 1), st.none()))
-async def test_probe_never_answers_5xx(running: RunningStore, levels: list[list[object]], lease: object) -> None:
+@given(fields=st.dictionaries(st.sampled_from(["start", "parent", "hashes", "tokens", "extras", "lease"]),
+                              st.one_of(st.integers(-2, 5), st.binary(max_size=40), st.none(), st.text(max_size=3),
+                                        st.lists(st.lists(st.one_of(st.integers(-1, 3), st.binary(max_size=4)),
+                                                          max_size=3), max_size=3),
+                                        st.integers(-(1 << 63), (1 << 63) - 1)), max_size=6))
+async def test_probe_never_answers_5xx(running: RunningStore, fields: dict[str, object]) -> None:
     await register(running)
-    status, _ = await post(running, "/v1/probe", {"ns": NS.id, "levels": levels, "lease": lease})
+    status, _ = await post(running, "/v1/probe", {"ns": NS.id, **fields})
     assert status < 500

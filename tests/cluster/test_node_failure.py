@@ -35,9 +35,13 @@ async def check(client: PrefixClient, ns, tokens: list[int], dead: str | None) -
         reads = res.kv_reads(res.kv_tokens)
         bufs = [bytearray(ns.kv.payload_bytes(B)) for _ in reads]
         got = await client.read([it for it, _, _ in reads], bufs)
+        per = ns.kv.layer_token_bytes
         for (_, a, b), buf, size in zip(reads, bufs, got):
             if size >= 0:  # a miss is allowed (the node died between lookup and read); wrong bytes never
-                assert bytes(buf[:size]) == kv_payload(ns, tokens, a, a + size // ns.kv.token_bytes)
+                held = size // ns.kv.token_bytes  # tokens the entry holds (a child may hold more than it shares)
+                used = b"".join(bytes(buf[layer * held * per: (layer * held + b - a) * per])
+                                for layer in range(ns.kv.num_layers))
+                assert used == kv_payload(ns, tokens, a, b)
         if res.snapshot is not None:
             snap = bytearray(ns.state.snapshot_bytes)
             if (await client.read([res.state_read()], [snap]))[0] >= 0:  # type: ignore[list-item]
@@ -77,8 +81,13 @@ def test_sigkill_one_node_under_load_then_rejoin(make_cluster) -> None:  # type:
                 fresh = [rng.randrange(1000) for _ in range(LENGTH)]
                 (got, want), _ = await asyncio.gather(check(client, ns, tokens, victim if killed else None),
                                                       save(client, fresh))
-                if killed:
-                    assert got == want, (step, got, want)  # exactly that node's branches are misses
+                if killed and want == 0:
+                    # Its branch is lost; the root level's home may still hold another prompt's first
+                    # block (or its record) that agrees with a few first tokens: the single-node answer
+                    # without the dead node's entries, never a full block.
+                    assert got < B, (step, got)
+                elif killed:
+                    assert got == want, (step, got, want)  # the other branches are untouched
                 else:
                     assert got == LENGTH
             assert client.failures.total() > 0  # the dead node was noticed, and counted, not raised

@@ -25,7 +25,7 @@ from prefixstore.client.node import NodeClient
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import Namespace
 from prefixstore.protocol.errors import ItemStatus
-from prefixstore.protocol.probe import ProbeLevel
+from prefixstore.protocol.probe import ProbeRequest
 from prefixstore.protocol.wire import CONTENT_TYPE, encode_frame
 from prefixstore.store import STORE, StoreConfig, StoreRunner, create_app
 
@@ -74,13 +74,8 @@ def replay_lookup(tokens: list[int], **flags: object) -> dict[str, object]:
 def replay_probe(tokens: list[int]) -> dict[str, object]:
     """Beta's cluster probe of alpha's levels of ``tokens``, under beta's namespace."""
     p = Prompt(NS_A, tokens)
-    B = NS_A.block_tokens
-    levels = []
-    for j in range(-(-len(tokens) // B)):
-        parent = p.parent_of_block(j)
-        nxt = p.hashes[j] if (j + 1) * B <= len(tokens) else b""
-        levels.append([j, parent, nxt, p.tokens(j * B, min((j + 1) * B, len(tokens))), b""])
-    return {"ns": NS_B.id, "levels": levels, "lease": True}
+    return {"ns": NS_B.id, "start": 0, "parent": p.root, "hashes": b"".join(p.hashes), "tokens": p.packed,
+            "lease": True}
 
 
 def replay_offer(tokens: list[int]) -> dict[str, object]:
@@ -159,10 +154,10 @@ async def test_a_tenant_cannot_squat_on_keys_of_another_tenants_future_blocks(
                for spec, s, e in p.kv_items(len(future))]
         results = await node.put(own)
         assert all(r.status is ItemStatus.OK for r in results), results
-        levels = [ProbeLevel(level=j, parent=p.parent_of_block(j), next=p.hashes[j],
-                             tokens=p.tokens(j * NS_A.block_tokens, (j + 1) * NS_A.block_tokens)) for j in range(8)]
-        answer = await node.probe(levels, lease=False)
-        assert [a.held for a in answer.levels] == [True] * 8
+        req = ProbeRequest(namespace_id=NS_A.id, start=0, parent=p.root, hashes=b"".join(p.hashes[:8]),
+                           tokens=p.tokens(0, 8 * NS_A.block_tokens))
+        answer = await node.probe(req, lease=False)
+        assert answer.held == 8 and answer.stop is None
     finally:
         await node.close()
     running.store.check()

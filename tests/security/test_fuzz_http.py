@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from prefixstore.client import PrefixClient
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import make_entry_key, pack_tokens
-from prefixstore.protocol.probe import LookupReport, ProbeLevel, ProbeRequest
+from prefixstore.protocol.probe import LookupReport, ProbeRequest
 from prefixstore.protocol.wire import CONTENT_TYPE, MAGIC, PREFIX, WIRE_VERSION, decode_frame, encode_frame
 
 from prefixstore.store import StoreConfig
@@ -52,7 +52,7 @@ FIELDS = {
     "/v1/get": ["ns", "items"],
     "/v1/release": ["lease"],
     # cluster (store/cluster.py): served by every node
-    "/v1/probe": ["ns", "levels", "lease"],
+    "/v1/probe": ["ns", "start", "parent", "hashes", "tokens", "extras", "lease"],
     "/v1/lookup_report": ["ns", "num_tokens", "kv_tokens", "state_tokens", "junction", "missing"],
     "/v1/replica/drop": ["ns", "keys"],
 }
@@ -94,10 +94,9 @@ def _valid_bodies() -> dict[str, bytes]:
         "/v1/commit": encode_frame({"ns": NS.id, "keys": keys}),
         "/v1/get": encode_frame({"ns": NS.id, "items": [[k, 0, None] for k in keys] + [[keys[0], 1, 2]]}),
         "/v1/release": encode_frame({"lease": b"\x00" * 16}),
-        "/v1/probe": encode_frame(ProbeRequest(namespace_id=NS.id, levels=tuple(
-            ProbeLevel(level=j, parent=parent, next=p.hashes[j] if j < 2 else b"",
-                       tokens=pack_tokens(toks[j * 4 : j * 4 + 4])) for j, parent in enumerate([p.root, *p.hashes[:2]])
-        )).to_header()),
+        "/v1/probe": encode_frame(ProbeRequest(namespace_id=NS.id, start=0, parent=p.root,
+                                               hashes=b"".join(p.hashes[:2]), tokens=pack_tokens(toks[:10]),
+                                               extras=((1, b"x"),)).to_header()),
         "/v1/lookup_report": encode_frame(LookupReport(namespace_id=NS.id, num_tokens=10, kv_tokens=8, state_tokens=7,
                                                        junction=p.prefix_hash(8), missing_block=None).to_header()),
         "/v1/replica/drop": encode_frame({"ns": NS.id, "keys": keys}),

@@ -23,7 +23,7 @@ import pytest
 
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import KVLayout, Kind, Namespace, StateLayout
-from prefixstore.protocol.probe import ProbeLevel, ProbeRequest
+from prefixstore.protocol.probe import ProbeRequest
 from prefixstore.protocol.wire import LookupRequest
 from prefixstore.store import Store, StoreConfig
 from prefixstore.store import index as index_module
@@ -93,15 +93,17 @@ def test_a_probe_compares_a_bounded_number_of_entries_and_levels_are_a_prompts(
     try:
         prompt = _crowded(h, levels=20, per_level=scan)
         p = Prompt(NS, prompt)
-        levels = tuple(ProbeLevel(level=j, parent=p.parent_of_block(j), next=p.hashes[j],
-                                  tokens=p.tokens(j * 4, j * 4 + 4)) for j in range(20))
+        req = ProbeRequest(namespace_id=NS.id, start=0, parent=p.root, hashes=b"".join(p.hashes[:20]),
+                           tokens=p.tokens(0, 80), lease=False)
         calls = _count_comparisons(monkeypatch)
-        h.store.probe(ProbeRequest(namespace_id=NS.id, levels=levels, lease=False))
+        h.store.probe(req)
         assert calls[0] <= 8 * scan  # SCAN_BUDGET_PER_SCAN
-        # One level named over and over (the amplification's cheapest form) is refused outright.
-        repeated = {"ns": NS.id, "lease": False, "levels": [levels[3].to_wire()] * 50}
-        with pytest.raises(Exception, match="consecutive"):
-            ProbeRequest.from_header(repeated, h.store.limits, lambda ns_id: 4)
+        # A probe is a slice of one prompt: each level once, its tokens one block per hash. The
+        # amplification's cheapest form (one level named over and over) has no spelling; a body whose
+        # tokens do not match its hashes is refused outright.
+        bad = {**req.to_header(), "tokens": p.tokens(0, 4) * 50}
+        with pytest.raises(Exception, match="tokens"):
+            ProbeRequest.from_header(bad, h.store.limits, lambda ns_id: 4)
     finally:
         h.close()
 
