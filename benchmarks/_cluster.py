@@ -67,16 +67,17 @@ def wait_healthy(url: str, deadline: float) -> None:
         time.sleep(0.05)
 
 
-def start_processes(n: int, knobs: Sequence[str], tmp: Path, ram: str = "64MiB"
+def start_processes(n: int, knobs: Sequence[str], tmp: Path, ram: str = "64MiB", page: str = "4KiB"
                     ) -> tuple[list[str], list[subprocess.Popen[bytes]]]:
-    """N ``prefixstore serve`` processes, every one listing all (static membership); ready on return."""
+    """N ``prefixstore serve`` processes, every one listing all (static membership); ready on return.
+    Small pages: the benchmarks' entries are a few KiB (``knobs`` given later win)."""
     urls = [f"http://127.0.0.1:{p}" for p in free_ports(n)]
     procs = []
     for url in urls:
         port = url.rsplit(":", 1)[1]
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "prefixstore", "serve", "--port", port, "--node-url", url,
-             "--peers", ",".join(urls), "--data-dir", str(tmp / port), "--ram-bytes", ram,
+             "--peers", ",".join(urls), "--data-dir", str(tmp / port), "--ram-bytes", ram, "--page-bytes", page,
              "--log-level", "WARNING", "--nixl", "off", *knobs], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     deadline = time.monotonic() + 60  # a loaded 2-core machine starts 8 processes slowly
     for url in urls:

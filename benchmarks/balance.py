@@ -27,9 +27,7 @@ import argparse
 import asyncio
 import json
 import re
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -37,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from _cluster import start_processes
 from _harness import DEFAULT_OUT, machine_note, print_table, progress
 
 from prefixstore.client import ClientConfig, PrefixClient
@@ -44,38 +43,8 @@ from prefixstore.protocol import KVLayout, Namespace, StateLayout
 
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def start_cluster(n: int, knobs: list[str], tmp: Path) -> tuple[list[str], list[subprocess.Popen[bytes]]]:
-    urls = [f"http://127.0.0.1:{p}" for p in free_ports(n)]
-    procs = []
-    for url in urls:
-        port = url.rsplit(":", 1)[1]
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "prefixstore", "serve", "--port", port, "--node-url", url,
-             "--peers", ",".join(urls), "--data-dir", str(tmp / port), "--ram-bytes", "64MiB",
-             "--log-level", "WARNING", "--nixl", "off", *knobs], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    deadline = time.monotonic() + 60  # a loaded 2-core machine starts 8 processes slowly
-    for url in urls:
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"node {url} did not start")
-            time.sleep(0.05)
-    return urls, procs
+    return start_processes(n, knobs, tmp, page="64KiB")
 
 
 def counters(url: str) -> dict[str, float]:

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import statistics
+from collections import Counter
 import time
 from pathlib import Path
 
@@ -40,7 +41,9 @@ async def fill(client: PrefixClient, ns, seqs: list[list[int]]) -> None:  # type
         start = res.kv_tokens - res.kv_tokens % ns.block_tokens
         saved = await client.save(p, len(tokens), lambda a, b, v=values: payload(ns, v, a, b), start=start)
         if saved.dropped or saved.rejected:
-            raise SystemExit(f"the store did not take the prompt: {saved}")
+            reasons = Counter(r.reason for _, r in saved.results if r.reason)
+            raise SystemExit(f"the store did not take the prompt: {saved.stored} stored, {saved.rejected} rejected, "
+                             f"{saved.dropped} dropped: {dict(reasons)}")
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
