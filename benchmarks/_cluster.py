@@ -19,6 +19,9 @@ answer) plus a new user message; the conversations interleave at random, each in
 
 ``sysprompt``: S system prompts, picked by Zipf(1.1) (a few hot), each followed by a fresh user
 question: many conversations fork at the end of one shared prefix.
+
+``multiturn-bos``: ``multiturn`` with one common first token (a tokenizer's BOS): the namespace's
+root level then has one home, which every brand-new conversation's lookup and save reaches.
 """
 
 from __future__ import annotations
@@ -183,10 +186,12 @@ def sysprompt(seed: int, requests: int, systems: int, system_tokens: int = 1024,
     return out
 
 
-WORKLOADS = ("multiturn", "sysprompt")
+WORKLOADS = ("multiturn", "sysprompt", "multiturn-bos")
 
 
 def workload(name: str, seed: int, requests: int) -> list[Request]:
+    if name == "multiturn-bos":  # every prompt starts with the same token, as a tokenizer's BOS makes it
+        return [Request([1, *r.tokens], [1, *r.save]) for r in workload("multiturn", seed, requests)]
     if name == "multiturn":
         turns = 5
         return multiturn(seed, max(1, requests // turns), turns)

@@ -88,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="4,8,16,32,64", help="cluster sizes, comma-separated. Default: 4,8,16,32,64.")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"workloads, comma-separated, from {', '.join(WORKLOADS)}. Default: both.")
+                        help=f"workloads, comma-separated, from {', '.join(WORKLOADS)}. Default: all.")
     parser.add_argument("--requests", type=int, default=600,
                         help="requests per (N, workload); the first third warms the cache. Default: 600.")
     parser.add_argument("--block-tokens", type=int, default=16, help="store block size B. Default: 16.")

@@ -77,8 +77,8 @@ async def run_one(n: int, name: str, args: argparse.Namespace) -> dict[str, obje
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="8,16,32", help="cluster sizes, comma-separated. Default: 8,16,32.")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"workloads, comma-separated, from {', '.join(WORKLOADS)}. Default: both.")
+    parser.add_argument("--workloads", default="multiturn,sysprompt",
+                        help=f"workloads, comma-separated, from {', '.join(WORKLOADS)}. Default: multiturn,sysprompt.")
     parser.add_argument("--requests", type=int, default=1500,
                         help="requests per (N, workload): warm-up, before, after, a third each. Default: 1500.")
     parser.add_argument("--block-tokens", type=int, default=16, help="store block size B. Default: 16.")

@@ -45,7 +45,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -383,7 +383,7 @@ class ClusterClient(SaveCalls):
         m = walk.matched()
         # Where each matched block was found (reads go there, or to a copy): one run per hop.
         keys = [BLOCK_BYTE + h for h in p.hashes[:m]]
-        self._where.update((k, u) for k, u in zip(keys, walk.held_at[:m]) if u is not None)
+        self._where.update(zip(keys, cast(list[str], walk.held_at[:m])))  # held_at[:m] has no None: m is the first
         while len(self._where) > MAX_KNOWN_KEYS:
             self._where.popitem(last=False)
         if m:

@@ -156,18 +156,22 @@ class LookupService:
             exact = p is not None and not p.record and p.key not in copies
         stop: StopLevel | None = None
         last: Entry | None = None
+        # The run of held blocks, looked up in one pass (a 32k-token prompt: 2,048 levels).
+        found: list[Entry | None] = []
         i = 0
         while i < levels:
             j = start + i
             if not exact:
                 inexact.append(j)
-            nxt_hash = hashes[i * H:(i + 1) * H] if i < k else b""
-            nxt = entries.get(block_prefix + nxt_hash) if nxt_hash else None
+            if i == len(found) and i < k:  # the next chunk of the prompt's blocks, one C-level pass each
+                hi = min(k, 2 * i + 16)
+                found += map(entries.get, [block_prefix + hashes[x * H:(x + 1) * H] for x in range(i, hi)])
+            nxt = found[i] if i < k else None
             held = nxt is not None and nxt.parent == parent
-            seg = tokens[i * B * TB:(i + 1) * B * TB]
             if held and nxt is not None and not nxt.record:
                 if snaps_under is not None and snaps_under.get(ns_id + parent):
-                    snap = index.best_snapshot_under(ns_id + parent, seg, j * B, B, own_next=nxt_hash,
+                    seg = tokens[i * B * TB:(i + 1) * B * TB]
+                    snap = index.best_snapshot_under(ns_id + parent, seg, j * B, B, own_next=nxt.hash,
                                                      extra=extra_at(j, b""), limit=j * B + B, scan=scan, budget=budget)
                     if snap is not None:
                         snapshots[j] = entry_ref(snap, snap.boundary)
@@ -175,10 +179,15 @@ class LookupService:
                 last = nxt
                 if replicas_of:
                     reported.append(nxt)
-                exact = nxt.key not in copies  # level j+1's parent is held here: its home, unless a copy
-                parent = nxt_hash
+                if copies:
+                    exact = nxt.key not in copies  # level j+1's parent is held here: its home, unless a copy
+                else:
+                    exact = True
+                parent = nxt.hash
                 i += 1
                 continue
+            nxt_hash = hashes[i * H:(i + 1) * H] if i < k else b""
+            seg = tokens[i * B * TB:(i + 1) * B * TB]
             fork = held
             extra = extra_at(j, b"")
             if fork:
