@@ -328,7 +328,7 @@ def format_cluster(per_member: Mapping[str, Mapping[str, object] | str]) -> str:
     answered = [s for s in per_member.values() if not isinstance(s, str)]
     for url, stats in per_member.items():
         if isinstance(stats, str):
-            rows.append((url, f"error: {stats}", "", "", "", "", "", "", ""))
+            rows.append((url,))  # its error follows the url, outside the columns
             continue
         entries = _entries(stats)
         by_tier = {t: sum(_num(stats, "stored_bytes", f"{k}/{t}") for k in ("kv", "state")) for t in ("ram", "disk")}
@@ -346,8 +346,9 @@ def format_cluster(per_member: Mapping[str, Mapping[str, object] | str]) -> str:
                  _rate(total["lookups.kv.hit_tokens"], total["lookups.kv.miss_tokens"]),
                  _rate(total["lookups.state.hit_tokens"], total["lookups.state.miss_tokens"]),
                  str(entries), human_bytes(ram), human_bytes(disk)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    widths = [max(len(r[i]) for r in rows if len(r) > i) for i in range(len(head))]
+    return "\n".join(f"{r[0].ljust(widths[0])}  error: {per_member[r[0]]}" if len(r) == 1 else
+                     "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -403,11 +404,11 @@ def _merged(per_member: Sequence[Sequence[Mapping[str, object]]]) -> list[dict[s
     for listed in per_member:
         for ns in listed:
             key = str(ns.get("id"))
-            row = out.setdefault(key, {**ns, "entries": {"kv": 0, "state": 0, "bytes": 0}})
+            row = out.setdefault(key, {**ns, "entries": {"kv": 0, "state": 0, "bytes": 0, "fork_records": 0}})
             counts = ns.get("entries")
             total = row["entries"]
             assert isinstance(total, dict)
-            for k in ("kv", "state", "bytes"):
+            for k in ("kv", "state", "bytes", "fork_records"):
                 total[k] += int(counts.get(k, 0)) if isinstance(counts, dict) else 0
     return sorted(out.values(), key=lambda ns: (str(ns.get("tenant")), str(ns.get("model")), str(ns.get("id"))))
 
@@ -481,7 +482,9 @@ def cmd_delete(args: argparse.Namespace) -> int:
         for member in _each_member(target, args.cluster):
             answer = member.call("/v1/admin/delete", frame)
             namespaces = answer.get("namespaces")
-            print(f"{member.url}: deleted {answer.get('deleted')} entries of "
+            records = answer.get("fork_records")
+            print(f"{member.url}: deleted {answer.get('deleted')} entries"
+                  f"{f' (and {records} fork records)' if records else ''} of "
                   f"{len(namespaces) if isinstance(namespaces, list) else '?'} namespace(s)")
         if not args.cluster and (note := _cluster_note(target, "deleted")):
             print(note, file=sys.stderr)

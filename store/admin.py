@@ -9,7 +9,7 @@
     GET  /v1/admin/namespaces      -> {namespaces: [...]}       (admin)
     GET  /v1/admin/config          -> {knobs: {name: {value, source}}}  (admin)
     POST /v1/admin/flush           -> {flushed}     (admin)
-    POST /v1/admin/delete {namespace: HEX | tenant: NAME} -> {deleted, namespaces}  (admin)
+    POST /v1/admin/delete {namespace: ID | tenant: NAME} -> {deleted, fork_records, namespaces}  (admin)
 
 The admin token guards everything under /v1/stats and /v1/admin/ (store/http.py). The
 ``prefixstore`` CLI drives these (prefixstore/admin_cli.py).
@@ -100,6 +100,10 @@ def _describe(ns: Namespace, counts: Mapping[str, int]) -> dict[str, object]:
             "entries": dict(counts)}
 
 
+def _no_entries() -> dict[str, int]:
+    return {"kv": 0, "state": 0, "bytes": 0, "fork_records": 0}
+
+
 async def _counts(store: Store) -> dict[bytes, dict[str, int]]:
     """Entries and payload bytes per namespace, in one pass over the index that yields to the event
     loop every SCAN_YIELD_EVERY entries (a million entries must not stall requests)."""
@@ -109,7 +113,10 @@ async def _counts(store: Store) -> dict[bytes, dict[str, int]]:
             await asyncio.sleep(0)
         if e.dead:
             continue
-        c = out.setdefault(e.namespace_id, {"kv": 0, "state": 0, "bytes": 0})
+        c = out.setdefault(e.namespace_id, _no_entries())
+        if e.record:  # a cluster's fork record: no payload (store/index.py)
+            c["fork_records"] += 1
+            continue
         c[e.metric_kind] += 1
         c["bytes"] += e.size
     return out
@@ -119,7 +126,7 @@ async def namespaces(request: web.Request) -> web.Response:
     store = request.app[STORE]
     counts = await _counts(store)
     listed = sorted(store.namespaces, key=lambda ns: (ns.tenant, ns.model, ns.id))
-    return web.json_response({"namespaces": [_describe(ns, counts.get(ns.id, {"kv": 0, "state": 0, "bytes": 0}))
+    return web.json_response({"namespaces": [_describe(ns, counts.get(ns.id) or _no_entries())
                                              for ns in listed]})
 
 
@@ -168,10 +175,16 @@ def _chosen(store: Store, header: dict[str, object]) -> tuple[str, list[Namespac
 async def delete(request: web.Request) -> web.Response:
     store = request.app[STORE]
     what, chosen = _chosen(store, await control_header(request, 4096))
-    deleted = store.delete_namespaces({ns.id for ns in chosen})
+    ids = {ns.id for ns in chosen}
+    # Fork records go with their namespaces but hold no payload: answered apart, so the count matches
+    # the entries `prefixstore stats` and `namespaces` show. (The delete itself is one pass as well.)
+    records = sum(1 for e in store.index.entries.values() if e.record and e.namespace_id in ids)
+    removed = store.delete_namespaces(ids)
     await store.flush_deletes()
-    log.warning("admin delete (%s): deleted %d entries of %d namespaces", what, deleted, len(chosen))
-    return web.json_response({"deleted": deleted, "namespaces": [ns.id.hex() for ns in chosen]})
+    log.warning("admin delete (%s): deleted %d entries and %d fork records of %d namespaces", what,
+                removed - records, records, len(chosen))
+    return web.json_response({"deleted": removed - records, "fork_records": records,
+                              "namespaces": [ns.id.hex() for ns in chosen]})
 
 
 async def metrics(request: web.Request) -> web.Response:
