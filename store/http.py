@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 STORE = web.AppKey("store", Store)
 TENANT = web.RequestKey("tenant", str)  # the authenticated tenant (OPEN_TENANT on an open store)
+ADMIN = web.RequestKey("admin", bool)  # set (True) where the admin token was presented
 
 LookupExtension = Callable[[LookupRequest, LookupAnswer], "NixlPlacements | None"]
 LOOKUP_NIXL: web.AppKey[LookupExtension] = web.AppKey("lookup_nixl")
@@ -117,9 +118,7 @@ def log_access(request: web.Request, response: web.StreamResponse, endpoint: str
     """One access line (store config ``access_log``, ``slow_request_s``). What it names is chosen, not
     dumped: the route (never the path's query string, which may carry a key), the tenant's name (never
     its token), sizes (never payloads)."""
-    tenant = request.get(TENANT)
-    if request.app[STORE].tenants is not None and request.path.startswith(ADMIN_PATHS) and tenant is not None:
-        tenant = "(admin)"
+    tenant = "(admin)" if request.get(ADMIN) else request.get(TENANT)
     sent = response.body_length if response.prepared else 0
     fields = {"method": request.method, "endpoint": endpoint,
               "tenant": "(peer)" if tenant == PEER else tenant or "-", "status": response.status,
@@ -167,9 +166,11 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
             store.metrics.auth_failures.inc()
             return _unauthorized("this endpoint needs the admin bearer token")
         request[TENANT] = OPEN_TENANT
+        request[ADMIN] = True
         return await handler(request)
     if token is not None and request.path == "/v1/members" and tenants.is_admin(token):
         request[TENANT] = OPEN_TENANT  # the admin CLI's --cluster asks any node for the members
+        request[ADMIN] = True
         return await handler(request)
     if token is not None and request.path in PEER_PATHS and tenants.is_peer(token):
         request[TENANT] = PEER  # another node pushing replicas: any tenant's namespace, these paths only

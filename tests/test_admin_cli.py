@@ -246,3 +246,16 @@ def test_config_without_url_says_what_serve_would_use(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "ram_bytes" in bad.stderr and "flag --ram-bytes" in bad.stderr
     both = run_cli(["config", "http://127.0.0.1:1", "--ram-bytes", "64MiB"])
     assert both.returncode == 2 and "--ram-bytes" in both.stderr
+
+
+def test_serve_writes_json_log_lines_with_access_fields(serve: StartServe) -> None:
+    proc = serve("--port", "0", "--data-dir", "none", "--log-format", "json", "--access-log")
+    assert proc.url is not None
+    code, _, stderr = admin("stats", proc.url, token=None)
+    assert code == 0, stderr
+    assert proc.stop() == 0
+    lines = [json.loads(line) for line in proc.lines if line.startswith("{")]
+    assert len(lines) == len([line for line in proc.lines if line.strip()])  # every line is JSON
+    assert any(line["message"].startswith("prefixstore serving on ") for line in lines)
+    stats = [line for line in lines if line.get("endpoint") == "/v1/stats"]
+    assert stats and stats[0]["status"] == 200 and stats[0]["logger"] == "prefixstore.access"
