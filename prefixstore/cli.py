@@ -1,46 +1,39 @@
-"""The ``prefixstore`` command: ``serve`` runs a store node, ``stats`` asks one how it is doing,
-``demo`` runs the reference hybrid model (gpu_staging/) against an embedded store.
+"""The ``prefixstore`` command: ``serve`` runs a store node, ``demo`` runs the reference hybrid
+model (gpu_staging/) against an embedded store; the operators' commands (``stats``, ``flush``,
+``delete``, ``namespaces``, ``config``) are prefixstore/admin_cli.py's, the simulator's
+(``trace``, ``simulate``, ``plan``) prefixstore/sim/cli.py's.
 
-``serve`` has one flag per :class:`~prefixstore.store.StoreConfig` field,
-generated from the dataclass, so a new knob needs no CLI change and its
-``--help`` text is the documentation written where the field is declared.
-Values are passed to :meth:`StoreConfig.from_sources` as the strings the
-operator typed: the config tree does every conversion and validation, for
-flags, ``PREFIXSTORE_*`` variables and the TOML file alike, with the
-precedence flag > environment > file > default.
+``serve`` has one flag per :class:`~prefixstore.store.StoreConfig` field (prefixstore/flags.py),
+with the precedence flag > environment > file > default.
 
-This is the only place that configures logging (``basicConfig``); library
-code only logs through ``logging.getLogger(__name__)``.
+This is the only place that configures logging (prefixstore/logs.py); library code only logs
+through ``logging.getLogger(__name__)``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import errno
-import json
 import logging
 import os
 import signal
 import socket
-import ssl
 import sys
 import tempfile
 import textwrap
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import lmdb
 from aiohttp import web
 
-from . import __version__
-from .admission import ADMISSION_POLICIES, EVICTION_POLICIES
-from .store.config import ENV_PREFIX, LOG_LEVELS, ConfigError, StoreConfig
-from .store.runner import StoreRunner
+from . import __version__, logs
+from .flags import add_knob_flags, flag_name, format_size, human_bytes, knob_sources, load_config, with_source
+from .store.admin import sources_of
 from .store.cluster import MEMBERSHIP
+from .store.config import ENV_PREFIX, ConfigError, StoreConfig
+from .store.runner import StoreRunner
 from .store.server import STORE, create_app
 
 if TYPE_CHECKING:
@@ -52,90 +45,10 @@ EXIT_OK = 0
 EXIT_FAILURE = 1  # could not start or reach the store
 EXIT_USAGE = 2  # a bad flag or config value: same code argparse uses
 
-CONFIG_ENV = ENV_PREFIX + "CONFIG"
-ADMIN_TOKEN_ENV = ENV_PREFIX + "ADMIN_TOKEN"  # the admin bearer token of `prefixstore stats`
-"""Environment variable naming the TOML config file when --config is not given."""
-
-DEFAULT_URL = "http://127.0.0.1:8077"
-
 # In-flight requests get this long to finish after SIGTERM. Lookups and reads
 # take milliseconds; the bound stays well inside Kubernetes' default 30 s
 # termination grace period, so LMDB is closed by us rather than by SIGKILL.
 SHUTDOWN_TIMEOUT_S = 10.0
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-# Knobs whose value is a name from a fixed set: listed in --help. The config
-# tree validates them; the CLI only shows the choices.
-_CHOICES: dict[str, Callable[[], Sequence[str]]] = {
-    "kv_admission": lambda: sorted(ADMISSION_POLICIES),
-    "state_admission": lambda: sorted(ADMISSION_POLICIES),
-    "eviction": lambda: sorted(EVICTION_POLICIES),
-    "log_level": lambda: LOG_LEVELS,
-}
-
-_METAVARS = {"size": "SIZE", "host": "HOST", "data_dir": "DIR", "port": "PORT"}
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def format_size(num_bytes: int) -> str:
-    """65536 -> '64KiB', 1500 -> '1500B': exact binary units, the form parse_size reads back."""
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if num_bytes >= 1 << shift and num_bytes % (1 << shift) == 0:
-            return f"{num_bytes >> shift}{unit}"
-    return f"{num_bytes}B"
-
-
-def _human_bytes(num_bytes: int) -> str:
-    """For display: 65536 -> '64 KiB', 1536000 -> '1.46 MiB'."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if value.is_integer() else f"{value:.3g} {unit}"
-        value /= 1024
-    return f"{value:.0f} TiB" if value.is_integer() else f"{value:.3g} TiB"
-
-
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
-
-
-def env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
-
-
-def _default_text(f: dataclasses.Field[object]) -> str:
-    default = f.default
-    if f.metadata.get("kind") == "size" and isinstance(default, int):
-        return format_size(default)
-    if isinstance(default, bool):
-        return str(default).lower()
-    if default == "":
-        return "empty"
-    return str(default)
-
-
-def _metavar(f: dataclasses.Field[object]) -> str:
-    kind = f.metadata.get("kind", "")
-    if kind in _METAVARS:
-        return _METAVARS[kind]
-    if f.name in _METAVARS:
-        return _METAVARS[f.name]
-    if f.name in _CHOICES:
-        return "NAME"
-    if f.name.endswith("_s"):
-        return "SECONDS"
-    return {int: "N", float: "NUMBER"}.get(type(f.default), "TEXT")
-
-
-def _field_help(f: dataclasses.Field[object]) -> str:
-    text = str(f.metadata.get("help", "")).strip()
-    if f.name in _CHOICES:
-        text += f" Choices: {', '.join(_CHOICES[f.name]())}."
-    text += f" [env: {env_name(f.name)}; default: {_default_text(f)}]"
-    return text.replace("%", "%%")  # argparse %-formats help strings
 
 
 # ---------------------------------------------------------------- parser
@@ -155,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  prefixstore serve                          # 127.0.0.1:8077, 256MiB RAM, LMDB in ~/.local/share\n"
                "  prefixstore serve --port 0 --data-dir none  # a free port, RAM only\n"
                "  prefixstore serve --config store.toml --ram-bytes 8GiB\n"
-               "  prefixstore stats http://127.0.0.1:8077\n"
+               "  prefixstore stats http://127.0.0.1:8077     # hit rates, occupancy, uptime (--cluster: every node)\n"
+               "  prefixstore namespaces; prefixstore delete --tenant team-a --cluster --yes\n"
+               "  prefixstore config --config store.toml       # every knob's value and where it came from\n"
                "  prefixstore demo --turns 3                  # a conversation against an embedded store\n"
                "  prefixstore plan --model all                # bytes per token, crossover, snapshot interval\n"
                "  prefixstore simulate --workload multi-turn --capacity 4GiB,16GiB --policy all\n\n"
@@ -181,34 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
             "bound (useful with --port 0)."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_argument("--config", metavar="FILE", default=None,
-                       help=f"TOML file of StoreConfig fields (knob = value). [env: {CONFIG_ENV}]")
-    knobs = serve.add_argument_group("store configuration (StoreConfig)")
-    for f in StoreConfig.knobs():
-        if isinstance(f.default, bool):
-            # --lmdb-sync / --no-lmdb-sync; unset (None) leaves env, file and default in charge.
-            knobs.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=_field_help(f))
-        else:
-            # Strings on purpose: StoreConfig converts and validates, naming the knob.
-            knobs.add_argument(flag_name(f.name), dest=f.name, metavar=_metavar(f), default=None,
-                               help=_field_help(f))
+    add_knob_flags(serve)
     serve.set_defaults(run=cmd_serve)
 
-    stats = commands.add_parser(
-        "stats", help="print a running store's statistics (GET /v1/stats)",
-        description="Ask a running store for its statistics (GET URL/v1/stats) and print them. "
-                    "Exits 1 with a one-line message when the store cannot be reached. A store with "
-                    f"tenants needs the admin token, read from ${ADMIN_TOKEN_ENV} (never a flag: "
-                    "flags show in process lists).")
-    stats.add_argument("url", metavar="URL", nargs="?", default=DEFAULT_URL,
-                       help=f"base URL of the store (default: {DEFAULT_URL})")
-    stats.add_argument("--json", action="store_true", help="print the raw JSON answer")
-    stats.add_argument("--ca-file", metavar="FILE", default=None,
-                       help="PEM CA bundle that signs an https store's certificate (default: the system's)")
-    stats.add_argument("--timeout", metavar="SECONDS", type=float, default=5.0,
-                       help="give up after this many seconds (default: 5)")
-    stats.set_defaults(run=cmd_stats)
+    from .admin_cli import add_commands as add_admin_commands
+
+    add_admin_commands(commands)
 
     demo = commands.add_parser(
         "demo", help="run a multi-turn conversation of a small hybrid model against an embedded store",
@@ -260,40 +153,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- serve
 
 
-def _source_of(knob: str, overrides: Mapping[str, object], env: Mapping[str, str], config_file: str | None) -> str:
-    """Where a knob's value came from, to point the operator at the right place."""
-    if overrides.get(knob) is not None:
-        return f"flag {flag_name(knob)}"
-    if env_name(knob) in env:
-        return f"environment {env_name(knob)}"
-    if config_file:
-        return f"config file {config_file}"
-    return "default"
-
-
-def _config_file(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:
-    return args.config or env.get(CONFIG_ENV) or None
-
-
-def _with_source(err: ConfigError, args: argparse.Namespace, env: Mapping[str, str]) -> ConfigError:
-    """``err`` with where its knob's value came from appended (when the message starts with a knob)."""
-    overrides = {f.name: getattr(args, f.name) for f in StoreConfig.knobs()}
-    knob = str(err).split(":", 1)[0]
-    if knob not in overrides:
-        return err
-    return ConfigError(f"{err} (set by {_source_of(knob, overrides, env, _config_file(args, env))})")
-
-
-def load_config(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig:
-    """StoreConfig from the parsed flags, the environment and the config file. Raises ConfigError."""
-    overrides = {f.name: getattr(args, f.name) for f in StoreConfig.knobs()}
-    try:
-        return StoreConfig.from_sources(overrides, env=env, config_file=_config_file(args, env))
-    except ConfigError as err:
-        raise _with_source(err, args, env) from err
-
-
-# Budgets the store allocates at start: the RAM arena (prefaulted, so resident), and the
 # sighting filter. Either larger than the memory this process may use is a configuration error:
 # mmap refuses it (ENOMEM) or, under a container's limit, the kernel kills the process later.
 ALLOCATED_AT_START = ("ram_bytes", "sighting_filter_bytes")
@@ -325,12 +184,12 @@ def check_memory(config: StoreConfig, limit_bytes: int | None) -> None:
     for knob in ALLOCATED_AT_START:
         value = getattr(config, knob)
         if value > limit_bytes:
-            raise ConfigError(f"{knob}: {format_size(value)} is more than the {_human_bytes(limit_bytes)} of memory "
+            raise ConfigError(f"{knob}: {format_size(value)} is more than the {human_bytes(limit_bytes)} of memory "
                               "this process may use (it is allocated at start)")
     total = sum(getattr(config, knob) for knob in ALLOCATED_AT_START)
     if total > limit_bytes:
         raise ConfigError(f"ram_bytes: {format_size(config.ram_bytes)} plus sighting_filter_bytes "
-                          f"{format_size(config.sighting_filter_bytes)} is more than the {_human_bytes(limit_bytes)} "
+                          f"{format_size(config.sighting_filter_bytes)} is more than the {human_bytes(limit_bytes)} "
                           "of memory this process may use (both are allocated at start)")
 
 
@@ -343,10 +202,14 @@ def _url(host: str, port: int, scheme: str = "http") -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT. Returns the process exit status."""
+async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None,
+                sources: Mapping[str, str] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT. Returns the process exit status. ``sources``: where each knob's
+    value came from (/v1/admin/config answers them)."""
     try:
         app = create_app(config)  # maps the RAM arena and allocates the sighting filter
+        if sources is not None:
+            sources_of(app, sources)
     except (OSError, MemoryError) as err:
         if not _out_of_memory(err):
             raise
@@ -359,8 +222,8 @@ async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    # No access log: a store answers thousands of requests a second;
-    # /metrics counts them by endpoint and status instead.
+    # aiohttp's access log stays off: the store's own (access_log, slow_request_s; store/http.py)
+    # names the route and the tenant, never a query string or a token.
     runner = StoreRunner(app, config, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     lmdb_text = str(config.lmdb_path) if config.lmdb_path is not None else "none"
     try:
@@ -409,74 +272,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             check_memory(config, memory_limit_bytes())
         except ConfigError as err:
-            raise _with_source(err, args, os.environ) from err
+            raise with_source(err, args, os.environ) from err
     except ConfigError as err:
         print(f"prefixstore serve: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
-    return asyncio.run(serve(config))
-
-
-# ---------------------------------------------------------------- stats
-
-
-def _flatten(value: object, prefix: str = "") -> Iterator[tuple[str, object]]:
-    if isinstance(value, dict):
-        if not value and prefix:
-            yield prefix, "-"
-        for k, v in value.items():
-            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
-    else:
-        yield prefix, value
-
-
-def format_stats(url: str, stats: Mapping[str, object]) -> str:
-    """One 'name  value' line per leaf, sizes also in binary units."""
-    rows = [("store", url)]
-    for name, value in _flatten(dict(stats)):
-        text = "-" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-        if "bytes" in name and isinstance(value, int) and not isinstance(value, bool):
-            text = f"{value} ({_human_bytes(value)})"
-        rows.append((name, text))
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name.ljust(width)}  {text}" for name, text in rows)
-
-
-def fetch_stats(url: str, timeout_s: float, token: str | None = None, ca_file: str | None = None
-                ) -> dict[str, object]:
-    """GET url/v1/stats. Raises OSError (unreachable, HTTP error) or ValueError (not a JSON object)."""
-    request = urllib.request.Request(url + "/v1/stats", headers={"Authorization": f"Bearer {token}"} if token else {})
-    context = ssl.create_default_context(cafile=ca_file) if url.startswith("https://") else None
-    with urllib.request.urlopen(request, timeout=timeout_s, context=context) as resp:
-        body = json.loads(resp.read())
-    if not isinstance(body, dict):
-        raise ValueError(f"expected a JSON object, got {type(body).__name__}")
-    return body
-
-
-def cmd_stats(args: argparse.Namespace) -> int:
-    url = args.url.rstrip("/")
-    if "://" not in url:
-        url = "http://" + url
-    try:
-        stats = fetch_stats(url, args.timeout, os.environ.get(ADMIN_TOKEN_ENV) or None, args.ca_file)
-    except urllib.error.HTTPError as err:
-        print(f"prefixstore stats: {url}/v1/stats answered {err.code} {err.reason}", file=sys.stderr)
-        return EXIT_FAILURE
-    except urllib.error.URLError as err:
-        print(f"prefixstore stats: cannot reach the store at {url}: {err.reason}", file=sys.stderr)
-        return EXIT_FAILURE
-    except OSError as err:  # timeouts included
-        print(f"prefixstore stats: cannot reach the store at {url}: {err}", file=sys.stderr)
-        return EXIT_FAILURE
-    except ValueError as err:
-        print(f"prefixstore stats: {url}/v1/stats did not answer store statistics: {err}", file=sys.stderr)
-        return EXIT_FAILURE
-    if args.json:
-        print(json.dumps(stats, indent=2, sort_keys=True))
-    else:
-        print(format_stats(url, stats))
-    return EXIT_OK
+    logs.configure(config.log_level, config.log_format)
+    return asyncio.run(serve(config, sources=knob_sources(args, os.environ)))
 
 
 # ---------------------------------------------------------------- demo
@@ -554,6 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     except KeyboardInterrupt:  # Ctrl-C before the serve loop installed its handler
         return 130
+
+
+__all__ = ["build_parser", "check_memory", "flag_name", "format_size", "load_config", "main", "serve"]
 
 
 if __name__ == "__main__":

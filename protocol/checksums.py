@@ -19,6 +19,8 @@ try:  # the optional native loop; same answers
     from ._checksums import verify as _native_verify
 except ImportError:  # no C compiler at install time
     _native_verify = None
+NATIVE = _native_verify is not None
+"""Whether the native batch verifier (protocol/_checksums.c) is in use (``prefixstore stats``)."""
 
 GIL_FREE_ABOVE_BYTES = 64 << 10
 """python-xxhash releases the GIL only while hashing more than this many bytes (measured: a
@@ -42,4 +44,4 @@ def verify(views: Sequence[memoryview], checksums: Sequence[int]) -> list[bool]:
     return [xxhash.xxh3_64_intdigest(v) == c for v, c in zip(views, checksums)]
 
 
-__all__ = ["GIL_FREE_ABOVE_BYTES", "releases_gil", "verify"]
+__all__ = ["GIL_FREE_ABOVE_BYTES", "NATIVE", "releases_gil", "verify"]

@@ -44,6 +44,9 @@ try:  # the optional native loop (protocol/_chain.c); same bytes, ~10x faster
     from ._chain import chain as _native_chain
 except ImportError:  # pragma: no cover - built wherever a C compiler is available
     _native_chain = None
+NATIVE = _native_chain is not None
+"""Whether the native hash chain (protocol/_chain.c) is in use (``prefixstore stats``)."""
+
 _BIG_ENDIAN = sys.byteorder == "big"
 assert array.array("I").itemsize == TOKEN_BYTES, "array('I') must be 32-bit on this platform"
 

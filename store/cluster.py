@@ -23,7 +23,7 @@ from ..protocol.errors import Problem
 from ..protocol.probe import LookupReport, ProbeRequest
 from ..protocol.wire import WireError, req_bin, req_entry_keys
 from .config import StoreConfig
-from .http import CLUSTER_SIZE, PROBE_NIXL, STORE, control_header, frame_response, owned
+from .http import CLUSTER_SIZE, PROBE_NIXL, READINESS, STORE, control_header, frame_response, owned
 from .membership import DnsResolver, Membership
 from .replication import Replicator
 
@@ -89,6 +89,8 @@ def install(app: web.Application, config: StoreConfig, clock: Callable[[], float
     app[REPLICATOR] = replicator
     app[CLUSTER_SIZE] = lambda: len(membership.members) if membership.is_cluster else 1
     membership.on_change(lambda view: store.metrics.members.set(len(membership.members)))
+    app[READINESS]["membership"] = lambda: None if membership.known else (
+        f"peers_dns={config.peers_dns} has not answered yet: this node does not know its cluster")
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await membership.start()

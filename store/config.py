@@ -24,6 +24,7 @@ from .knobs import ConfigError, parse_size
 
 ENV_PREFIX = "PREFIXSTORE_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
 
 def default_data_dir() -> Path:
     """A per-user data directory: $XDG_DATA_HOME/prefixstore or ~/.local/share/prefixstore."""
@@ -144,6 +145,18 @@ class StoreConfig:
         "rendezvous order: capacity traded for survival (a node lost costs nothing while a copy lives). "
         "Cluster clients learn it from /v1/members; hot-prefix replication adds copies on top."))
     log_level: str = field(default="INFO", metadata=_doc("Logging level of `prefixstore serve`."))
+    log_format: str = field(default="text", metadata=_doc(
+        "Format of `prefixstore serve`'s log lines on stderr: 'text' (one readable line each) or 'json' (one "
+        "JSON object a line: ts, level, logger, message, and an access line's fields), for log collectors."))
+    access_log: bool = field(default=False, metadata=_doc(
+        "Log one line per HTTP request (logger prefixstore.access, level INFO): method, endpoint (the route, "
+        "never a query string), tenant, status, bytes in and out, milliseconds. Never tokens, keys or "
+        "payloads. Off by default: a busy node answers thousands of requests a second, and "
+        "prefixstore_requests_total counts them by endpoint and status anyway."))
+    slow_request_s: float = field(default=0.0, metadata=_doc(
+        "Log (level WARNING, logger prefixstore.access, the access line's fields) every request that took "
+        "longer than this many seconds, whether access_log is on or not: a slow-request log like Redis's "
+        "SLOWLOG. 0: off."))
     tenants_file: str = field(default="", metadata=_doc(
         "TOML (or .json) file of tenants: [tenants.NAME] token_sha256 = sha256 hex of its bearer token, "
         "optional quota_bytes; optional top-level admin_token_sha256. Set: every /v1/* request needs "
@@ -204,6 +217,10 @@ class StoreConfig:
             raise ConfigError(f"nixl: {self.nixl!r} is not one of 'auto', 'on', 'off'")
         if not 0 <= self.nixl_map_txns <= 192:
             raise ConfigError(f"nixl_map_txns: {self.nixl_map_txns!r} is not between 0 and 192")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format: {self.log_format!r} is not one of {', '.join(map(repr, LOG_FORMATS))}")
+        if self.slow_request_s < 0:
+            raise ConfigError(f"slow_request_s: must be 0 (off) or positive seconds, got {self.slow_request_s!r}")
         if self.replication_threshold <= 0:
             raise ConfigError(f"replication_threshold: must be positive reads per second, got {self.replication_threshold!r}")
         if self.peers and self.peers_dns:
@@ -298,6 +315,37 @@ class StoreConfig:
                 values[name] = value
         converted: dict[str, Any] = {name: _convert(cls, name, value) for name, value in values.items()}
         return cls(**converted)
+
+    @classmethod
+    def sources(
+        cls,
+        overrides: Mapping[str, object] | None = None,
+        env: Mapping[str, str] | None = None,
+        config_file: str | Path | None = None,
+    ) -> dict[str, str]:
+        """Where :meth:`from_sources` takes each knob's value from, by the same precedence: 'flag',
+        'env PREFIXSTORE_X', 'file PATH' or 'default' (``prefixstore config``, /v1/admin/config).
+        An unreadable file is read as setting nothing: from_sources is the one that reports it."""
+        in_file: set[str] = set()
+        if config_file:
+            try:
+                with open(config_file, "rb") as fh:
+                    in_file = set(tomllib.load(fh))
+            except (OSError, tomllib.TOMLDecodeError):
+                pass
+        env = os.environ if env is None else env
+        out: dict[str, str] = {}
+        for knob in fields(cls):
+            key = ENV_PREFIX + knob.name.upper()
+            if (overrides or {}).get(knob.name) is not None:
+                out[knob.name] = "flag"
+            elif key in env:
+                out[knob.name] = f"env {key}"
+            elif knob.name in in_file:
+                out[knob.name] = f"file {config_file}"
+            else:
+                out[knob.name] = "default"
+        return out
 
 
 def _convert(cls: type[StoreConfig], name: str, value: object) -> object:

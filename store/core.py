@@ -66,6 +66,9 @@ class Store:
         self.metrics = StoreMetrics(self.index, self._gauges)
         self.tenants: Tenants | None = load_tenants(config.tenants_file) if config.tenants_file else None
         self.ledger = TenantLedger(self.tenants, self.metrics)
+        self.metrics.tenant_usage = lambda: [
+            (name, n, self.tenants.quota_of(name) if self.tenants is not None else None)
+            for name, n in sorted(self.ledger.bytes.items())]
         self.namespaces = Namespaces(config, self.ledger)
         # A secret seed: the sighting filters' bit positions must not be computable by a tenant
         # (admission/sighting.py). The simulator passes none and stays deterministic.
@@ -284,6 +287,17 @@ class Store:
     def flush(self) -> int:
         """Delete every committed entry (the admin flush); returns how many."""
         return self.space.drop_all("flushed")
+
+    def delete_namespaces(self, ns_ids: Collection[bytes]) -> int:
+        """Delete every committed entry of these namespaces (the admin delete); returns how many.
+        The namespaces stay registered (their records are a few hundred bytes; engines register
+        lazily anyway)."""
+        return self.space.drop_all("deleted", ns_ids)
+
+    @property
+    def arena_ready(self) -> bool:
+        """Whether the RAM arena is mapped in (its prefault at start-up has finished): /readyz."""
+        return self._prefault is not None and self._prefault.done()
 
     # ------------------------------------------------------------ reporting and checking
 

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 STORE = web.AppKey("store", Store)
 TENANT = web.RequestKey("tenant", str)  # the authenticated tenant (OPEN_TENANT on an open store)
+ADMIN = web.RequestKey("admin", bool)  # set (True) where the admin token was presented
 
 LookupExtension = Callable[[LookupRequest, LookupAnswer], "NixlPlacements | None"]
 LOOKUP_NIXL: web.AppKey[LookupExtension] = web.AppKey("lookup_nixl")
@@ -50,6 +51,9 @@ PROBE_NIXL: web.AppKey[ProbeExtension] = web.AppKey("probe_nixl")
 """The same for a cluster probe."""
 CLUSTER_SIZE: web.AppKey[Callable[[], int]] = web.AppKey("cluster_size")
 """Set by store/cluster.py: how many members this node's cluster has now (1: a single node)."""
+ReadinessCheck = Callable[[], "str | None"]
+READINESS: web.AppKey[dict[str, ReadinessCheck]] = web.AppKey("readiness")
+"""Made by create_app; route modules add their checks (None: passes; else why not): /readyz (store/admin.py)."""
 
 
 def single_node_only(request: web.Request, what: str) -> None:
@@ -67,7 +71,7 @@ def single_node_only(request: web.Request, what: str) -> None:
 # it reaches every tenant's namespaces, but only on these paths (no lookups, no reads).
 PEER = "\x00peer"  # never a tenant name: namespaces' tenant fields are printable
 PEER_PATHS = frozenset({"/v1/namespaces", "/v1/put", "/v1/replica/drop"})
-ADMIN_PATHS = ("/v1/stats", "/v1/admin/")
+ADMIN_PATHS = ("/v1/stats", "/v1/admin/")  # the admin token's (store/admin.py)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -96,9 +100,34 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     except Exception:
         log.exception("unexpected error serving %s", endpoint)
         response = error_response(500, "server", "internal error (logged); the store keeps serving")
-    store.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+    elapsed_s = time.perf_counter() - started
+    store.metrics.latency.labels(endpoint).observe(elapsed_s)
     store.metrics.requests.labels(endpoint, f"{response.status // 100}xx").inc()
+    config = store.config
+    slow = 0 < config.slow_request_s < elapsed_s
+    if config.access_log or slow:
+        log_access(request, response, endpoint, elapsed_s, slow)
     return response
+
+
+access_log = logging.getLogger("prefixstore.access")
+
+
+def log_access(request: web.Request, response: web.StreamResponse, endpoint: str, elapsed_s: float,
+               slow: bool) -> None:
+    """One access line (store config ``access_log``, ``slow_request_s``). What it names is chosen, not
+    dumped: the route (never the path's query string, which may carry a key), the tenant's name (never
+    its token), sizes (never payloads)."""
+    tenant = "(admin)" if request.get(ADMIN) else request.get(TENANT)
+    sent = response.body_length if response.prepared else 0
+    fields = {"method": request.method, "endpoint": endpoint,
+              "tenant": "(peer)" if tenant == PEER else tenant or "-", "status": response.status,
+              "bytes_in": request.content_length or 0, "bytes_out": sent or response.content_length or 0,
+              "ms": round(elapsed_s * 1000, 3), "peer": request.remote or "-"}
+    access_log.log(logging.WARNING if slow else logging.INFO,
+                   "%s%s %s tenant=%s status=%d in=%dB out=%dB %.3fms peer=%s", "slow request: " if slow else "",
+                   fields["method"], endpoint, fields["tenant"], fields["status"], fields["bytes_in"],
+                   fields["bytes_out"], fields["ms"], fields["peer"], extra={"access": fields})
 
 
 @web.middleware
@@ -137,6 +166,11 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
             store.metrics.auth_failures.inc()
             return _unauthorized("this endpoint needs the admin bearer token")
         request[TENANT] = OPEN_TENANT
+        request[ADMIN] = True
+        return await handler(request)
+    if token is not None and request.path == "/v1/members" and tenants.is_admin(token):
+        request[TENANT] = OPEN_TENANT  # the admin CLI's --cluster asks any node for the members
+        request[ADMIN] = True
         return await handler(request)
     if token is not None and request.path in PEER_PATHS and tenants.is_peer(token):
         request[TENANT] = PEER  # another node pushing replicas: any tenant's namespace, these paths only
@@ -204,5 +238,5 @@ def frame_response(header: dict[str, object]) -> web.Response:
     return web.Response(body=encode_frame(header), content_type=CONTENT_TYPE)
 
 
-__all__ = ["ADMIN_PATHS", "LOOKUP_NIXL", "MIDDLEWARES", "OPEN_TENANT", "PEER", "PEER_PATHS", "PROBE_NIXL", "STORE",
+__all__ = ["ADMIN_PATHS", "LOOKUP_NIXL", "READINESS", "MIDDLEWARES", "OPEN_TENANT", "PEER", "PEER_PATHS", "PROBE_NIXL", "STORE",
            "TENANT", "control_header", "error_response", "frame_response", "owned", "read_body", "stalled"]

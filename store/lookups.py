@@ -263,6 +263,9 @@ class LookupService:
         if ns.has_state:
             m.lookup_tokens.labels("state", "hit").inc(state_tokens)
             m.lookup_tokens.labels("state", "miss").inc(num_tokens - state_tokens)
+        shape = self._namespaces.shape_of(ns.id)
+        if shape is not None:  # exact reuse: KV and state on a hybrid model, KV on a plain one
+            m.prefill_flops_saved.inc(shape.prefill_flops(state_tokens if ns.has_state else kv_tokens))
 
 
 __all__ = ["LookupService", "entry_ref"]

@@ -74,6 +74,11 @@ def _host_for_url(name: str) -> str:
     return f"[{name}]" if ":" in name else name
 
 
+# getaddrinfo's answers that DNS itself gave: the name has no records (a headless Service with no
+# ready pod). EAI_AGAIN (no answer) and the rest say nothing about the cluster.
+_NO_SUCH_NAME = frozenset(getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name))
+
+
 PLACEMENT = "branch"
 """How this node places entries (protocol/placement.py), served in /v1/members so that a client of
 another placement can refuse to mix with it."""
@@ -92,6 +97,10 @@ class Membership:
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[View], None]] = []
         self._last_warning = -1e18
+        # DNS membership is known once DNS has answered: with members, or with "no such name" (no
+        # pod is ready yet: this node starts alone). A node that never heard from DNS (it times
+        # out, refuses) does not know its cluster, and /readyz keeps it out of traffic.
+        self.known = not config.peers_dns
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -160,8 +169,11 @@ class Membership:
         try:
             members = await self.resolve_dns()
         except (OSError, UnicodeError) as err:
+            if isinstance(err, socket.gaierror) and err.errno in _NO_SUCH_NAME:
+                self.known = True  # an answer: nobody is ready yet
             self._warn(f"cannot resolve peers_dns={self.config.peers_dns}: {err}; keeping {len(self.members)} members")
             return False
+        self.known = True
         if not members:
             self._warn(f"peers_dns={self.config.peers_dns} resolved to no address; keeping the last members")
             return False

@@ -7,7 +7,7 @@ can never drift from what the index holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
@@ -55,6 +55,32 @@ _GAUGE_HELP = {
 }
 
 
+TenantUsage = Callable[[], Iterable[tuple[str, int, "int | None"]]]
+"""(tenant, bytes held, quota_bytes or None) per tenant, read at scrape time."""
+
+
+class _TenantCollector(Collector):
+    def __init__(self, usage: Callable[[], TenantUsage]) -> None:
+        self._usage = usage
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("prefixstore_tenant_stored_bytes", "", labels=["tenant"])
+        yield GaugeMetricFamily("prefixstore_tenant_quota_bytes", "", labels=["tenant"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        held = GaugeMetricFamily("prefixstore_tenant_stored_bytes", "Bytes charged to each tenant on this node "
+                                 "(entries, pending puts, namespace records); what its quota_bytes bounds.",
+                                 labels=["tenant"])
+        quota = GaugeMetricFamily("prefixstore_tenant_quota_bytes", "Each tenant's quota_bytes on this node (a "
+                                  "quota holds per node), for tenants that have one.", labels=["tenant"])
+        for tenant, num_bytes, quota_bytes in self._usage()():
+            held.add_metric([tenant], num_bytes)
+            if quota_bytes is not None:
+                quota.add_metric([tenant], quota_bytes)
+        yield held
+        yield quota
+
+
 class StoreMetrics:
     def __init__(self, index: Index, gauges: Callable[[], dict[str, float]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -63,6 +89,11 @@ class StoreMetrics:
             "prefixstore_lookup_tokens", "Prompt tokens looked up, by memory kind and result.",
             ["kind", "result"], registry=r)
         self.lookups = Counter("prefixstore_lookups", "Lookups answered.", registry=r)
+        self.prefill_flops_saved = Counter(
+            "prefixstore_prefill_flops_saved", "Prefill FLOPs of the prompt tokens lookups found exactly reusable "
+            "(KV and state on hybrid models, KV on plain ones), by the FLOP model of each namespace's model shape "
+            "(admission/model_shape.py). What the store offered; an engine that does not load it saves less.",
+            registry=r)
         self.admission = Counter(
             "prefixstore_admission", "Offer and put decisions, by kind (kv, state) and decision.",
             ["kind", "decision"], registry=r)
@@ -80,7 +111,9 @@ class StoreMetrics:
             "prefixstore_checksum_failures", "Payloads whose checksum did not verify, by where they were read.",
             ["tier"], registry=r)
         self.transfer_bytes = Counter(
-            "prefixstore_transfer_bytes", "Payload bytes moved, by direction (in, out) and path (http, nixl).",
+            "prefixstore_transfer_bytes", "Payload bytes moved, by direction (in, out) and path (http, nixl). NIXL "
+            "transfers are one-sided (the store does not see them): out counts the bytes handed out under a lease "
+            "for the client to READ (lookup and probe placements, /v1/nixl/get), in the bytes verified at commit.",
             ["direction", "path"], registry=r)
         self.requests = Counter(
             "prefixstore_requests", "HTTP requests, by endpoint and status class.", ["endpoint", "status"], registry=r)
@@ -133,6 +166,8 @@ class StoreMetrics:
             for result in ("hit", "miss"):
                 self.lookup_tokens.labels(kind, result)
         r.register(_IndexCollector(index, gauges))
+        self.tenant_usage: TenantUsage = lambda: ()  # set by the Store once its ledger exists
+        r.register(_TenantCollector(lambda: self.tenant_usage))
         # The process itself (process_resident_memory_bytes, process_open_fds, CPU seconds, start time;
         # read from /proc, so Linux only: elsewhere they are absent) and python_info. The arena is
         # resident from start, so RSS minus prefixstore_arena_capacity_bytes is the node's overhead.

@@ -484,9 +484,13 @@ def install(app: web.Application, config: StoreConfig) -> None:
             target = slot.target
             if target is None:
                 return None
-            out = describe(app[STORE], target.descriptors, req, answer, target.name, target.meta_gen)
+            store = app[STORE]
+            out = describe(store, target.descriptors, req, answer, target.name, target.meta_gen)
             if out is not None and answer.lease_id is not None:
                 target.expect_traffic(answer.lease_id)
+                # The client READs these without asking again (no /v1/nixl/get): counted here, when
+                # they are handed out under the lease, as /v1/nixl/get counts what it hands out.
+                store.metrics.transfer_bytes.labels("out", "nixl").inc(sum(p.size for p in out.entries))
             return out
         return extension
 

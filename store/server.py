@@ -4,7 +4,7 @@
 
     store/http.py         shared: app keys, middlewares (errors -> status, browsers, tenants), framing
     store/api.py          /v1/namespaces /v1/lookup /v1/offer /v1/put /v1/commit /v1/get /v1/release
-    store/admin.py        /healthz /metrics /v1/stats /v1/admin/flush
+    store/admin.py        /healthz /readyz /metrics /v1/stats /v1/admin/{namespaces,config,flush,delete}
     store/cluster.py      /v1/members /v1/probe /v1/lookup_report /v1/replica/drop; membership, replication
     store/nixl_target.py  /v1/nixl/{metadata,get,reserve,commit}; the NIXL agent (docs/nixl.md)
 
@@ -23,7 +23,7 @@ from aiohttp import web
 from . import admin, api, cluster, nixl_target
 from .config import StoreConfig
 from .core import Store
-from .http import MIDDLEWARES, STORE
+from .http import MIDDLEWARES, READINESS, STORE
 from .membership import DnsResolver
 
 
@@ -37,6 +37,7 @@ def create_app(config: StoreConfig, clock: Callable[[], float] = time.monotonic,
     # checks; aiohttp's own limit applies to request.read(), which no handler uses.
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=MIDDLEWARES)
     app[STORE] = store
+    app[READINESS] = {}
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await store.start()

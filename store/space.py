@@ -15,7 +15,7 @@ block and no orphan is left (store/index.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from ..admission import AdmissionPolicy, EvictionPolicy
 from ..protocol.keys import Kind
@@ -125,11 +125,15 @@ class Space:
                 # Its priority from its own last access: becoming a leaf is not a use.
                 self.delete_queue.update(up, up.priority)
 
-    def drop_all(self, reason: str) -> int:
-        """Delete every committed entry (admin flush, a damaged tier); returns how many. Pending
-        puts stay pending and are refused at commit ("parent or container gone")."""
+    def drop_all(self, reason: str, namespaces: Collection[bytes] | None = None) -> int:
+        """Delete every committed entry (admin flush, a damaged tier), or every one of the namespaces
+        given (admin delete); returns how many. Deleting the entries whose parent is their root or
+        not held (a cluster's foreign parents) takes everything below them. Pending puts stay
+        pending and are refused at commit ("parent or container gone")."""
         before = len(self.index.entries)
         for e in list(self.index.entries.values()):
+            if namespaces is not None and e.namespace_id not in namespaces:
+                continue
             if e.kind is not Kind.STATE and not e.dead and e.key in self.index.entries \
                     and (e.parent == self._namespaces.root(e.namespace_id)
                          or (e.parent is not None and self.index.get_block(e.namespace_id, e.parent) is None)):

@@ -38,9 +38,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def http_get(url: str, timeout_s: float = 5.0, ca_file: str | None = None) -> tuple[int, bytes]:
-    """GET; an https URL is verified against ``ca_file`` (or the system's CAs)."""
+def http_get(url: str, timeout_s: float = 5.0, ca_file: str | None = None,
+             client_cert: tuple[str, str] | None = None) -> tuple[int, bytes]:
+    """GET; an https URL is verified against ``ca_file`` (or the system's CAs); ``client_cert``
+    (certificate, key) is presented to a store that asks for one (mutual TLS)."""
     context = ssl.create_default_context(cafile=ca_file) if url.startswith("https://") else None
+    if context is not None and client_cert is not None:
+        context.load_cert_chain(*client_cert)
     try:
         with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:
             return resp.status, resp.read()
@@ -57,9 +61,10 @@ def run_cli(args: Sequence[str], env: Mapping[str, str] | None = None,
 
 class ServeProcess:
     def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                 ca_file: str | None = None) -> None:
+                 ca_file: str | None = None, client_cert: tuple[str, str] | None = None) -> None:
         self.args = list(args)
         self.ca_file = ca_file  # verifies the health poll of a store serving https
+        self.client_cert = client_cert  # and presents this to one under mutual TLS
         self.lines: list[str] = []
         self.url: str | None = None
         self.ram: str | None = None
@@ -98,7 +103,8 @@ class ServeProcess:
             if self.proc.poll() is not None:
                 raise AssertionError(f"store exited with {self.proc.returncode}:\n{self.output}")
             try:
-                status, _ = http_get(self.url + "/healthz", timeout_s=1.0, ca_file=self.ca_file)
+                status, _ = http_get(self.url + "/healthz", timeout_s=1.0, ca_file=self.ca_file,
+                                     client_cert=self.client_cert)
                 if status == 200:
                     return self.url
             except OSError:
@@ -130,7 +136,7 @@ class ServeProcess:
 
 class StartServe(Protocol):
     def __call__(self, *args: str, env: Mapping[str, str] | None = None, ready: bool = True,
-                 ca_file: str | None = None) -> ServeProcess: ...
+                 ca_file: str | None = None, client_cert: tuple[str, str] | None = None) -> ServeProcess: ...
 
 
 @contextlib.contextmanager
@@ -142,8 +148,8 @@ def serving() -> Iterator[StartServe]:
     procs: list[ServeProcess] = []
 
     def start(*args: str, env: Mapping[str, str] | None = None, ready: bool = True,
-              ca_file: str | None = None) -> ServeProcess:
-        p = ServeProcess(args, env, ca_file=ca_file)
+              ca_file: str | None = None, client_cert: tuple[str, str] | None = None) -> ServeProcess:
+        p = ServeProcess(args, env, ca_file=ca_file, client_cert=client_cert)
         procs.append(p)
         if ready:
             p.wait_ready()

@@ -13,6 +13,8 @@ store's metrics (test_promql.py).
 from __future__ import annotations
 
 import copy
+import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -174,8 +176,10 @@ def test_statefulset_runs_the_store_as_a_cluster_member() -> None:
         f"http://$(POD_NAME).{FULLNAME}-headless.{NAMESPACE}.svc.cluster.local:8077")
     assert c["args"] == ["--config", "/etc/prefixstore/store.toml"]
     assert c["ports"] == [{"name": "http", "containerPort": 8077, "protocol": "TCP"}]
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTP"}
+    # Liveness stays cheap; readiness and startup wait for LMDB, the arena and DNS membership.
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTP"}
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/readyz", "port": "http", "scheme": "HTTP"}
     # Non-root, read-only root filesystem, no privileges, no API token.
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -196,7 +200,8 @@ def test_mutual_tls_probes_the_port_and_plain_tls_probes_https() -> None:
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["tcpSocket"] == {"port": "http"} and "httpGet" not in c[probe]
     c = store_container(render({"tls": {"enabled": True, "secretName": "ps-tls"}}))
-    assert c["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTPS"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http", "scheme": "HTTPS"}
     assert {e["name"]: e.get("value") for e in c["env"]}["PREFIXSTORE_NODE_URL"].startswith("https://$(POD_NAME).")
 
 
@@ -335,3 +340,29 @@ def test_values_schema_is_a_valid_draft7_schema_that_accepts_the_defaults() -> N
     schema = json.loads((CHART / "values.schema.json").read_text())
     jsonschema.Draft7Validator.check_schema(schema)  # Helm 3's validators speak draft-07 too
     jsonschema.Draft7Validator(schema).validate(yaml.safe_load((CHART / "values.yaml").read_text()))
+
+
+def test_notes_give_engines_every_replica_as_a_seed_and_say_quotas_hold_per_node() -> None:
+    """A cluster client needs the nodes, not the load-balanced Service (a node of several answers a
+    raw /v1/lookup 409): NOTES lists every pod's stable name under the headless Service."""
+    for count in (3, 5):
+        notes = render({"replicaCount": count, "config": {"replicas": 2}}).notes
+        seeds = re.findall(r'"(http://[^"]+)",', notes)
+        assert seeds == [f"http://{FULLNAME}-{i}.{FULLNAME}-headless.{NAMESPACE}.svc.cluster.local:8077"
+                         for i in range(count)]
+        assert "ClientConfig(urls=(" in notes and "replicas=2" in notes
+        assert "409" in notes and "do not point engines at the load-balanced Service" in notes
+    notes = render({"replicaCount": 3, "auth": {"tenants": {"alpha": {"token_sha256": "a" * 64, "quota_bytes": "1GiB"}},
+                                                "clusterToken": "0123456789abcdef0123"}}).notes
+    assert "token=<the tenant's token>" in notes
+    assert "Quotas hold PER NODE" in notes and "3 x quota_bytes across the cluster" in notes
+    assert "PER NODE" in (CHART / "values.yaml").read_text()
+
+
+def test_replicas_reach_the_store_config_and_the_schema_refuses_less_than_one() -> None:
+    text = render({"config": {"replicas": 3}}).one("ConfigMap")["data"]["store.toml"]
+    assert tomllib.loads(text)["replicas"] == 3
+    assert tomllib.loads(render().one("ConfigMap")["data"]["store.toml"])["replicas"] == 1
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(helm.HelmValuesError, match="replicas"):
+            render({"config": {"replicas": bad}})

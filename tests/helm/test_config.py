@@ -195,3 +195,8 @@ def test_the_example_values_in_docs_operations_deploy(tmp_path: Path) -> None:
     tenants = load_tenants(config.tenants_file)
     assert tenants.authenticate("example-chat-token-change-me") is not None
     assert tenants.is_admin("example-admin-token-change-me")
+    # The engines' seed list the page shows is the one NOTES prints for these values.
+    seeds = re.search(r"ClientConfig\(urls=\((.*?)\), token=", text, re.S)
+    assert seeds, "docs/operations.md lost its seed list"
+    listed = re.findall(r'"(https?://[^"]+)"', seeds.group(1))
+    assert listed == re.findall(r'"(https?://[^"]+)",', r.notes) and len(listed) == values["replicaCount"]

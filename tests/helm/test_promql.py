@@ -186,6 +186,9 @@ def test_dashboard_queries_name_only_exported_series(exposition: Exposition) -> 
     # Node resources: RSS (the process collector) against the arena, descriptors, the LMDB volume's fill.
     assert {"process_resident_memory_bytes", "prefixstore_arena_capacity_bytes", "process_open_fds",
             "process_max_fds", "kubelet_volume_stats_used_bytes", "kubelet_volume_stats_capacity_bytes"} <= used
+    # What the compute saved, and each tenant's usage against its quota (which holds per node).
+    assert {"prefixstore_prefill_flops_saved_total", "prefixstore_tenant_stored_bytes",
+            "prefixstore_tenant_quota_bytes"} <= used
 
 
 def test_alert_rules_name_only_exported_series(exposition: Exposition) -> None:

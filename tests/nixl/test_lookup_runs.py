@@ -183,6 +183,33 @@ async def test_reads_after_a_nixl_lookup_need_no_get_call(start: Start) -> None:
         store.check()
 
 
+async def test_bytes_read_on_the_lookup_path_are_counted(start: Start) -> None:
+    """The bandwidth panel's series on the path the README advertises: a lookup places 6 blocks, the
+    client READs them without a /v1/nixl/get, and out/nixl counts exactly those bytes (it read zero
+    here before: only /v1/nixl/get counted)."""
+    url, store = await start(ram_bytes=1 << 20)
+    ns = namespace()
+    toks = tokens(43, 6)
+    registry = store.metrics.registry
+
+    def out(path: str) -> float:
+        return registry.get_sample_value("prefixstore_transfer_bytes_total", {"direction": "out", "path": path}) or 0.0
+
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as client:
+        assert await save(client, toks) == 6  # also connects the store's agent
+        before = out("nixl")
+        paths = record_paths(client)
+        looked = await client.lookup(toks)
+        items, expected = block_reads(client, toks)
+        outs = [np.zeros(ns.block_bytes, dtype=np.uint8) for _ in items]
+        assert await client.read(items, outs) == [ns.block_bytes] * 6
+        assert [o.tobytes() for o in outs] == expected
+        assert paths == ["/v1/lookup"]
+        assert out("nixl") - before == 6 * ns.block_bytes
+        assert out("http") == 0
+        assert await client.release(looked.lease_id)
+
+
 async def test_described_payloads_stay_pinned_under_eviction_pressure(start: Start) -> None:
     """The lookup's lease pins every payload it placed, not only the chain's last block: a flood
     of other chains cannot take their pages before the READ."""

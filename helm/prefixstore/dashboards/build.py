@@ -88,6 +88,12 @@ def panels() -> list[Panel]:
              hit_rate("state", "$__range"), "percentunit"),
         timeseries("Lookups", "Lookups answered per second, all nodes.",
                    [(f"sum(rate(prefixstore_lookups_total{{{SEL}}}[{RATE}]))", "lookups")], "reqps", w=4),
+        timeseries("Prefill FLOPs saved", "Prefill FLOPs per second of the prompt tokens lookups found exactly "
+                   "reusable (KV and state on hybrid models, KV on plain ones), by the FLOP model of each "
+                   "namespace's model (admission/model_shape.py): the compute the cache offered to save. An "
+                   "engine that does not load what it found saves less.",
+                   [(f"sum(rate(prefixstore_prefill_flops_saved_total{{{SEL}}}[{RATE}]))", "FLOP/s saved")],
+                   "short", w=6),
         row("Occupancy"),
         timeseries("Stored bytes by kind and tier", "Payload bytes held: KV blocks and tails (kv) and state "
                    "snapshots (state), in the RAM arena and the LMDB tier.",
@@ -100,6 +106,13 @@ def panels() -> list[Panel]:
                    "for puts.",
                    [(f"1 - prefixstore_arena_free_bytes{{{SEL}}} / prefixstore_arena_capacity_bytes{{{SEL}}}",
                      "{{instance}}")], "percentunit", max_value=1),
+        timeseries("Bytes per tenant", "Bytes charged to each tenant (entries, pending puts, namespace "
+                   "records), summed over the nodes, and each tenant's quota_bytes on its fullest node: a quota "
+                   "holds per node, so a tenant at quota on one node is refused there while others have room.",
+                   [(f"sum by (tenant) (prefixstore_tenant_stored_bytes{{{SEL}}})", "{{tenant}} held"),
+                    (f"max by (tenant) (prefixstore_tenant_stored_bytes{{{SEL}}})", "{{tenant}} fullest node"),
+                    (f"max by (tenant) (prefixstore_tenant_quota_bytes{{{SEL}}})", "{{tenant}} quota per node")],
+                   "bytes"),
         row("Node resources"),
         timeseries("Resident memory vs RAM arena", "Each node's resident set (RSS, process collector) and its "
                    "arena (ram_bytes, resident from start). RSS minus the arena is what memoryHeadroom must "

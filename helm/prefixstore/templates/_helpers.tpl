@@ -144,16 +144,21 @@ quota_bytes = {{ $spec.quota_bytes | toJson }}
 {{- end }}
 {{- end }}
 
-{{/* A probe handler: HTTP(S) GET /healthz, or the TCP port under mutual TLS. */}}
+{{/*
+A probe handler: HTTP(S) GET of a path (/healthz: liveness; /readyz: readiness
+and startup), or the TCP port under mutual TLS (the kubelet has no client
+certificate). Called with (list . "/path").
+*/}}
 {{- define "prefixstore.probeHandler" -}}
-{{- if and .Values.tls.enabled .Values.tls.mutual }}
+{{- $ := index . 0 }}
+{{- if and $.Values.tls.enabled $.Values.tls.mutual }}
 tcpSocket:
   port: http
 {{- else }}
 httpGet:
-  path: /healthz
+  path: {{ index . 1 }}
   port: http
-  scheme: {{ include "prefixstore.scheme" . | upper }}
+  scheme: {{ include "prefixstore.scheme" $ | upper }}
 {{- end }}
 {{- end }}
 
