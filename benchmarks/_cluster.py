@@ -15,7 +15,8 @@ Workloads (lists of :class:`Request`; every request is looked up, its reusable b
 what was missing saved with the snapshot at its end, as an engine does at prefill)
 ---------
 ``multiturn``: C conversations of T turns; turn k's prompt is the whole previous turn (prompt and
-answer) plus a new user message; the conversations interleave at random, each in turn order.
+answer) plus a new user message; conversations arrive one after the other and their turns follow
+at random gaps, so every window of the stream mixes first and later turns.
 
 ``sysprompt``: S system prompts, picked by Zipf(1.1) (a few hot), each followed by a fresh user
 question: many conversations fork at the end of one shared prefix.
@@ -82,7 +83,7 @@ def start_processes(n: int, knobs: Sequence[str], tmp: Path, ram: str = "64MiB",
             [sys.executable, "-m", "prefixstore", "serve", "--port", port, "--node-url", url,
              "--peers", ",".join(urls), "--data-dir", str(tmp / port), "--ram-bytes", ram, "--page-bytes", page,
              "--log-level", "WARNING", "--nixl", "off", *knobs], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    deadline = time.monotonic() + 60  # a loaded 2-core machine starts 8 processes slowly
+    deadline = time.monotonic() + 180  # a loaded 2-core machine starts 8 processes slowly
     for url in urls:
         wait_healthy(url, deadline)
     return urls, procs
@@ -163,15 +164,18 @@ def multiturn(seed: int, conversations: int, turns: int, user: tuple[int, int] =
             reqs.append(Request(prompt, prompt + reply))
             history = prompt + reply
         convs.append(reqs)
-    # Interleave at random, each conversation in turn order.
-    order = np.repeat(np.arange(conversations), turns)
-    rng.shuffle(order)
-    nxt = [0] * conversations
-    out = []
-    for c in order:
-        out.append(convs[c][nxt[c]])
-        nxt[c] += 1
-    return out
+    # A steady stream: conversation c starts at time c, its turns follow after exponential gaps
+    # (mean ``gap`` starts), so any window holds first turns and later turns in proportion (about
+    # 1/turns of the requests are first turns), not a burst of first turns at the start.
+    gap = 10.0
+    timed = []
+    for c, reqs in enumerate(convs):
+        t = float(c)
+        for k, r in enumerate(reqs):
+            timed.append((t, c, k, r))
+            t += float(rng.exponential(gap))
+    timed.sort(key=lambda x: (x[0], x[1], x[2]))
+    return [r for _, _, _, r in timed]
 
 
 def sysprompt(seed: int, requests: int, systems: int, system_tokens: int = 1024,
