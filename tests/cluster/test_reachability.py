@@ -12,7 +12,8 @@ head):
 
 * join (3 -> 4): within owner_grace_s every saved token is reachable (the client also asks a moved
   branch's previous owner); after it, a conversation keeps its tokens up to the first branch whose
-  owner moved, and owners move only to the new node.
+  owner moved, and owners move only to the new node. (A first block kept whole at the root level's
+  home -- its owner is that home -- is still found there while that home has not moved.)
 * leave (a node removed from the list, its process stopped): a conversation keeps its tokens up to
   the first branch that lived on the removed node; no other branch moves.
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.cluster import ClusterClient
 from prefixstore.protocol.namespace import Namespace
-from prefixstore.protocol.placement import rank
+from prefixstore.protocol.placement import rank, root_branch
 
 from ..factories import kv_payload, make_namespace
 from .conftest import Cluster, free_ports
@@ -48,6 +49,13 @@ class Branch:
     start: int  # the conversation's first token held on it
     key: bytes  # its branch key (the block whose hash placed it)
     node: str  # where the fill put it
+    also: bytes | None = None  # the root level's key, when the fill kept the branch whole at that level's home
+
+    def found(self, members: list[str]) -> bool:
+        """Whether a walk over ``members`` reaches this branch's node: the owner of its key, or of
+        the root level's key when the branch is kept there (the walk asks the root level's home
+        when the first block's owner does not hold it, client/walk.py)."""
+        return any(k is not None and rank(members, k)[0] == self.node for k in (self.key, self.also))
 
 
 @dataclass(frozen=True)
@@ -80,12 +88,17 @@ def workload(seed: int) -> list[Conversation]:
 
 def placed(client: PrefixClient, convs: list[Conversation], members: list[str]) -> list[Conversation]:
     """Each conversation's branches as the save placed them (client/saves.py): the first block's
-    branch; for a conversation under the system prompt but the first, the fork head at level 3 on
-    the node its hash ranks first, unless that is the system prompt's node (then it stays whole)."""
+    branch (on the node its hash ranks first; kept whole there, without a record at the root level's
+    home, when that node is the home); for a conversation under the system prompt but the first,
+    the fork head at level 3 on the node its hash ranks first, unless that is the system prompt's
+    node (then it stays whole there)."""
     out = []
     for c, conv in enumerate(convs):
-        h = client.prompt(conv.tokens).hashes
-        first = Branch(0, h[0], rank(members, h[0])[0])
+        p = client.prompt(conv.tokens)
+        h = p.hashes
+        node = rank(members, h[0])[0]
+        root = root_branch(cluster_of(client).namespace_root, p.tokens(0, 1))
+        first = Branch(0, h[0], node, root if rank(members, root)[0] == node else None)
         branches = [first]
         if 0 < c < SHARED:
             node = rank(members, h[SYSTEM // B])[0]
@@ -154,14 +167,14 @@ def test_join_keeps_every_branch_within_grace_and_after_it_loses_only_the_moved_
             # the system prompt's branch (the ports are random; the choice is made before the fill).
             for seed in range(1000):
                 convs = placed(within, workload(seed), old)
-                moved = [b for conv in convs for b in conv.branches if rank(new, b.key)[0] != b.node]
+                moved = [b for conv in convs for b in conv.branches if not b.found(new)]
                 heads = [b for conv in convs[1:SHARED] for b in conv.branches[1:]]
-                if (rank(new, convs[0].branches[0].key)[0] == convs[0].branches[0].node
+                if (convs[0].branches[0].found(new)
                         and any(b in moved for b in heads) and any(b not in moved for b in heads)
                         and any(conv.branches[0] in moved for conv in convs[SHARED:])):
                     break
             # Rendezvous: a branch moves only to the new node.
-            assert all(rank(new, b.key)[0] == new_node for b in moved)
+            assert all(rank(new, k)[0] == new_node for b in moved for k in (b.key, b.also) if k is not None)
             await save_all(within, ns, convs)
             saved = sum(len(conv.tokens) for conv in convs)
             assert await measure(within, ns, convs) == [len(conv.tokens) for conv in convs]
@@ -174,7 +187,7 @@ def test_join_keeps_every_branch_within_grace_and_after_it_loses_only_the_moved_
 
             got_within = await measure(within, ns, convs)
             got_after = await measure(after, ns, convs)
-            predicted = [conv.reachable(lambda b: rank(new, b.key)[0] == b.node) for conv in convs]
+            predicted = [conv.reachable(lambda b: b.found(new)) for conv in convs]
             report("join 3 -> 4", saved, ("within owner_grace_s", sum(got_within)), ("after it", sum(got_after)),
                    ("predicted after it", sum(predicted)))
             assert got_within == [len(conv.tokens) for conv in convs]  # 100% within the grace window
@@ -229,7 +242,7 @@ def test_leave_loses_only_the_branches_of_the_removed_node(make_cluster) -> None
             got_after = await measure(after, ns, convs)
             predicted = [conv.reachable(lambda b: b.node != gone) for conv in convs]
             # Rendezvous: no branch of another node moved.
-            assert predicted == [conv.reachable(lambda b: rank(new, b.key)[0] == b.node) for conv in convs]
+            assert predicted == [conv.reachable(lambda b: b.found(new)) for conv in convs]
             report("leave 3 -> 2", saved, ("within owner_grace_s", sum(got_within)), ("after it", sum(got_after)),
                    ("predicted", sum(predicted)))
             assert got_within == predicted and got_after == predicted
