@@ -39,14 +39,16 @@ class Cluster:
     knobs: tuple[str, ...]
     procs: dict[str, ServeProcess] = field(default_factory=dict)
 
-    def args(self, url: str) -> list[str]:
+    def args(self, url: str, peers: list[str] | None = None) -> list[str]:
         port = url.rsplit(":", 1)[1]
-        return ["--port", port, "--node-url", url, "--peers", ",".join(self.urls),
+        return ["--port", port, "--node-url", url, "--peers", ",".join(peers or self.urls),
                 "--data-dir", str(self.tmp / f"node-{port}"), "--ram-bytes", "4MiB", "--page-bytes", "4KiB",
                 *self.knobs]
 
-    def start_node(self, url: str) -> ServeProcess:
-        self.procs[url] = self.start(*self.args(url))
+    def start_node(self, url: str, peers: list[str] | None = None) -> ServeProcess:
+        """Start (or restart: same data directory) the node of ``url``, with the cluster's URLs as its
+        peers or ``peers``; returns once its /healthz answers."""
+        self.procs[url] = self.start(*self.args(url, peers))
         return self.procs[url]
 
 
