@@ -66,6 +66,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -378,12 +379,17 @@ def run_one(case: Case, tree: Tree, argv: list[str], k: int, out: Path, timeout_
     with (run_dir / "log.txt").open("w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
+        # its own session, so that an interrupted comparison takes the script's store children down with it
+        proc = subprocess.Popen(cmd, cwd=tree.root, stdout=log, stderr=subprocess.STDOUT, env=clean_env(),
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, cwd=tree.root, stdout=log, stderr=subprocess.STDOUT, env=clean_env(),
-                                  timeout=timeout_s)
-            rc = proc.returncode
+            rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            stop_group(proc)
             rc = -1
+        except BaseException:
+            stop_group(proc)
+            raise
     run = Run(case=case.name, tree=tree.label, round=k, out=str(run_dir), seconds=time.monotonic() - t,
               ok=False, loadavg_1m=round(load, 2))
     json_path = run_dir / f"{case.script.removesuffix('.py')}.json"
@@ -395,10 +401,40 @@ def run_one(case: Case, tree: Tree, argv: list[str], k: int, out: Path, timeout_
     return finish_run(run, case, tree, json_path)
 
 
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the run's process group (the script and the servers it started), SIGKILL what is left."""
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # the script is gone; its children may not be
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+
+
+def same_code(tree: Tree, code: str, script: str) -> bool:
+    """The run's commit is the tree's, or differs from it only outside the library and the script's files."""
+    commit = code.removesuffix("+dirty")
+    if commit.startswith(tree.short) or not commit:
+        return bool(commit)
+    proc = subprocess.run(["git", "diff", "--quiet", tree.commit, commit, "--", "protocol", "store", "client",
+                           "admission", "prefixstore", "gpu_staging", "setup.py", "pyproject.toml",
+                           f"benchmarks/{script}", "benchmarks/_harness.py", "benchmarks/_serve.py"],
+                          cwd=REPO, capture_output=True)
+    return proc.returncode == 0
+
+
 def finish_run(run: Run, case: Case, tree: Tree, json_path: Path) -> tuple[Run, list[Figure]]:
     payload = json.loads(json_path.read_text())
     run.code = str(payload.get("machine", {}).get("code", ""))
-    if not run.code.startswith(tree.short):
+    if not same_code(tree, run.code, case.script):
         run.error = f"the JSON says code {run.code}, the {tree.label} tree is {tree.short}"
         H.progress(f"  {case.name} on {tree.label}: {run.error}; not counted")
         return run, []
@@ -615,6 +651,7 @@ def report_only(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the clean-up below, as Ctrl-C does
     if args.report_only:
         return report_only(args)
     cases = build_cases(args)
