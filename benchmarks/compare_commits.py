@@ -592,6 +592,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def report(args: argparse.Namespace, trees: Sequence[Tree], cases: Sequence[Case], notes: list[str],
            runs: Sequence[Run], units: dict[str, Figure], done: bool) -> None:
     rows = summary_rows(units, runs)
+    notes = list(dict.fromkeys(notes))  # two lookup lengths, one script: one note
     payload: dict[str, object] = {
         "benchmark": "compare_commits", "argv": getattr(args, "command", sys.argv[1:]), "complete": done,
         "machine": H.machine_note(),
@@ -670,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(present) == 2:
                 argvs[case.name] = argv
         cases = [c for c in cases if c.name in argvs]
-        for n in notes:
+        for n in dict.fromkeys(notes):
             H.progress(f"note: {n}")
         runs: list[Run] = []
         units: dict[str, Figure] = {}
