@@ -382,7 +382,7 @@ class ClusterClient(SaveCalls):
         B, n = p.block_tokens, len(p.hashes)
         m = walk.matched()
         # Where each matched block was found (reads go there, or to a copy): one run per hop.
-        keys = [BLOCK_BYTE + h for h in p.hashes[:m]]
+        keys = list(map(BLOCK_BYTE.__add__, p.hashes[:m]))
         self._where.update(zip(keys, cast(list[str], walk.held_at[:m])))  # held_at[:m] has no None: m is the first
         while len(self._where) > MAX_KNOWN_KEYS:
             self._where.popitem(last=False)

@@ -156,9 +156,49 @@ class LookupService:
             exact = p is not None and not p.record and p.key not in copies
         stop: StopLevel | None = None
         last: Entry | None = None
-        # The run of held blocks, looked up in one pass (a 32k-token prompt: 2,048 levels).
+        # The run of held blocks. Fast path, as a single node's match: where this node holds no hot
+        # copies, its own blocks from level ``start`` on are prefix-closed (each hangs from the one
+        # before, and eviction is leaf-first) and a fork record can only end the run, so a binary
+        # search finds the run and only the levels with snapshots are visited. With copies (which
+        # arrive one by one), every level is checked in the loop below.
         found: list[Entry | None] = []
         i = 0
+        if not copies and k > 8 and exact:
+            lo, hi = 0, k
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if (block_prefix + hashes[(mid - 1) * H:mid * H]) in entries:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            run = lo
+            if run and entries[block_prefix + hashes[(run - 1) * H:run * H]].record:
+                run -= 1  # the record ends the run: the loop answers its level
+            if run > 1:
+                skip = run - 1  # levels [start, start+skip) answered here; the loop goes on at the last held
+                if snaps_under is not None:
+                    for x in range(skip - 1, -1, -1):  # the deepest level with a snapshot is the one that counts
+                        parent_x = req.parent if x == 0 else hashes[(x - 1) * H:x * H]
+                        if not snaps_under.get(ns_id + parent_x):
+                            continue
+                        j = start + x
+                        snap = index.best_snapshot_under(
+                            ns_id + parent_x, tokens[x * B * TB:(x + 1) * B * TB], j * B, B,
+                            own_next=hashes[x * H:(x + 1) * H], extra=extra_at(j, b""), limit=j * B + B, scan=scan,
+                            budget=budget)
+                        if snap is not None:
+                            snapshots[j] = entry_ref(snap, snap.boundary)
+                            leased.append(snap)
+                            break
+                if replicas_of:
+                    for key in replicas_of:
+                        e = entries.get(key)
+                        x = (e.start // B - start) if e is not None and e.kind is Kind.BLOCK else -1
+                        if e is not None and 0 <= x < skip and hashes[x * H:(x + 1) * H] == e.hash:
+                            reported.append(e)
+                i = skip
+                parent = hashes[(skip - 1) * H:skip * H]
+                found = [None] * skip
         while i < levels:
             j = start + i
             if not exact:
