@@ -15,7 +15,7 @@ block and no orphan is left (store/index.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from ..admission import AdmissionPolicy, EvictionPolicy
 from ..protocol.keys import Kind
@@ -146,6 +146,13 @@ class Space:
             self.arena.free(e.pages)
             e.pages = None
 
+    def persisted(self, e: Entry) -> None:
+        """A committed entry reached LMDB (write-behind, store/behind.py): from now on its RAM copy
+        may be demoted. Not a use: its priority stays what its commit made it."""
+        self.index.set_tier(e, e.pages, True)
+        if e.pages is not None:
+            self.ram_queue.update(e, e.priority)
+
     def requeue(self, e: Entry, now: float) -> None:
         """Recompute an entry's priority (a store or a read is a use) and queue it where it belongs."""
         priority = e.priority = self._eviction.priority(e, now)
@@ -154,8 +161,9 @@ class Space:
         if e.is_leaf:
             self.delete_queue.update(e, priority)
 
-    def check(self, holders: list[Entry]) -> None:
-        """Arena accounting and queue membership (``holders``: every entry holding pages)."""
+    def check(self, holders: list[Entry], behind: Collection[Entry] = ()) -> None:
+        """Arena accounting and queue membership (``holders``: every entry holding pages; ``behind``:
+        committed entries the write-behind has not written yet, store/behind.py)."""
         if self.arena.virtual:
             held = sum(-sum(e.pages) for e in holders if e.pages)
             if held > self.arena.num_pages - self.arena.num_free:
@@ -169,15 +177,22 @@ class Space:
                     used[p] = e.key
             if len(used) > self.arena.num_pages - self.arena.num_free:
                 raise IndexInvariantError("arena: more pages held than allocated")
+        unwritten = set(map(id, behind))
         for e in self.index.entries.values():
             if e.is_leaf and e not in self.delete_queue:
                 raise IndexInvariantError(f"entry {e.key.hex()}: a leaf missing from the deletion queue")
-            if self._disk.enabled and e.pages is not None and e not in self.ram_queue:
-                raise IndexInvariantError(f"entry {e.key.hex()}: in RAM but missing from the RAM queue")
             if e.pins < 0:
                 raise IndexInvariantError(f"entry {e.key.hex()}: negative pins")
+            if id(e) in unwritten:
+                if e.on_disk or e.pages is None and not e.record or e in self.ram_queue:
+                    raise IndexInvariantError(f"entry {e.key.hex()}: not yet written to LMDB, but not only in RAM "
+                                              "(or demotable)")
+                continue
+            if self._disk.enabled and e.pages is not None and e not in self.ram_queue:
+                raise IndexInvariantError(f"entry {e.key.hex()}: in RAM but missing from the RAM queue")
             if self._disk.enabled and not e.on_disk:
-                raise IndexInvariantError(f"entry {e.key.hex()}: committed but not written through to LMDB")
+                raise IndexInvariantError(f"entry {e.key.hex()}: committed but neither written to LMDB nor "
+                                          "behind the write-behind")
 
 
 __all__ = ["Space"]

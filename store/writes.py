@@ -3,7 +3,7 @@
 Entry life cycle::
 
     offer --want--> put --> pending (pages held, invisible) --commit--> committed
-                                |  expires after pending_ttl_s        |  LMDB (write-through) + index
+                                |  expires after pending_ttl_s        |  index + LMDB (sync: first; write-behind: after)
                                 v                                     v
                              reclaimed                     visible to lookups and reads
 
@@ -23,8 +23,11 @@ Rules: a pending entry pins its parent or container (anchor) until it commits or
 they survive until the commit; a block whose parent is another node's (a cluster) pins nothing.
 The pending entry keeps the pinned anchor itself (``Entry.anchor``), not its key: an anchor
 deleted meanwhile (a flush, a damaged tier, a corruption cascade) is unpinned all the same, and
-its pages freed with its last pin. Commit writes through to LMDB before indexing, so a SIGKILLed store serves
-every entry it acknowledged; a write that the tier's reset overtook is not indexed.
+its pages freed with its last pin. Durability (``durability``): ``sync`` writes through to LMDB before
+indexing, so a SIGKILLed store serves every entry it acknowledged, and a write that the tier's reset
+overtook is not indexed; ``write-behind`` indexes first and queues the entries for the writer
+(store/behind.py), so a SIGKILLed store loses at most what was behind its bounds, never returns
+other bytes (every payload read from LMDB is checked against its record's checksum).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ..protocol.keys import Kind
 from ..protocol.namespace import Namespace
 from ..protocol.wire import REASON_QUOTA, REASON_RECORD, ItemResult, ItemSpec, WireError
 from .arena import Arena
+from .behind import WriteBehind, puts_of
 from .config import StoreConfig
 from .disk import Disk
 from .index import STORE_KEY_BYTES, Entry, Index, entry_charge, scope, store_key
@@ -80,15 +84,9 @@ class PutPlan:
         return [i for i, r in enumerate(self.results) if r.reason == REASON_QUOTA]
 
 
-def record_of(e: Entry) -> StoredRecord:
-    return StoredRecord(key=e.key, namespace_id=e.namespace_id, parent=e.parent, start=e.start, tokens=e.tokens,
-                        extra=e.extra, container=e.container, boundary=e.boundary, size=e.size,
-                        checksum=e.checksum, origin=e.origin, record=e.record, branch=e.branch)
-
-
 class WritePath:
     def __init__(self, config: StoreConfig, index: Index, arena: Arena, namespaces: Namespaces,
-                 ledger: TenantLedger, space: Space, disk: Disk, admission: Mapping[Kind, AdmissionPolicy],
+                 ledger: TenantLedger, space: Space, disk: Disk, behind: WriteBehind, admission: Mapping[Kind, AdmissionPolicy],
                  eviction: EvictionPolicy, metrics: StoreMetrics, clock: Callable[[], float]) -> None:
         self._config = config
         self._index = index
@@ -97,6 +95,7 @@ class WritePath:
         self._ledger = ledger
         self._space = space
         self._disk = disk
+        self._behind = behind
         self._admission = admission
         self._eviction = eviction
         self._metrics = metrics
@@ -462,14 +461,20 @@ class WritePath:
         return p is not None and p.end == e.start
 
     async def commit(self, ns_id: bytes, keys: Sequence[bytes]) -> list[ItemResult]:
-        """Make pending entries visible: persist them (write-through), then index them.
-        ``keys`` are wire entry keys (kind || hash) of namespace ``ns_id``."""
+        """Make pending entries visible. ``durability = "sync"``: persist them (write-through), then
+        index them; ``write-behind``: index them, then queue them for the writer (store/behind.py),
+        after waiting while it is over its bounds. ``keys`` are wire entry keys (kind || hash) of
+        namespace ``ns_id``."""
         self._namespaces.get(ns_id)
+        behind = self._disk.enabled and self._behind.enabled
+        if behind:
+            await self._behind.room()  # back-pressure, before anything of this commit is decided
         results: list[ItemResult] = [ItemResult(ItemStatus.MISSING, "not put, or expired")] * len(keys)
         batch: list[tuple[int, Entry]] = []
+        pending = self.pending
         for i, wire_key in enumerate(keys):
             key = scope(ns_id, wire_key)
-            e = self.pending.get(key)
+            e = pending.get(key)
             if e is None:
                 if self._index.get(key) is not None:
                     results[i] = ItemResult(ItemStatus.HAVE)
@@ -484,7 +489,7 @@ class WritePath:
         # Parents before children whatever order the client listed them in.
         batch.sort(key=lambda ie: (_ORDER[ie[1].kind], ie[1].start))
         if self._disk.enabled:
-            if not self._space.enforce_disk_budget(sum(e.charge for _, e in batch)):
+            if not self._space.enforce_disk_budget(sum(e.charge for _, e in batch) + self._behind.bytes):
                 for i, e in batch:
                     self.drop_pending(e)
                     results[i] = ItemResult(ItemStatus.REJECTED, "LMDB tier full of pinned entries")
@@ -494,37 +499,41 @@ class WritePath:
                 self.drop_pending(e)
                 results[i] = ItemResult(ItemStatus.REJECTED, "max_entries reached by pinned entries")
             return results
-        if self._disk.enabled:
-            puts = [(record_of(e), list(self._arena.runs(e.pages or [], 0, e.size))) for _, e in batch]
+        if self._disk.enabled and not behind:
             failure: str | None = None
             try:
-                if not await self._disk.write(puts):
+                if not await self._disk.write(puts_of(self._arena, [e for _, e in batch])):
                     failure = "disk tier damaged and reset"
             except Exception as err:
                 log.exception("LMDB write failed; %d entries not committed", len(batch))
                 failure = f"disk write failed: {type(err).__name__}"
             if failure is not None:
                 for i, e in batch:
-                    if self.pending.get(e.key) is e:
+                    if pending.get(e.key) is e:
                         self.drop_pending(e)
                     results[i] = ItemResult(ItemStatus.REJECTED, failure)
                 return results
         now = self._clock()
+        on_disk = self._disk.enabled and not behind
+        entries = self._index.entries
+        ok = ItemResult(ItemStatus.OK)
+        queued: list[Entry] = []
         for i, e in batch:
-            if self.pending.get(e.key) is not e:  # dropped while the write was in flight
+            if pending.get(e.key) is not e:  # dropped while the write was in flight
                 results[i] = ItemResult(ItemStatus.REJECTED, "dropped before commit")
-                self._disk.doom(e.key)
+                if on_disk:
+                    self._disk.doom(e.key)
                 continue
-            if not self.attachable(e) or e.key in self._index.entries:
-                gone = e.key not in self._index.entries
+            if not self.attachable(e) or e.key in entries:
+                gone = e.key not in entries
                 self.drop_pending(e)
-                if gone:
+                if gone and on_disk:
                     self._disk.doom(e.key)
                 results[i] = ItemResult(ItemStatus.REJECTED, "parent or container gone") if gone \
                     else ItemResult(ItemStatus.HAVE)
                 continue
-            del self.pending[e.key]
-            e.on_disk = self._disk.enabled
+            del pending[e.key]
+            e.on_disk = on_disk
             e.last_access_s = now
             self._index.insert(e)
             self._eviction.on_store(e, now)
@@ -533,8 +542,12 @@ class WritePath:
             if parent is not None:
                 self._space.delete_queue.discard(parent)  # it has a dependant now
             self._release_anchor(e)
-            self._space.requeue(e, now)
-            results[i] = ItemResult(ItemStatus.OK)
+            self._space.requeue(e, now)  # an entry behind the writer joins no RAM queue: never demoted
+            results[i] = ok
+            if behind:
+                queued.append(e)
+        if queued:
+            self._behind.add(queued)
         return results
 
     # ------------------------------------------------------------ restart
@@ -598,4 +611,4 @@ class WritePath:
         return out
 
 
-__all__ = ["PutPlan", "WritePath", "record_of"]
+__all__ = ["PutPlan", "WritePath"]

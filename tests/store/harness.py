@@ -42,6 +42,10 @@ class CoreHarness:
         self.run(self.store.close())
         self.store = self._open()
 
+    def drain(self) -> None:
+        """Wait for the write-behind to have written every committed entry to LMDB."""
+        self.run(self.store.drain_writes())
+
     def close(self) -> None:
         self.run(self.store.close())
         self.loop.close()
