@@ -176,6 +176,7 @@ class WriteBehind:
             log.exception("LMDB write-behind of %d entries failed (%s); they are deleted (misses)", len(batch),
                           type(err).__name__)
             written = None
+        persisted = 0
         for e in batch:
             self._space.unpin(e)
             self._settle(e)
@@ -185,9 +186,10 @@ class WriteBehind:
                 continue
             if written:
                 self._space.persisted(e)
-                self._metrics.write_behind_written.inc()
+                persisted += 1
             else:  # not on disk: its RAM copy must not be demoted to nothing; a miss from now on
                 self._space.delete(e, "unpersisted")
+        self._metrics.write_behind_written.inc(persisted)
 
     # ------------------------------------------------------------ checking
 

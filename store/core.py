@@ -284,6 +284,9 @@ class Store:
     def payload_views(self, slot: GetSlot) -> list[memoryview]:
         return self.reads.payload_views(slot)
 
+    def body_views(self, plan: GetPlan) -> list[memoryview]:
+        return self.reads.body_views(plan)
+
     def finish_get(self, plan: GetPlan) -> None:
         self.reads.finish_get(plan)
 

@@ -28,6 +28,10 @@ from .metrics import StoreMetrics
 from .namespaces import Namespaces
 
 
+def _unpinned(e: Entry) -> bool:
+    return e.pins == 0
+
+
 class Space:
     def __init__(self, index: Index, arena: Arena, disk: Disk, namespaces: Namespaces, ledger: TenantLedger,
                  admission: Mapping[Kind, AdmissionPolicy], eviction: EvictionPolicy, metrics: StoreMetrics,
@@ -56,28 +60,42 @@ class Space:
     def allocate(self, size: int) -> list[int] | None:
         """Arena pages for ``size`` bytes, evicting unpinned entries as needed; None if impossible."""
         need = self.arena.pages_for(size)
-        if need > self.arena.num_pages:
+        if need > self.arena.num_pages or not self.make_room(need):
             return None
-        while self.arena.num_free < need:
-            if self._disk.enabled:
-                popped = self.ram_queue.pop(lambda e: e.pins == 0)
-                if popped is None:
-                    return None
-                v, priority = popped
-                assert v.pages is not None
-                self.arena.free(v.pages)
-                self.index.set_tier(v, None, True)
-                self._eviction.on_evict(v, priority, self._clock())
-                self._metrics.evictions.labels(v.metric_kind, "demoted").inc()
-            else:
-                popped = self.delete_queue.pop(lambda e: e.pins == 0)
-                if popped is None:
-                    return None
-                self.evict(*popped)
         try:
             return self.arena.allocate(size)
-        except ArenaFull:  # pragma: no cover - the loop above guarantees room
+        except ArenaFull:  # pragma: no cover - make_room guarantees room
             return None
+
+    def make_room(self, pages: int) -> bool:
+        """Free arena pages until ``pages`` are free: LMDB tier, demote the lowest-priority unpinned
+        RAM entries (they stay on disk); RAM only, delete leaves. False when pins forbid it (what
+        was freed stays free). A put makes room for its whole batch in one call."""
+        if self.arena.num_free >= pages:
+            return True
+        demoted: dict[str, int] = {}
+        try:
+            while self.arena.num_free < pages:
+                if self._disk.enabled:
+                    popped = self.ram_queue.pop(_unpinned)
+                    if popped is None:
+                        return False
+                    v, priority = popped
+                    assert v.pages is not None
+                    self.arena.free(v.pages)
+                    self.index.set_tier(v, None, True)
+                    self._eviction.on_evict(v, priority, self._clock())
+                    mk = v.metric_kind
+                    demoted[mk] = demoted.get(mk, 0) + 1
+                else:
+                    popped = self.delete_queue.pop(_unpinned)
+                    if popped is None:
+                        return False
+                    self.evict(*popped)
+            return True
+        finally:
+            for mk, n in demoted.items():
+                self._metrics.evictions.labels(mk, "demoted").inc(n)
 
     def enforce_disk_budget(self, incoming: int) -> bool:
         """Delete leaves until ``incoming`` more charged bytes (payloads and records) fit in
