@@ -552,8 +552,8 @@ async def bench_lookup(args: argparse.Namespace, log_dir: Path) -> dict[str, obj
             ptr = payload.ctypes.data
             store.register_buffer(ptr, payload.nbytes)
             codes = []
-            for lo in range(0, blocks, 4096):
-                ks = keys[lo : lo + 4096]
+            for lo in range(0, blocks, 512):  # 4,096 small transfers at once failed (TRANSFER_FAIL) here
+                ks = keys[lo : lo + 512]
                 codes += store.batch_put_from(ks, [ptr + (lo + j) * ns.block_bytes for j in range(len(ks))],
                                               [ns.block_bytes] * len(ks))
             if any(codes):
