@@ -55,6 +55,11 @@ def puts_of(arena: Arena, entries: Sequence[Entry]) -> list[tuple[StoredRecord, 
     return [(record_of(e), list(arena.runs(e.pages or [], 0, e.size))) for e in entries]
 
 
+def _died(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the LMDB write-behind stopped: %r; commits wait on it and fail from now on", task.exception())
+
+
 class WriteBehind:
     def __init__(self, config: StoreConfig, index: Index, arena: Arena, space: Space, disk: Disk,
                  metrics: StoreMetrics, clock: Callable[[], float]) -> None:
@@ -111,6 +116,7 @@ class WriteBehind:
     def start(self) -> None:
         if self.enabled and self._disk.enabled and self._task is None:
             self._task = asyncio.create_task(self._run(), name="lmdb-write-behind")
+            self._task.add_done_callback(_died)
 
     async def drain(self) -> None:
         """Return once every entry committed so far is written (or found deleted)."""
