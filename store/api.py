@@ -131,11 +131,11 @@ async def put(request: web.Request) -> web.Response:
     plan = store.reserve(ns_id, items)
     try:
         async with asyncio.timeout_at(deadline):  # a stalled client must not hold its reserved pages
-            for i, target in enumerate(plan.targets):
-                if target is None:
-                    await body.skip(plan.sizes[i])
+            for part in plan.body():  # items in adjacent pages: one view (store/writes.py PutPlan.body)
+                if isinstance(part, int):
+                    await body.skip(part)
                 else:
-                    await body.readinto(target)
+                    await body.readinto([part])
             if not await body.at_eof():
                 raise WireError("frame", "bytes follow the last payload the header lists")
     except asyncio.IncompleteReadError:
@@ -191,10 +191,8 @@ async def get(request: web.Request) -> web.StreamResponse:
             # pinned (never evicted) for as long as it holds the connection.
             async with asyncio.timeout(store.config.request_timeout_s):
                 await response.write(head)
-                for slot in plan.slots:
-                    if slot.status is ItemStatus.OK:
-                        for view in store.payload_views(slot):
-                            await response.write(view)
+                for view in store.body_views(plan):  # adjacent payloads merged (ReadPath.body_views)
+                    await response.write(view)
                 await response.write_eof()
         except TimeoutError:
             log.warning("get: client took the answer off the wire slower than request_timeout_s=%g; disconnected",

@@ -100,8 +100,9 @@ class Arena:
             heapq.heappush(self._free, p)
         self._num_free += len(pages)
 
-    def runs(self, pages: Sequence[int], offset: int, length: int) -> Iterator[memoryview]:
-        """Memoryviews covering bytes [offset, offset+length) of an entry, consecutive pages merged."""
+    def extents(self, pages: Sequence[int], offset: int, length: int) -> Iterator[tuple[int, int]]:
+        """(start, end) byte offsets in the region covering bytes [offset, offset+length) of an
+        entry, consecutive pages merged."""
         if self.virtual:
             return
         pb = self.page_bytes
@@ -112,11 +113,34 @@ class Arena:
             j = i
             while j < last and pages[j + 1] == pages[j] + 1:
                 j += 1
-            lo = max(offset, i * pb) - i * pb
-            hi = min(end, (j + 1) * pb) - i * pb
-            base = pages[i] * pb
-            yield self.view[base + lo : base + hi]
+            base = pages[i] * pb - i * pb
+            yield base + max(offset, i * pb), base + min(end, (j + 1) * pb)
             i = j + 1
+
+    def runs(self, pages: Sequence[int], offset: int, length: int) -> Iterator[memoryview]:
+        """Memoryviews covering bytes [offset, offset+length) of an entry, consecutive pages merged."""
+        view = self.view
+        for lo, hi in self.extents(pages, offset, length):
+            yield view[lo:hi]
+
+    def coalesce(self, extents: Sequence[tuple[int, int]], max_bytes: int = 0) -> list[memoryview]:
+        """Views of consecutive extents (several entries' payloads, in order), each run of extents
+        that follow one another back to back in the region merged into one view of at most
+        ``max_bytes`` (0: no bound): a batch of entries in adjacent pages moves as a few large
+        buffers, not one per entry."""
+        out: list[memoryview] = []
+        view = self.view
+        lo = hi = -1
+        for a, b in extents:
+            if a == hi and (not max_bytes or b - lo <= max_bytes):
+                hi = b
+                continue
+            if hi > lo:
+                out.append(view[lo:hi])
+            lo, hi = a, b
+        if hi > lo:
+            out.append(view[lo:hi])
+        return out
 
     def write(self, pages: Sequence[int], offset: int, data: bytes | memoryview) -> None:
         pos = 0

@@ -57,6 +57,20 @@ class StoreConfig:
     lmdb_sync: bool = field(default=False, metadata=_doc(
         "fsync every LMDB commit. Off, a killed process loses nothing (the OS holds the pages); "
         "on, a power loss loses nothing either, at a large write cost."))
+    durability: str = field(default="write-behind", metadata=_doc(
+        "When a committed entry reaches the LMDB tier. 'write-behind': a commit makes it visible once it is "
+        "in RAM and checksummed, and a writer persists committed entries behind it, many per LMDB "
+        "transaction, at most write_behind_s and write_behind_bytes behind (a commit waits while the "
+        "writer is over either bound); a killed process loses what was behind, never more, and never "
+        "returns wrong bytes. 'sync': a commit returns once its entries are in LMDB (a killed process "
+        "loses nothing acknowledged), at the cost of waiting on the disk in every put."))
+    write_behind_s: float = field(default=1.0, metadata=_doc(
+        "durability=write-behind: most seconds the oldest committed entry may wait for LMDB before "
+        "commits wait on the writer (the window a kill -9 can lose)."))
+    write_behind_bytes: int = field(default=256 << 20, metadata=_doc(
+        "durability=write-behind: most bytes of committed entries not yet in LMDB before commits wait on "
+        "the writer; at most half of ram_bytes is used (the entries behind hold RAM pages, which are never "
+        "demoted before they are written).", "size"))
     lease_ttl_s: float = field(default=30.0, metadata=_doc(
         "Lifetime of a lookup's lease: leased entries are not evicted until it expires or is released. "
         "Lookups never renew leases."))
@@ -177,7 +191,7 @@ class StoreConfig:
         positive = ("ram_bytes", "page_bytes", "sighting_filter_bytes", "disk_bytes", "max_body_bytes", "max_header_bytes",
                     "max_items", "max_lookup_tokens", "max_get_bytes", "max_child_scan", "max_connections",
                     "max_namespaces_per_tenant", "max_offers_per_tenant", "max_leases_per_tenant", "max_entries",
-                    "replication_max_replicas", "replication_bytes_per_s", "replicas")
+                    "replication_max_replicas", "replication_bytes_per_s", "replicas", "write_behind_bytes")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)!r}")
@@ -185,7 +199,9 @@ class StoreConfig:
             raise ConfigError(f"ram_bytes: {self.ram_bytes} is smaller than one page (page_bytes={self.page_bytes})")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: {self.port} is not a TCP port")
-        for name in ("lease_ttl_s", "pending_ttl_s", "request_timeout_s", "header_timeout_s",
+        if self.durability not in ("sync", "write-behind"):
+            raise ConfigError(f"durability: {self.durability!r} is not one of 'sync', 'write-behind'")
+        for name in ("write_behind_s", "lease_ttl_s", "pending_ttl_s", "request_timeout_s", "header_timeout_s",
                      "membership_refresh_s", "replication_half_life_s", "owner_grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive seconds, got {getattr(self, name)!r}")

@@ -5,6 +5,7 @@
     Store ── lookups  LookupService  match, probe, the one function that teaches policies (lookups.py)
           ├─ writes   WritePath      offer, plan_put, verify, commit, restart adoption   (writes.py)
           ├─ reads    ReadPath       prepare_get, promotion from LMDB, finish_get         (reads.py)
+          ├─ behind   WriteBehind    committed entries persisted to LMDB behind the commit (behind.py)
           ├─ space    Space          allocation, demotion, eviction, deletion             (space.py)
           ├─ disk     Disk           the LMDB tier, deletions owed to it, damage recovery (disk.py)
           ├─ namespaces Namespaces   records, roots, shapes; bounded registration         (namespaces.py)
@@ -33,6 +34,7 @@ from ..protocol.namespace import Namespace
 from ..protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
 from ..protocol.wire import GetItem, ItemResult, ItemSpec, Limits, LookupAnswer, LookupRequest
 from .arena import Arena
+from .behind import WriteBehind
 from .config import StoreConfig
 from .disk import Disk
 from .index import Entry, Index, IndexInvariantError, scope
@@ -83,8 +85,9 @@ class Store:
         self.space = Space(self.index, self.arena, self.disk, self.namespaces, self.ledger, self.admission,
                            self.eviction, self.metrics, clock, config.disk_bytes, config.max_entries)
         self.leases = Leases(self.space.unpin, config.max_leases_per_tenant)
+        self.behind = WriteBehind(config, self.index, self.arena, self.space, self.disk, self.metrics, clock)
         self.writes = WritePath(config, self.index, self.arena, self.namespaces, self.ledger, self.space,
-                                self.disk, self.admission, self.eviction, self.metrics, clock)
+                                self.disk, self.behind, self.admission, self.eviction, self.metrics, clock)
         self.reads = ReadPath(config, self.index, self.arena, self.space, self.disk, self.metrics, clock)
         self.lookups = LookupService(config, self.index, self.namespaces, self.leases, self.ledger, self.admission,
                                      self.eviction, self.metrics, clock)
@@ -103,6 +106,7 @@ class Store:
             except BaseException:
                 await self.disk.close()
                 raise
+        self.behind.start()
         self._sweeper = asyncio.create_task(self._sweep_forever())
         self._prefault = asyncio.create_task(asyncio.to_thread(self.arena.prefault))
 
@@ -110,6 +114,7 @@ class Store:
         if self._prefault is not None:
             await self._prefault
         await stop_task(self._sweeper)
+        await self.behind.close()  # drained: every committed entry is in LMDB before it closes
         await self.disk.close()
 
     async def _load_from_disk(self) -> None:
@@ -157,6 +162,11 @@ class Store:
         now = self.clock()
         self.leases.expire(now)
         self.writes.sweep(now)
+
+    async def drain_writes(self) -> None:
+        """Return once every entry committed so far is in LMDB (durability=write-behind; at once
+        otherwise)."""
+        await self.behind.drain()
 
     async def flush_deletes(self) -> None:
         """Delete from LMDB what was deleted from the index (the sweeper also does it each second)."""
@@ -277,6 +287,9 @@ class Store:
     def payload_views(self, slot: GetSlot) -> list[memoryview]:
         return self.reads.payload_views(slot)
 
+    def body_views(self, plan: GetPlan) -> list[memoryview]:
+        return self.reads.body_views(plan)
+
     def finish_get(self, plan: GetPlan) -> None:
         self.reads.finish_get(plan)
 
@@ -310,6 +323,9 @@ class Store:
             "prefixstore_leases": len(self.leases),
             "prefixstore_pending_entries": len(self.writes.pending),
             "prefixstore_lmdb_read_txns": tier.pinned if tier is not None else 0,
+            "prefixstore_write_behind_bytes": self.behind.bytes,
+            "prefixstore_write_behind_entries": self.behind.entries,
+            "prefixstore_write_behind_lag_seconds": self.behind.lag_s(),
         }
 
     def stats(self) -> dict[str, object]:
@@ -322,7 +338,10 @@ class Store:
             "arena": {"capacity_bytes": self.arena.capacity_bytes, "page_bytes": self.arena.page_bytes,
                       "free_bytes": self.arena.num_free * self.arena.page_bytes},
             "disk": {"enabled": tier is not None, "budget_bytes": self.config.disk_bytes,
-                     "payload_bytes": idx.disk_bytes(), "path": str(tier.path) if tier is not None else None},
+                     "payload_bytes": idx.disk_bytes(), "path": str(tier.path) if tier is not None else None,
+                     "durability": self.config.durability,
+                     "behind": {"bytes": self.behind.bytes, "entries": self.behind.entries,
+                                "lag_s": round(self.behind.lag_s(), 3)}},
             "leases": len(self.leases),
             "pending": len(self.writes.pending),
             "tenants": {name: {"stored_bytes": n, "quota_bytes": self.tenants.quota_of(name) if self.tenants else None}
@@ -336,7 +355,7 @@ class Store:
         """Verify the store's invariants (index, arena accounting, queues, ledger); raise naming the broken one."""
         self.index.check(self.namespaces.root_nodes(), foreign_parents=self.foreign_parents)
         holders = list(self.index.entries.values()) + list(self.writes.pending.values())
-        self.space.check(holders)
+        self.space.check(holders, self.behind.behind())
         held: dict[str, int] = {}
         for e in holders:
             ns = self.namespaces.find(e.namespace_id)

@@ -52,6 +52,11 @@ _GAUGE_HELP = {
     "prefixstore_leases": "Leases currently held.",
     "prefixstore_pending_entries": "Entries put but not yet committed.",
     "prefixstore_lmdb_read_txns": "LMDB read transactions held open for NIXL READs out of LMDB's map.",
+    "prefixstore_write_behind_bytes": "Bytes (payloads and records) of committed entries not yet written to LMDB "
+                                      "(durability=write-behind).",
+    "prefixstore_write_behind_entries": "Committed entries not yet written to LMDB (durability=write-behind).",
+    "prefixstore_write_behind_lag_seconds": "Seconds since the oldest committed entry not yet in LMDB was "
+                                            "committed (0: none behind).",
 }
 
 
@@ -107,6 +112,14 @@ class StoreMetrics:
         self.malformed_requests = Counter(
             "prefixstore_malformed_requests", "HTTP requests aiohttp could not parse (answered 400 by it).",
             registry=r)
+        self.write_behind_written = Counter(
+            "prefixstore_write_behind_written", "Committed entries the write-behind wrote to LMDB.", registry=r)
+        self.write_behind_txns = Counter(
+            "prefixstore_write_behind_txns", "LMDB transactions of the write-behind (entries per transaction = "
+            "written / txns).", registry=r)
+        self.write_behind_waits = Counter(
+            "prefixstore_write_behind_waits", "Commits that waited for the write-behind to come back within "
+            "write_behind_bytes / write_behind_s (back-pressure).", registry=r)
         self.checksum_failures = Counter(
             "prefixstore_checksum_failures", "Payloads whose checksum did not verify, by where they were read.",
             ["tier"], registry=r)

@@ -55,6 +55,13 @@ MapDisk = Callable[[list[GetSlot]], Awaitable[list[str | None]]]
 """store/nixl_target.py's map READ: offered the disk-only slots of a get (see prepare_get)."""
 
 
+SEND_BYTES = 1 << 20
+"""Most bytes of one view :meth:`ReadPath.body_views` hands the HTTP plane: an asyncio transport
+(Python 3.11) copies what the socket does not take at once into its own buffer, so one 64 MiB
+write would be one more copy of most of the answer; 1 MiB writes keep that copy small and were
+measured at raw-socket speed (docs/benchmarks.md)."""
+
+
 class ReadPath:
     def __init__(self, config: StoreConfig, index: Index, arena: Arena, space: Space, disk: Disk,
                  metrics: StoreMetrics, clock: Callable[[], float]) -> None:
@@ -155,6 +162,26 @@ class ReadPath:
             return [memoryview(slot.buffer)[slot.offset : slot.offset + slot.length]]
         assert slot.entry.pages is not None
         return list(self._arena.runs(slot.entry.pages, slot.offset, slot.length))
+
+    def body_views(self, plan: GetPlan) -> list[memoryview]:
+        """Every served payload of a get, in order, as few views as the arena allows: the ranges
+        of entries in adjacent pages merged into one view (a 64 MiB get of 64 KiB blocks stored
+        together goes out as a handful of writes, not 1024)."""
+        out: list[memoryview] = []
+        run: list[tuple[int, int]] = []
+        for slot in plan.slots:
+            if slot.status is not ItemStatus.OK:
+                continue
+            e = slot.entry
+            assert e is not None
+            if slot.buffer is not None or e.pages is None:
+                out += self._arena.coalesce(run, SEND_BYTES)
+                run = []
+                out += self.payload_views(slot)
+                continue
+            run += self._arena.extents(e.pages, slot.offset, slot.length)
+        out += self._arena.coalesce(run, SEND_BYTES)
+        return out
 
     def finish_get(self, plan: GetPlan) -> None:
         for slot in plan.slots:

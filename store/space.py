@@ -28,6 +28,10 @@ from .metrics import StoreMetrics
 from .namespaces import Namespaces
 
 
+def _unpinned(e: Entry) -> bool:
+    return e.pins == 0
+
+
 class Space:
     def __init__(self, index: Index, arena: Arena, disk: Disk, namespaces: Namespaces, ledger: TenantLedger,
                  admission: Mapping[Kind, AdmissionPolicy], eviction: EvictionPolicy, metrics: StoreMetrics,
@@ -56,28 +60,42 @@ class Space:
     def allocate(self, size: int) -> list[int] | None:
         """Arena pages for ``size`` bytes, evicting unpinned entries as needed; None if impossible."""
         need = self.arena.pages_for(size)
-        if need > self.arena.num_pages:
+        if need > self.arena.num_pages or not self.make_room(need):
             return None
-        while self.arena.num_free < need:
-            if self._disk.enabled:
-                popped = self.ram_queue.pop(lambda e: e.pins == 0)
-                if popped is None:
-                    return None
-                v, priority = popped
-                assert v.pages is not None
-                self.arena.free(v.pages)
-                self.index.set_tier(v, None, True)
-                self._eviction.on_evict(v, priority, self._clock())
-                self._metrics.evictions.labels(v.metric_kind, "demoted").inc()
-            else:
-                popped = self.delete_queue.pop(lambda e: e.pins == 0)
-                if popped is None:
-                    return None
-                self.evict(*popped)
         try:
             return self.arena.allocate(size)
-        except ArenaFull:  # pragma: no cover - the loop above guarantees room
+        except ArenaFull:  # pragma: no cover - make_room guarantees room
             return None
+
+    def make_room(self, pages: int) -> bool:
+        """Free arena pages until ``pages`` are free: LMDB tier, demote the lowest-priority unpinned
+        RAM entries (they stay on disk); RAM only, delete leaves. False when pins forbid it (what
+        was freed stays free). A put makes room for its whole batch in one call."""
+        if self.arena.num_free >= pages:
+            return True
+        demoted: dict[str, int] = {}
+        try:
+            while self.arena.num_free < pages:
+                if self._disk.enabled:
+                    popped = self.ram_queue.pop(_unpinned)
+                    if popped is None:
+                        return False
+                    v, priority = popped
+                    assert v.pages is not None
+                    self.arena.free(v.pages)
+                    self.index.set_tier(v, None, True)
+                    self._eviction.on_evict(v, priority, self._clock())
+                    mk = v.metric_kind
+                    demoted[mk] = demoted.get(mk, 0) + 1
+                else:
+                    popped = self.delete_queue.pop(_unpinned)
+                    if popped is None:
+                        return False
+                    self.evict(*popped)
+            return True
+        finally:
+            for mk, n in demoted.items():
+                self._metrics.evictions.labels(mk, "demoted").inc(n)
 
     def enforce_disk_budget(self, incoming: int) -> bool:
         """Delete leaves until ``incoming`` more charged bytes (payloads and records) fit in
@@ -150,6 +168,13 @@ class Space:
             self.arena.free(e.pages)
             e.pages = None
 
+    def persisted(self, e: Entry) -> None:
+        """A committed entry reached LMDB (write-behind, store/behind.py): from now on its RAM copy
+        may be demoted. Not a use: its priority stays what its commit made it."""
+        self.index.set_tier(e, e.pages, True)
+        if e.pages is not None:
+            self.ram_queue.update(e, e.priority)
+
     def requeue(self, e: Entry, now: float) -> None:
         """Recompute an entry's priority (a store or a read is a use) and queue it where it belongs."""
         priority = e.priority = self._eviction.priority(e, now)
@@ -158,8 +183,9 @@ class Space:
         if e.is_leaf:
             self.delete_queue.update(e, priority)
 
-    def check(self, holders: list[Entry]) -> None:
-        """Arena accounting and queue membership (``holders``: every entry holding pages)."""
+    def check(self, holders: list[Entry], behind: Collection[Entry] = ()) -> None:
+        """Arena accounting and queue membership (``holders``: every entry holding pages; ``behind``:
+        committed entries the write-behind has not written yet, store/behind.py)."""
         if self.arena.virtual:
             held = sum(-sum(e.pages) for e in holders if e.pages)
             if held > self.arena.num_pages - self.arena.num_free:
@@ -173,15 +199,22 @@ class Space:
                     used[p] = e.key
             if len(used) > self.arena.num_pages - self.arena.num_free:
                 raise IndexInvariantError("arena: more pages held than allocated")
+        unwritten = set(map(id, behind))
         for e in self.index.entries.values():
             if e.is_leaf and e not in self.delete_queue:
                 raise IndexInvariantError(f"entry {e.key.hex()}: a leaf missing from the deletion queue")
-            if self._disk.enabled and e.pages is not None and e not in self.ram_queue:
-                raise IndexInvariantError(f"entry {e.key.hex()}: in RAM but missing from the RAM queue")
             if e.pins < 0:
                 raise IndexInvariantError(f"entry {e.key.hex()}: negative pins")
+            if id(e) in unwritten:
+                if e.on_disk or e.pages is None and not e.record or e in self.ram_queue:
+                    raise IndexInvariantError(f"entry {e.key.hex()}: not yet written to LMDB, but not only in RAM "
+                                              "(or demotable)")
+                continue
+            if self._disk.enabled and e.pages is not None and e not in self.ram_queue:
+                raise IndexInvariantError(f"entry {e.key.hex()}: in RAM but missing from the RAM queue")
             if self._disk.enabled and not e.on_disk:
-                raise IndexInvariantError(f"entry {e.key.hex()}: committed but not written through to LMDB")
+                raise IndexInvariantError(f"entry {e.key.hex()}: committed but neither written to LMDB nor "
+                                          "behind the write-behind")
 
 
 __all__ = ["Space"]

@@ -3,7 +3,7 @@
 Entry life cycle::
 
     offer --want--> put --> pending (pages held, invisible) --commit--> committed
-                                |  expires after pending_ttl_s        |  LMDB (write-through) + index
+                                |  expires after pending_ttl_s        |  index + LMDB (sync: first; write-behind: after)
                                 v                                     v
                              reclaimed                     visible to lookups and reads
 
@@ -23,25 +23,30 @@ Rules: a pending entry pins its parent or container (anchor) until it commits or
 they survive until the commit; a block whose parent is another node's (a cluster) pins nothing.
 The pending entry keeps the pinned anchor itself (``Entry.anchor``), not its key: an anchor
 deleted meanwhile (a flush, a damaged tier, a corruption cascade) is unpinned all the same, and
-its pages freed with its last pin. Commit writes through to LMDB before indexing, so a SIGKILLed store serves
-every entry it acknowledged; a write that the tier's reset overtook is not indexed.
+its pages freed with its last pin. Durability (``durability``): ``sync`` writes through to LMDB before
+indexing, so a SIGKILLed store serves every entry it acknowledged, and a write that the tier's reset
+overtook is not indexed; ``write-behind`` indexes first and queues the entries for the writer
+(store/behind.py), so a SIGKILLed store loses at most what was behind its bounds, never returns
+other bytes (every payload read from LMDB is checked against its record's checksum).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..admission import AdmissionPolicy, EvictionPolicy
+from ..protocol import checksums
 from ..protocol.errors import ItemStatus, Problem
 from ..protocol.hashing import HASH_BYTES, BlockHash
 from ..protocol.keys import Kind
 from ..protocol.namespace import Namespace
 from ..protocol.wire import REASON_QUOTA, REASON_RECORD, ItemResult, ItemSpec, WireError
 from .arena import Arena
+from .behind import WriteBehind, puts_of
 from .config import StoreConfig
 from .disk import Disk
 from .index import STORE_KEY_BYTES, Entry, Index, entry_charge, scope, store_key
@@ -54,6 +59,7 @@ from .validate import check_item, snapshot_hash
 
 log = logging.getLogger(__name__)
 
+_PENDING = ItemResult(ItemStatus.PENDING)
 _COMMITTING = math.inf  # expires_s of a pending entry whose commit is in flight
 _ORDER = {Kind.BLOCK: 0, Kind.TAIL: 1, Kind.STATE: 2}  # parents before children
 MAX_CLAIMS = 1 << 16  # continuation claims of offered blocks not yet committed (oldest forgotten first)
@@ -61,13 +67,40 @@ MAX_CLAIMS = 1 << 16  # continuation claims of offered blocks not yet committed 
 
 @dataclass(slots=True)
 class PutPlan:
-    """Where each payload of a put body goes: arena views, or None to skip its bytes."""
+    """Where each payload of a put body goes: arena extents, or None to skip its bytes."""
 
     namespace_id: bytes
     sizes: list[int]
-    targets: list[list[memoryview] | None]
+    extents: list[list[tuple[int, int]] | None]  # per item: (start, end) byte ranges in the arena
+    arena: Arena
     results: list[ItemResult]
     entries: list[Entry | None]
+
+    @property
+    def targets(self) -> list[list[memoryview] | None]:
+        """Per item: the arena views its payload fills, in order, or None (its bytes are skipped)."""
+        view = self.arena.view
+        return [None if ext is None else [view[lo:hi] for lo, hi in ext] for ext in self.extents]
+
+    def body(self) -> list[memoryview | int]:
+        """The whole body after the header, in order: views to fill (the payloads of items in
+        adjacent pages merged into one view) and byte counts to skip (items not taken)."""
+        out: list[memoryview | int] = []
+        run: list[tuple[int, int]] = []
+        skip = 0
+        for size, ext in zip(self.sizes, self.extents):
+            if ext is None:
+                skip += size
+                continue
+            if skip:
+                out += self.arena.coalesce(run)
+                out.append(skip)
+                run, skip = [], 0
+            run += ext
+        out += self.arena.coalesce(run)
+        if skip:
+            out.append(skip)
+        return out
 
     @property
     def keys(self) -> list[bytes]:
@@ -80,15 +113,9 @@ class PutPlan:
         return [i for i, r in enumerate(self.results) if r.reason == REASON_QUOTA]
 
 
-def record_of(e: Entry) -> StoredRecord:
-    return StoredRecord(key=e.key, namespace_id=e.namespace_id, parent=e.parent, start=e.start, tokens=e.tokens,
-                        extra=e.extra, container=e.container, boundary=e.boundary, size=e.size,
-                        checksum=e.checksum, origin=e.origin, record=e.record, branch=e.branch)
-
-
 class WritePath:
     def __init__(self, config: StoreConfig, index: Index, arena: Arena, namespaces: Namespaces,
-                 ledger: TenantLedger, space: Space, disk: Disk, admission: Mapping[Kind, AdmissionPolicy],
+                 ledger: TenantLedger, space: Space, disk: Disk, behind: WriteBehind, admission: Mapping[Kind, AdmissionPolicy],
                  eviction: EvictionPolicy, metrics: StoreMetrics, clock: Callable[[], float]) -> None:
         self._config = config
         self._index = index
@@ -97,6 +124,7 @@ class WritePath:
         self._ledger = ledger
         self._space = space
         self._disk = disk
+        self._behind = behind
         self._admission = admission
         self._eviction = eviction
         self._metrics = metrics
@@ -291,8 +319,8 @@ class WritePath:
         results, _ = self._triage(ns, items, for_put=False, place=place)
         now = self._clock()
         wanted = self._wanted.setdefault(self._ledger.owner_of(ns), OrderedDict())
+        self._count(Counter((item.kind.metric_kind, r.status) for item, r in zip(items, results)))
         for item, r in zip(items, results):
-            self._metrics.admission.labels(item.kind.metric_kind, r.status).inc()
             if r.status is ItemStatus.WANT:
                 key = store_key(ns.id, item.kind, item.hash)
                 wanted.pop(key, None)  # a repeat offer moves to the back, so expiry stays in order
@@ -322,13 +350,22 @@ class WritePath:
             if e is not None and anchor is not None:
                 anchor.pins += 1  # held until the entry commits or is dropped
                 e.anchor = anchor  # None: a root, or (cluster) a parent another node holds
-        targets: list[list[memoryview] | None] = []
+        # One pass, batch-shaped: room made once for the batch (demotion or eviction), decisions
+        # counted per (kind, decision) and the tenant charged once for the request, not per item
+        # (a 64 MiB put of 64 KiB blocks has 1024 items).
+        self._space.make_room(sum(self._arena.pages_for(e.size) for e in new if e is not None and not e.record))
+        decisions: Counter[tuple[str, ItemStatus]] = Counter()
+        extents: list[list[tuple[int, int]] | None] = []
         failed: set[bytes] = set()
+        expires = now + self._config.pending_ttl_s
+        pending = self.pending
+        arena = self._arena
+        charged = 0
         for i, (item, e) in enumerate(zip(items, new)):
             if e is None:
-                targets.append(None)
-                decision = ItemStatus.HAVE if results[i].status is ItemStatus.HAVE else ItemStatus.REJECTED
-                self._metrics.admission.labels(item.kind.metric_kind, decision).inc()
+                extents.append(None)
+                decisions[item.kind.metric_kind, ItemStatus.HAVE if results[i].status is ItemStatus.HAVE
+                          else ItemStatus.REJECTED] += 1
                 continue
             dep = self._anchor_key(e)
             if e.record:  # no payload: nothing to reserve, no bytes in the body
@@ -337,13 +374,13 @@ class WritePath:
                     self._release_anchor(e)
                     results[i] = ItemResult(ItemStatus.REJECTED, "parent not stored")
                     new[i] = None
-                    targets.append(None)
+                    extents.append(None)
                     continue
-                e.expires_s = now + self._config.pending_ttl_s
-                self.pending[e.key] = e
-                self._space.charge(e, 1)
-                targets.append(None)
-                results[i] = ItemResult(ItemStatus.PENDING)
+                e.expires_s = expires
+                pending[e.key] = e
+                charged += e.charge
+                extents.append(None)
+                results[i] = _PENDING
                 continue
             pages = None if dep in failed else self._space.allocate(e.size)
             if pages is None:
@@ -352,18 +389,26 @@ class WritePath:
                 results[i] = ItemResult(ItemStatus.REJECTED, "parent not stored" if dep in failed else
                                         "RAM arena full of pinned or uncommitted entries")
                 new[i] = None
-                targets.append(None)
-                self._metrics.admission.labels(item.kind.metric_kind, ItemStatus.REJECTED).inc()
+                extents.append(None)
+                decisions[item.kind.metric_kind, ItemStatus.REJECTED] += 1
                 continue
             e.pages = pages
-            e.expires_s = now + self._config.pending_ttl_s
-            self.pending[e.key] = e
-            self._space.charge(e, 1)
-            targets.append(list(self._arena.runs(pages, 0, e.size)))
-            results[i] = ItemResult(ItemStatus.PENDING)
-            self._metrics.admission.labels(item.kind.metric_kind, ItemStatus.WANT).inc()
-        return PutPlan(namespace_id=ns.id, sizes=[it.size for it in items], targets=targets,
+            e.expires_s = expires
+            pending[e.key] = e
+            charged += e.charge
+            extents.append(list(arena.extents(pages, 0, e.size)))
+            results[i] = _PENDING
+            decisions[item.kind.metric_kind, ItemStatus.WANT] += 1
+        if charged:
+            self._ledger.charge(ns, charged)
+        self._count(decisions)
+        return PutPlan(namespace_id=ns.id, sizes=[it.size for it in items], extents=extents, arena=arena,
                        results=results, entries=new)
+
+    def _count(self, decisions: Counter[tuple[str, ItemStatus]]) -> None:
+        """Admission decisions of one request: one ``labels()`` per (kind, decision), not per item."""
+        for (kind, decision), n in decisions.items():
+            self._metrics.admission.labels(kind, decision).inc(n)
 
     def reserve(self, ns: Namespace, items: Sequence[ItemSpec]) -> PutPlan:
         """:meth:`plan_put` for a put that moves bytes: refused *whole* (nothing reserved) when any
@@ -385,16 +430,38 @@ class WritePath:
                 self.drop_pending(e)
 
     def verify_put(self, plan: PutPlan) -> None:
-        """After the body arrived: drop items whose bytes do not match their checksum."""
-        for i, e in enumerate(plan.entries):
-            if e is None or self.pending.get(e.key) is not e or e.record:
+        """After the body arrived: drop items whose bytes do not match their checksum. One native
+        call hashes the batch with the GIL released (protocol/checksums.py), so the LMDB writer
+        thread runs beside it."""
+        if self._arena.virtual:
+            return
+        view = self._arena.view
+        idx: list[int] = []  # items in one run of pages: hashed together below
+        views: list[memoryview] = []
+        sums: list[int] = []
+        verdict: dict[int, bool] = {}
+        for i, (e, ext) in enumerate(zip(plan.entries, plan.extents)):
+            if e is None or ext is None or self.pending.get(e.key) is not e or e.record:
                 continue
-            assert e.pages is not None
-            if not self._arena.virtual and self._arena.checksum(e.pages, 0, e.size) != e.checksum:
+            if len(ext) == 1:
+                idx.append(i)
+                views.append(view[ext[0][0] : ext[0][1]])
+                sums.append(e.checksum)
+            else:  # pages not adjacent: hashed run by run
+                assert e.pages is not None
+                verdict[i] = self._arena.checksum(e.pages, 0, e.size) == e.checksum
+        verdict.update(zip(idx, checksums.verify(views, sums)))
+        bad = 0
+        for i, good in verdict.items():
+            if not good:
+                e = plan.entries[i]
+                assert e is not None
                 self.drop_pending(e)
                 plan.entries[i] = None
                 plan.results[i] = ItemResult(ItemStatus.REJECTED, "payload does not match its checksum")
-                self._metrics.checksum_failures.labels("network").inc()
+                bad += 1
+        if bad:
+            self._metrics.checksum_failures.labels("network").inc(bad)
 
     def verify_pending(self, ns_id: bytes, keys: Sequence[bytes]) -> tuple[list[ItemResult], int]:
         """The NIXL path's verify_put: payloads were WRITTEN into reserved pages, not streamed.
@@ -462,14 +529,20 @@ class WritePath:
         return p is not None and p.end == e.start
 
     async def commit(self, ns_id: bytes, keys: Sequence[bytes]) -> list[ItemResult]:
-        """Make pending entries visible: persist them (write-through), then index them.
-        ``keys`` are wire entry keys (kind || hash) of namespace ``ns_id``."""
+        """Make pending entries visible. ``durability = "sync"``: persist them (write-through), then
+        index them; ``write-behind``: index them, then queue them for the writer (store/behind.py),
+        after waiting while it is over its bounds. ``keys`` are wire entry keys (kind || hash) of
+        namespace ``ns_id``."""
         self._namespaces.get(ns_id)
+        behind = self._disk.enabled and self._behind.enabled
+        if behind:
+            await self._behind.room()  # back-pressure, before anything of this commit is decided
         results: list[ItemResult] = [ItemResult(ItemStatus.MISSING, "not put, or expired")] * len(keys)
         batch: list[tuple[int, Entry]] = []
+        pending = self.pending
         for i, wire_key in enumerate(keys):
             key = scope(ns_id, wire_key)
-            e = self.pending.get(key)
+            e = pending.get(key)
             if e is None:
                 if self._index.get(key) is not None:
                     results[i] = ItemResult(ItemStatus.HAVE)
@@ -484,7 +557,7 @@ class WritePath:
         # Parents before children whatever order the client listed them in.
         batch.sort(key=lambda ie: (_ORDER[ie[1].kind], ie[1].start))
         if self._disk.enabled:
-            if not self._space.enforce_disk_budget(sum(e.charge for _, e in batch)):
+            if not self._space.enforce_disk_budget(sum(e.charge for _, e in batch) + self._behind.bytes):
                 for i, e in batch:
                     self.drop_pending(e)
                     results[i] = ItemResult(ItemStatus.REJECTED, "LMDB tier full of pinned entries")
@@ -494,37 +567,41 @@ class WritePath:
                 self.drop_pending(e)
                 results[i] = ItemResult(ItemStatus.REJECTED, "max_entries reached by pinned entries")
             return results
-        if self._disk.enabled:
-            puts = [(record_of(e), list(self._arena.runs(e.pages or [], 0, e.size))) for _, e in batch]
+        if self._disk.enabled and not behind:
             failure: str | None = None
             try:
-                if not await self._disk.write(puts):
+                if not await self._disk.write(puts_of(self._arena, [e for _, e in batch])):
                     failure = "disk tier damaged and reset"
             except Exception as err:
                 log.exception("LMDB write failed; %d entries not committed", len(batch))
                 failure = f"disk write failed: {type(err).__name__}"
             if failure is not None:
                 for i, e in batch:
-                    if self.pending.get(e.key) is e:
+                    if pending.get(e.key) is e:
                         self.drop_pending(e)
                     results[i] = ItemResult(ItemStatus.REJECTED, failure)
                 return results
         now = self._clock()
+        on_disk = self._disk.enabled and not behind
+        entries = self._index.entries
+        ok = ItemResult(ItemStatus.OK)
+        queued: list[Entry] = []
         for i, e in batch:
-            if self.pending.get(e.key) is not e:  # dropped while the write was in flight
+            if pending.get(e.key) is not e:  # dropped while the write was in flight
                 results[i] = ItemResult(ItemStatus.REJECTED, "dropped before commit")
-                self._disk.doom(e.key)
+                if on_disk:
+                    self._disk.doom(e.key)
                 continue
-            if not self.attachable(e) or e.key in self._index.entries:
-                gone = e.key not in self._index.entries
+            if not self.attachable(e) or e.key in entries:
+                gone = e.key not in entries
                 self.drop_pending(e)
-                if gone:
+                if gone and on_disk:
                     self._disk.doom(e.key)
                 results[i] = ItemResult(ItemStatus.REJECTED, "parent or container gone") if gone \
                     else ItemResult(ItemStatus.HAVE)
                 continue
-            del self.pending[e.key]
-            e.on_disk = self._disk.enabled
+            del pending[e.key]
+            e.on_disk = on_disk
             e.last_access_s = now
             self._index.insert(e)
             self._eviction.on_store(e, now)
@@ -533,8 +610,12 @@ class WritePath:
             if parent is not None:
                 self._space.delete_queue.discard(parent)  # it has a dependant now
             self._release_anchor(e)
-            self._space.requeue(e, now)
-            results[i] = ItemResult(ItemStatus.OK)
+            self._space.requeue(e, now)  # an entry behind the writer joins no RAM queue: never demoted
+            results[i] = ok
+            if behind:
+                queued.append(e)
+        if queued:
+            self._behind.add(queued)
         return results
 
     # ------------------------------------------------------------ restart
@@ -598,4 +679,4 @@ class WritePath:
         return out
 
 
-__all__ = ["PutPlan", "WritePath", "record_of"]
+__all__ = ["PutPlan", "WritePath"]

@@ -42,6 +42,10 @@ class CoreHarness:
         self.run(self.store.close())
         self.store = self._open()
 
+    def drain(self) -> None:
+        """Wait for the write-behind to have written every committed entry to LMDB."""
+        self.run(self.store.drain_writes())
+
     def close(self) -> None:
         self.run(self.store.close())
         self.loop.close()
@@ -51,6 +55,13 @@ class CoreHarness:
     def save(self, tokens: list[int], kv_upto: int, snapshots: Mapping[int, bytes] | None = None,
              extra_keys: list[bytes] | None = None) -> dict[str, int]:
         """Offer, put and commit KV [0, kv_upto) and the given snapshots; count outcomes."""
+        keys, counts = self.stage(tokens, kv_upto, snapshots, extra_keys)
+        results = self.run(self.store.commit(self.ns.id, keys))
+        return {**counts, "committed": sum(r.status == STATUS_OK for r in results)}
+
+    def stage(self, tokens: list[int], kv_upto: int, snapshots: Mapping[int, bytes] | None = None,
+              extra_keys: list[bytes] | None = None) -> tuple[list[bytes], dict[str, int]]:
+        """:meth:`save` up to its commit: the wire keys to commit, and the offer's counts."""
         p = Prompt(self.ns, tokens, extra_keys)
         kv = p.kv_items(kv_upto)
         specs: list[ItemSpec] = [s for s, _, _ in kv]
@@ -68,10 +79,8 @@ class CoreHarness:
                     view[:] = pl[pos : pos + len(view)]
                     pos += len(view)
         self.store.verify_put(plan)
-        keys = plan.keys
-        results = self.run(self.store.commit(self.ns.id, keys))
-        return {"offered": len(specs), "wanted": len(wanted), "have": sum(d.status == "have" for d in decisions),
-                "committed": sum(r.status == STATUS_OK for r in results)}
+        return plan.keys, {"offered": len(specs), "wanted": len(wanted),
+                           "have": sum(d.status == "have" for d in decisions)}
 
     def lookup(self, tokens: list[int], lease: bool = True, extra_keys: list[bytes] | None = None):  # type: ignore[no-untyped-def]
         p = Prompt(self.ns, tokens, extra_keys)

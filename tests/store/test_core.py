@@ -139,6 +139,8 @@ def test_ram_eviction_with_lmdb_demotes_and_reads_promote(ns, harness, tmp_path:
     seqs = [[i] * 8 for i in range(20)]
     for s in seqs:
         assert h.save(s, 8)["committed"] == 2
+    h.store.check()  # entries behind the write-behind: only in RAM, never demoted
+    h.drain()
     stats = h.store.stats()
     assert stats["entries"]["kv/disk"] == 40 and stats["entries"]["kv/ram"] < 40  # type: ignore[index]
     for s in seqs:  # every one still exact, read back from disk into RAM

@@ -108,11 +108,12 @@ def test_stored_bytes_and_entries_by_kind_and_tier(ns, harness, tmp_path: Path) 
     assert gauges(h.store, "prefixstore_entries") == {
         ("kv", "ram"): 3, ("kv", "disk"): 0, ("state", "ram"): 2, ("state", "disk"): 0}
 
-    # Write-through LMDB: every committed entry is on disk too; RAM holds what fits.
+    # LMDB: every committed entry is on disk too (once written); RAM holds what fits.
     # 12 pages of 64 B: the three KV entries (4 + 4 + 2 pages) and both snapshots (1 each).
     d = harness(StoreConfig(port=0, data_dir=str(tmp_path / "lmdb"), ram_bytes=12 * 64, page_bytes=64,
                             disk_bytes=1 << 20, eviction="lru", state_admission="always"), ns)
     d.save(A, 10, {4: state_payload(ns, A, 4), 10: state_payload(ns, A, 10)})
+    d.drain()  # durability=write-behind: on disk once the writer has been
     assert gauges(d.store, "prefixstore_stored_bytes") == {
         ("kv", "ram"): 640, ("kv", "disk"): 640, ("state", "ram"): 32, ("state", "disk"): 32}
     # One more 2-block sequence needs 8 of the 12 pages: entries are demoted (RAM only;
@@ -121,6 +122,8 @@ def test_stored_bytes_and_entries_by_kind_and_tier(ns, harness, tmp_path: Path) 
     # is that RAM + demoted = disk for each kind, and RAM bytes fit the 12 pages.
     d.now[0] += 1.0
     d.save([200] * 8, 8)
+    d.store.check()  # the new sequence, behind the writer: in RAM only, not demotable
+    d.drain()
     entries = gauges(d.store, "prefixstore_entries")
     held = gauges(d.store, "prefixstore_stored_bytes")
     demoted = counters(d.store, "prefixstore_evictions_total", "reason", ("demoted", "capacity"))

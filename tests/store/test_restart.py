@@ -1,7 +1,8 @@
 """Durability across process death, with a real ``prefixstore serve`` subprocess.
 
-DESIGN §7: a restarted node serves what it had committed (write-through to
-LMDB at commit, so even SIGKILL loses nothing). DESIGN §4: a payload whose
+DESIGN §7: a restarted node serves what it had committed (``durability=sync``
+writes through to LMDB at commit, so even SIGKILL loses nothing; write-behind's
+bounds are tested in tests/durability). DESIGN §4: a payload whose
 checksum fails on the way out of a tier is a miss plus a deletion, never
 wrong bytes.
 """
@@ -57,7 +58,7 @@ SAVED = [
 
 def _args(data_dir: Path) -> list[str]:
     return ["--port", "0", "--data-dir", str(data_dir), "--ram-bytes", "1MiB", "--page-bytes", "4KiB",
-            "--disk-bytes", "64MiB"]
+            "--disk-bytes", "64MiB", "--durability", "sync"]
 
 
 def _client(p: ServeProcess, ns: Namespace, verify_checksums: bool = True) -> PrefixClient:

