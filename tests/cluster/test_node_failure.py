@@ -39,7 +39,7 @@ async def check(client: PrefixClient, ns, tokens: list[int], dead: str | None) -
 
 
 def test_sigkill_one_node_under_load_then_rejoin(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(3, "--state-admission", "always")
+    cluster = make_cluster(3, "--state-admission", "always", "--durability", "sync")  # a kill -9 loses no commit
     ns = make_namespace(block_tokens=B, model="failure")
     rng = random.Random(7)
     first = iter(range(1000, 1 << 20))  # a first token of its own per prompt: no prompt matches another's start
