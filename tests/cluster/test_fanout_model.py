@@ -93,9 +93,11 @@ class ClusterMachine(RuleBasedStateMachine):
             assert res.kv_tokens <= want[0] and res.state_tokens <= want[1], (prompt, res, want)
         assert res.state_tokens <= res.kv_tokens
         assert res.checkpoint_hint == (res.kv_tokens if res.kv_tokens > res.state_tokens else 0)
-        # Read at once: every entry the answer names is on a node that answered it just now, so
-        # even with a node down no read misses (a read racing a node's death may; none does here).
-        assert self.loop.run_until_complete(read_verified(self.client, self.ns, prompt, res)) == 0
+        # Read at once and verify every byte. With every node up no read misses; with one down a read
+        # may (a hot copy the client learned on the dead node, a copy dropped as it cooled: seen once
+        # on a loaded machine in 25+ runs) -- a miss, never a wrong byte (read_verified checks them).
+        misses = self.loop.run_until_complete(read_verified(self.client, self.ns, prompt, res))
+        assert misses == 0 or not self.all_up(), misses
         released = self.loop.run_until_complete(self.client.release(res.lease_id))
         assert released or not res.kv_tokens
 
