@@ -77,6 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -96,6 +97,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -169,6 +171,12 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def loadable_tokens(self, lookup: LookupResult) -> int:
         return self.scheduler_side.loadable_tokens(lookup) if self.scheduler_side is not None else 0
 
+    @property
+    def saves_in_flight(self) -> int:
+        """Saves planned by the scheduler side that the workers have not reported ended (0 on
+        the worker side). An engine driven step by step (tests, benchmarks) steps until it is 0."""
+        return self.scheduler_side.saves_in_flight if self.scheduler_side is not None else 0
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """One lookup (counted by the store, answered the same however often asked); the tokens the
         store adds beyond the engine's local hit."""
@@ -188,6 +196,17 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler_side is None:
             return PrefixStoreMetadata()
         return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def has_pending_push_work(self) -> bool:
+        """Saves in flight keep vLLM's engine loop stepping (empty steps) until the workers report
+        them ended: the report rides a step's output, and the step that copied a finished
+        request's blocks may be the engine's last one otherwise."""
+        return self.saves_in_flight > 0
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' reports of saves that ended (the scheduler stops holding lookups back for them)."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -240,6 +259,9 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker_side is None:
             return KVConnectorTransferResults(finished_sending=set(), finished_recving=set(), failed_recving=set())
         return self.worker_side.get_transfer_results(finished_req_ids)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker_side.build_connector_worker_meta() if self.worker_side is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors() if self.worker_side is not None else set()
