@@ -74,10 +74,16 @@ def reuse_run(llm: Any, reset_local_cache: bool) -> tuple[Any, Any, Any]:
     return reference, first, second
 
 
-def assert_same_generation(a: Any, b: Any) -> None:
+LFM2_CHUNKING_TOLERANCE = 5e-2
+"""vLLM 0.32's LFM2 on CPU gives a 69-token prompt's first generated token log-probability -0.7825
+in one prefill chunk and -0.7511 in 32-token chunks (same engine, no connector): outputs depend on
+chunk ends at this magnitude, so a resume off the recompute's chunk ends is compared within it."""
+
+
+def assert_same_generation(a: Any, b: Any, abs_logprob: float = 1e-4) -> None:
     assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
     for la, lb, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
-        assert la[token].logprob == pytest.approx(lb[token].logprob, abs=1e-4)
+        assert la[token].logprob == pytest.approx(lb[token].logprob, abs=abs_logprob)
 
 
 def test_llama_second_request_loads_the_prefix_and_generates_the_same(store: ServeProcess, tmp_path: Path) -> None:
@@ -166,7 +172,11 @@ def test_hybrid_conversation_reuses_each_whole_previous_turn(store: ServeProcess
         assert [t.num_cached_tokens for t, _ in turns] == [0, P[0] + 8 - 1, P[1] + 8 - 1]  # 0, 47, 84
         for turn, reference in turns:
             assert reference.num_cached_tokens == 0
-            assert_same_generation(turn, reference)
+            # vLLM's own LFM2 CPU path changes log-probabilities by up to 3e-2 with where prefill
+            # chunks end, store or not (docs/vllm.md, "Not done"); a resume at 47 or 84 ends a chunk
+            # where the recompute does not, so here the bound is that, not 1e-4. The state bytes
+            # themselves are checked exactly in test_connector.py.
+            assert_same_generation(turn, reference, abs_logprob=LFM2_CHUNKING_TOLERANCE)
 
 
 def test_hybrid_lfm2_loads_kv_and_state_to_the_boundary(store: ServeProcess, tmp_path: Path) -> None:
