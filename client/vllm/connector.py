@@ -36,28 +36,33 @@ hit that ends mid-block is used to the exact token.
   read marks the request's loaded blocks in ``get_block_ids_with_load_errors``;
   vLLM truncates the request there and recomputes.
 * Hybrid models (Mamba / GDN groups beside attention): KV and state up to the
-  store's state boundary ``state_tokens`` (exact reuse), which must fall on a
-  vLLM block boundary: in ``mamba_cache_mode="align"`` (the mode vLLM's prefix
-  caching of hybrid models uses) the state after ``n`` tokens lives in the
-  Mamba block at position ``n // block_size - 1``. These loads are
+  store's state boundary ``state_tokens`` (exact reuse), at any token: in
+  ``mamba_cache_mode="align"`` (the mode vLLM's prefix caching of hybrid
+  models uses) vLLM reads a new request's initial state from the Mamba block
+  at position ``(n - 1) // block_size`` and allocates exactly that block for
+  an external hit (plans.py ``CacheGroups.state_index``). These loads are
   asynchronous: vLLM 0.32 cannot map block-level load errors back to requests
   when there is more than one KV cache group (it raises), so a failure is
   reported per request through ``get_transfer_results().failed_recving``.
   Tail-Replay ('replay') would need the engine to rebuild the state by
   replaying a suffix; vLLM cannot, so it is refused at start-up.
 
-Saves, twice per request. (1) In the step whose forward pass completes a
-prompt, ``build_connector_meta`` plans a save of the prompt's KV; the worker's
-``wait_for_save`` (after that forward pass) copies it out of the blocks. (2)
-``request_finished`` plans a save of everything the request computed
-(``num_computed_tokens``: prompt plus all but the last sampled token: the next
-turn of a conversation replays it) and keeps its blocks; the worker's next
-``wait_for_save`` copies them and reports the request in ``get_finished`` so
-vLLM frees the blocks. The next step may be the next request's, which is why
-(1) exists: a request arriving right after another finished would otherwise
-look up before the finished one's save started. Either way the copy is all
-the engine waits for: offer and put run on the client's own loop, and only
-what the store wants is sent.
+Saves. (1) In the step whose forward pass completes a prompt (or ends a
+chunk at a junction the store hinted), ``build_connector_meta`` plans a save
+of the prompt's KV with the state after it (and the grid state below it); the
+worker's ``wait_for_save`` (after that forward pass) copies it out of the
+blocks. (2) ``request_finished`` plans a save of everything the request
+computed (prompt + N - 1 tokens: the next turn of a conversation replays it)
+with the state after exactly those tokens, and keeps its blocks; the worker's
+next ``wait_for_save`` copies them and reports the request in
+``get_finished`` so vLLM frees the blocks. No decode-phase state is offered
+with drafts in flight (speculative decoding) or a step pending (async
+scheduling). The next step may be the next request's: a lookup that a save in
+flight would lengthen is answered ``None`` (vLLM asks again) until the
+workers report the save ended (``build_connector_worker_meta``), and
+``has_pending_push_work`` keeps the engine stepping until then. The copy is
+all the engine waits for: offer and put run on the client's own loop, and
+only what the store wants is sent.
 
 The store is best effort: a store that is down or slow gives misses (0
 tokens) and dropped saves, counted in the stats, never an exception in the
