@@ -36,28 +36,33 @@ hit that ends mid-block is used to the exact token.
   read marks the request's loaded blocks in ``get_block_ids_with_load_errors``;
   vLLM truncates the request there and recomputes.
 * Hybrid models (Mamba / GDN groups beside attention): KV and state up to the
-  store's state boundary ``state_tokens`` (exact reuse), which must fall on a
-  vLLM block boundary: in ``mamba_cache_mode="align"`` (the mode vLLM's prefix
-  caching of hybrid models uses) the state after ``n`` tokens lives in the
-  Mamba block at position ``n // block_size - 1``. These loads are
+  store's state boundary ``state_tokens`` (exact reuse), at any token: in
+  ``mamba_cache_mode="align"`` (the mode vLLM's prefix caching of hybrid
+  models uses) vLLM reads a new request's initial state from the Mamba block
+  at position ``(n - 1) // block_size`` and allocates exactly that block for
+  an external hit (plans.py ``CacheGroups.state_index``). These loads are
   asynchronous: vLLM 0.32 cannot map block-level load errors back to requests
   when there is more than one KV cache group (it raises), so a failure is
   reported per request through ``get_transfer_results().failed_recving``.
   Tail-Replay ('replay') would need the engine to rebuild the state by
   replaying a suffix; vLLM cannot, so it is refused at start-up.
 
-Saves, twice per request. (1) In the step whose forward pass completes a
-prompt, ``build_connector_meta`` plans a save of the prompt's KV; the worker's
-``wait_for_save`` (after that forward pass) copies it out of the blocks. (2)
-``request_finished`` plans a save of everything the request computed
-(``num_computed_tokens``: prompt plus all but the last sampled token: the next
-turn of a conversation replays it) and keeps its blocks; the worker's next
-``wait_for_save`` copies them and reports the request in ``get_finished`` so
-vLLM frees the blocks. The next step may be the next request's, which is why
-(1) exists: a request arriving right after another finished would otherwise
-look up before the finished one's save started. Either way the copy is all
-the engine waits for: offer and put run on the client's own loop, and only
-what the store wants is sent.
+Saves. (1) In the step whose forward pass completes a prompt (or ends a
+chunk at a junction the store hinted), ``build_connector_meta`` plans a save
+of the prompt's KV with the state after it (and the grid state below it); the
+worker's ``wait_for_save`` (after that forward pass) copies it out of the
+blocks. (2) ``request_finished`` plans a save of everything the request
+computed (prompt + N - 1 tokens: the next turn of a conversation replays it)
+with the state after exactly those tokens, and keeps its blocks; the worker's
+next ``wait_for_save`` copies them and reports the request in
+``get_finished`` so vLLM frees the blocks. No decode-phase state is offered
+with drafts in flight (speculative decoding) or a step pending (async
+scheduling). The next step may be the next request's: a lookup that a save in
+flight would lengthen is answered ``None`` (vLLM asks again) until the
+workers report the save ended (``build_connector_worker_meta``), and
+``has_pending_push_work`` keeps the engine stepping until then. The copy is
+all the engine waits for: offer and put run on the client's own loop, and
+only what the store wants is sent.
 
 The store is best effort: a store that is down or slow gives misses (0
 tokens) and dropped saves, counted in the stats, never an exception in the
@@ -77,6 +82,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -96,6 +102,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -169,6 +176,12 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def loadable_tokens(self, lookup: LookupResult) -> int:
         return self.scheduler_side.loadable_tokens(lookup) if self.scheduler_side is not None else 0
 
+    @property
+    def saves_in_flight(self) -> int:
+        """Saves planned by the scheduler side that the workers have not reported ended (0 on
+        the worker side). An engine driven step by step (tests, benchmarks) steps until it is 0."""
+        return self.scheduler_side.saves_in_flight if self.scheduler_side is not None else 0
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """One lookup (counted by the store, answered the same however often asked); the tokens the
         store adds beyond the engine's local hit."""
@@ -188,6 +201,17 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler_side is None:
             return PrefixStoreMetadata()
         return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def has_pending_push_work(self) -> bool:
+        """Saves in flight keep vLLM's engine loop stepping (empty steps) until the workers report
+        them ended: the report rides a step's output, and the step that copied a finished
+        request's blocks may be the engine's last one otherwise."""
+        return self.saves_in_flight > 0
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' reports of saves that ended (the scheduler stops holding lookups back for them)."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -240,6 +264,9 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker_side is None:
             return KVConnectorTransferResults(finished_sending=set(), finished_recving=set(), failed_recving=set())
         return self.worker_side.get_transfer_results(finished_req_ids)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker_side.build_connector_worker_meta() if self.worker_side is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.get_block_ids_with_load_errors() if self.worker_side is not None else set()

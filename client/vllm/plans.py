@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from ...protocol.namespace import KVLayout, Namespace, StateLayout
 from ..results import LookupResult
@@ -36,8 +36,16 @@ class CacheGroups:
 
     @property
     def state_block_tokens(self) -> int:
-        """The token grid snapshots live on in vLLM (the Mamba groups' block size)."""
+        """The Mamba groups' block size in vLLM (the grid its own prefix cache keeps states on)."""
         return self.mamba[0][2] if self.mamba else 0
+
+    def state_index(self, t: int) -> int:
+        """Position, in a request's Mamba block table, of the block that holds the state after
+        ``t`` tokens while ``t`` is the request's computed length: vLLM's ``mamba_cache_mode="align"``
+        keeps the running state in block ``cdiv(t, block_size) - 1`` (v1/worker/mamba_utils.py
+        ``preprocess_mamba``: a new request's initial state is read from
+        ``(num_computed_tokens - 1) // block_size``), on the grid (``t / block_size - 1``) or not."""
+        return (t - 1) // self.state_block_tokens
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> CacheGroups:
@@ -121,13 +129,17 @@ class LoadPlan:
 @dataclass(frozen=True, kw_only=True)
 class SavePlan:
     req_id: str
+    save_id: str
+    """Names this save in the worker's report that it is done (``PrefixStoreWorkerMeta``)."""
     tokens: list[int]
     """The tokens whose KV the request computed."""
     start: int
     """Store-block-aligned start: the blocks before it came from the store."""
     block_ids: tuple[list[int], ...]
-    snapshot: int = 0
-    """Boundary of the snapshot to save (0: none)."""
+    snapshots: tuple[int, ...] = ()
+    """Boundaries of the snapshots to save, each from the Mamba block at
+    ``CacheGroups.state_index(t)``: the running state (t = the request's computed length when the
+    worker reads the blocks) or a state vLLM keeps on its grid (t a multiple of its block size)."""
     extra_keys: list[bytes] = field(default_factory=list)
     hold: bool = False
     """The request finished and vLLM keeps its blocks until the worker reports it (get_finished);
@@ -140,4 +152,19 @@ class PrefixStoreMetadata(KVConnectorMetadata):
     saves: list[SavePlan] = field(default_factory=list)
 
 
-__all__ = ["CacheGroups", "LoadPlan", "PrefixStoreMetadata", "SavePlan", "namespace_for"]
+@dataclass
+class PrefixStoreWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: the saves whose offer and put have ended (stored, refused or
+    dropped), with how many workers (tensor-parallel ranks) report each. The scheduler holds back a
+    lookup that a save in flight would lengthen until every rank's save of it has ended."""
+
+    saves_done: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PrefixStoreWorkerMeta)
+        for save_id, n in other.saves_done.items():
+            self.saves_done[save_id] = self.saves_done.get(save_id, 0) + n
+        return self
+
+
+__all__ = ["CacheGroups", "LoadPlan", "PrefixStoreMetadata", "PrefixStoreWorkerMeta", "SavePlan", "namespace_for"]

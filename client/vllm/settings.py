@@ -48,6 +48,10 @@ class ConnectorSettings:
     """Look up and load prefixes from the store."""
     save: bool = True
     """Offer finished requests' KV (and snapshots) to the store."""
+    save_wait_s: float = 2.0
+    """Longest a new request's lookup is held back (vLLM asks again next step) while a save of this
+    engine that shares more of its prompt than vLLM holds locally is still being offered: the next
+    turn of a conversation arrives as the previous turn's save leaves. 0: never wait."""
 
     def __post_init__(self) -> None:
         if self.mode not in REUSE_MODES:
@@ -56,6 +60,9 @@ class ConnectorSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if (not isinstance(self.save_wait_s, (int, float)) or isinstance(self.save_wait_s, bool)
+                or not 0 <= self.save_wait_s <= 600):
+            raise ValueError(f"save_wait_s: must be a number of seconds in [0, 600], got {self.save_wait_s!r}")
         for name in ("load", "save"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 STAT_KEYS = ("lookups", "lookup_failures", "query_tokens", "kv_hit_tokens", "state_hit_tokens", "loaded_tokens",
              "load_failures", "loaded_bytes", "saves", "saved_items", "saved_bytes", "dropped_items",
-             "skipped_requests")
+             "skipped_requests", "save_waits", "junction_stops", "junctions_off_grid", "snapshots_withheld")
 
 
 @dataclass
@@ -60,10 +60,12 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
             for idx, values in per_engine_labelvalues.items() for kind in ("kv", "state") for result in ("hit", "miss")}
         events = self._counter_cls(name="prefixstore_vllm_events_total",
                                    documentation="Connector events: lookups, lookup_failures, load_failures, saves, "
-                                                 "saved_items, dropped_items, skipped_requests.",
+                                                 "saved_items, dropped_items, skipped_requests, save_waits, "
+                                                 "junction_stops, junctions_off_grid, snapshots_withheld.",
                                    labelnames=[*labelnames, "event"])
         self._events_keys = ("lookups", "lookup_failures", "load_failures", "saves", "saved_items", "dropped_items",
-                             "skipped_requests")
+                             "skipped_requests", "save_waits", "junction_stops", "junctions_off_grid",
+                             "snapshots_withheld")
         self._events: dict[tuple[int, str], Any] = {
             (idx, key): events.labels(*values, key)
             for idx, values in per_engine_labelvalues.items() for key in self._events_keys}

@@ -16,8 +16,9 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ..client import PrefixClient
+from .loop import ClientLoop
 from .layout import AttentionLayer, LayoutUnsupported, VllmKV, check_cpu_layout
-from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, SavePlan, namespace_for
+from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for
 from .settings import ConnectorSettings
 from .stats import StatsBox
 
@@ -30,27 +31,6 @@ log = logging.getLogger(__name__)
 
 #: GPU attention backends that keep a token's K then V at [block, head, slot, :] of vLLM's view.
 TOKEN_MAJOR_BACKENDS = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"})
-
-
-class ClientLoop:
-    """A private event loop on a daemon thread: loads and saves run there while the engine computes."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="prefixstore-vllm", daemon=True)
-        self._thread.start()
-
-    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self, client: PrefixClient | None) -> None:
-        if client is not None:
-            try:
-                self.submit(client.close()).result(timeout=10)
-            except Exception as err:  # noqa: BLE001 -- shutting down: nothing left to protect
-                log.debug("prefixstore client close: %s", err)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
 
 
 class LoadFailed(Exception):
@@ -80,6 +60,8 @@ class PrefixStoreWorker:
         self._async_loads: list[tuple[LoadPlan, concurrent.futures.Future[dict[str, str]]]] = []
         self._done_sending: set[str] = set()
         self._saves_in_flight: list[concurrent.futures.Future[Any]] = []
+        self._ended_lock = threading.Lock()
+        self._saves_ended: list[str] = []
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for saves and asynchronous loads in flight (shutdown; tests). Their outcomes are
@@ -187,8 +169,20 @@ class PrefixStoreWorker:
             except Exception as err:  # noqa: BLE001 -- best effort: a save never fails the engine
                 log.warning("prefixstore save of %s dropped: %s: %s", save.req_id, type(err).__name__, err)
                 self._stats.count("dropped_items")
+                self._save_ended(save.save_id)
             if save.hold:
                 self._done_sending.add(save.req_id)  # its blocks have been copied (or will never be)
+
+    def _save_ended(self, save_id: str) -> None:
+        with self._ended_lock:  # the client loop adds, the engine thread takes
+            self._saves_ended.append(save_id)
+
+    def build_connector_worker_meta(self) -> PrefixStoreWorkerMeta | None:
+        """The saves whose offer and put ended since the last step (the scheduler waits for them
+        before it looks up a prompt they would lengthen)."""
+        with self._ended_lock:
+            ended, self._saves_ended = self._saves_ended, []
+        return PrefixStoreWorkerMeta(saves_done=dict.fromkeys(ended, 1)) if ended else None
 
     def _blocks_of(self, plan: LoadPlan) -> set[int]:
         """Blocks of the attention groups holding tokens [start, end) of a load."""
@@ -257,7 +251,10 @@ class PrefixStoreWorker:
         A store that lost part of the prefix meanwhile fails the load (vLLM recomputes), never
         serves a shorter one as if it were whole."""
         assert self.client is not None
-        lookup = await self.client.lookup(plan.lookup.prompt, lease=True)
+        # This rank's own namespace (tp_rank is in it): the scheduler's prompt hashes rank 0's.
+        scheduled = plan.lookup.prompt
+        prompt = self.client.prompt(scheduled.packed, scheduled.extra_keys)
+        lookup = await self.client.lookup(prompt, lease=True)
         if not lookup.ok or lookup.kv_tokens < plan.end or (plan.state_index is not None
                                                              and lookup.state_tokens != plan.end):
             failures[plan.req_id] = (f"the store now holds kv={lookup.kv_tokens} state={lookup.state_tokens} "
@@ -322,20 +319,19 @@ class PrefixStoreWorker:
         tables = [torch.tensor(ids, dtype=torch.long) for ids in plan.block_ids]
         device = self._kv.attention[0].view.device
         total = sum(spec.size for spec, _, _ in items)
-        host = torch.empty(total + self._kv.snapshot_bytes * bool(plan.snapshot), dtype=torch.uint8, device=device)
+        S = self._kv.snapshot_bytes
+        host = torch.empty(total + S * len(plan.snapshots), dtype=torch.uint8, device=device)
         offsets: dict[tuple[int, int], tuple[int, int]] = {}
         pos = 0
         for spec, a, b in items:
             self._kv.gather(host[pos : pos + spec.size], tables, a, b)
             offsets[(a, b)] = (pos, pos + spec.size)
             pos += spec.size
-        snapshots = {}
-        if plan.snapshot:
-            assert self.groups is not None
-            self._kv.gather_state(host[pos:], plan.block_ids, plan.snapshot // self.groups.state_block_tokens - 1)
+        assert self.groups is not None
+        for i, t in enumerate(plan.snapshots):
+            self._kv.gather_state(host[pos + i * S : pos + (i + 1) * S], plan.block_ids, self.groups.state_index(t))
         host_np = host.cpu().numpy()
-        if plan.snapshot:
-            snapshots[plan.snapshot] = host_np[pos:]
+        snapshots = {t: host_np[pos + i * S : pos + (i + 1) * S] for i, t in enumerate(plan.snapshots)}
 
         put_bytes = 0
 
@@ -346,14 +342,17 @@ class PrefixStoreWorker:
             return host_np[lo:hi]
 
         async def save() -> None:
-            result = await client.save(prompt, T, payload, snapshots, start)
-            self._stats.count("saves")
-            self._stats.count("saved_items", result.stored)
-            self._stats.count("dropped_items", result.dropped)
-            self._stats.count("saved_bytes", put_bytes if result.stored else 0)
+            try:
+                result = await client.save(prompt, T, payload, snapshots, start)
+                self._stats.count("saves")
+                self._stats.count("saved_items", result.stored)
+                self._stats.count("dropped_items", result.dropped)
+                self._stats.count("saved_bytes", put_bytes if result.stored else 0)
+            finally:
+                self._save_ended(plan.save_id)
 
         self._saves_in_flight = [f for f in self._saves_in_flight if not f.done()]
         self._saves_in_flight.append(self._loop.submit(save()))
 
 
-__all__ = ["ClientLoop", "LoadFailed", "PrefixStoreWorker", "TOKEN_MAJOR_BACKENDS"]
+__all__ = ["LoadFailed", "PrefixStoreWorker", "TOKEN_MAJOR_BACKENDS"]

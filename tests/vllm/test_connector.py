@@ -18,7 +18,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: tests/vllm/install_vllm.sh installs its CPU build")
 
 import torch  # noqa: E402
-from vllm.config import CacheConfig, KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -27,6 +27,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_kv_cache_config_from_g
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
@@ -49,13 +50,15 @@ def dead_url() -> str:
 class Engine:
     """What vLLM builds around a connector: configs, views, both roles."""
 
-    def __init__(self, url: str | list[str], model_id: str, *, hybrid: bool = False, **extra: object) -> None:
+    def __init__(self, url: str | list[str], model_id: str, *, hybrid: bool = False, tensor_parallel_size: int = 1,
+                 **extra: object) -> None:
         kt = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role="kv_both",
                               kv_connector_module_path="prefixstore.client.vllm.connector",
                               kv_connector_extra_config={"url": url, "model_id": model_id, "timeout_s": 2.0,
                                                          "connect_timeout_s": 0.5, **extra})
         cache = CacheConfig(block_size=BS, mamba_cache_mode="align") if hybrid else CacheConfig(block_size=BS)
-        self.config = VllmConfig(kv_transfer_config=kt, cache_config=cache)
+        self.config = VllmConfig(kv_transfer_config=kt, cache_config=cache,
+                                 parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
         self.config.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves on CPU at start-up
         specs: dict[str, object] = {
             name: FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=torch.float16) for name in ATTN}
@@ -101,6 +104,9 @@ class Engine:
             self.worker.wait_for_layer_load(name)
         self.worker.wait_for_save()
         self.worker.drain()
+        # What vLLM hands the scheduler from the step's output: the saves that ended.
+        self.scheduler.update_connector_output(
+            KVConnectorOutput(kv_connector_worker_meta=self.worker.build_connector_worker_meta()))
 
     def finish(self, request: Request, block_ids: tuple[list[int], ...]) -> None:
         """vLLM finishing a request: the connector keeps its blocks until the worker copied them."""
@@ -239,37 +245,154 @@ def test_cluster_of_three_nodes(cluster: list[str], engine_factory) -> None:  # 
     assert same_bytes(e.blocks([30, 31, 32]), e.expected([30, 31, 32], kv, 40))
 
 
-def test_hybrid_loads_up_to_the_state_boundary_with_its_state(engine_factory) -> None:  # type: ignore[no-untyped-def]
+def hybrid_finished(e: Engine, req_id: str, attn: list[int], mamba: list[int], seed: int,
+                    computed: int = 40, **fields: object) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """A hybrid request that computed ``computed`` tokens finishes: vLLM's kernel wrote its KV,
+    every Mamba block holds some state. Returns the KV and each Mamba block's state by position."""
+    kv = random_kv(seed=seed)
+    e.write(attn, kv, 0, computed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for name in MAMBA:
+        e.views[name][mamba] = torch.randint(-128, 127, e.views[name][mamba].shape, generator=g, dtype=torch.int8)
+    states = {i: {name: e.views[name][b].clone() for name in MAMBA} for i, b in enumerate(mamba)}
+    r = request(req_id, PROMPT + [5], computed=computed)
+    for key, value in fields.items():
+        setattr(r, key, value)
+    e.finish(r, (attn, mamba))
+    return kv, states
+
+
+def test_hybrid_loads_kv_and_state_at_any_token(engine_factory) -> None:  # type: ignore[no-untyped-def]
     e = engine_factory("hybrid", hybrid=True)
     assert e.num_groups == 2
+    # 40 tokens computed (2.5 of vLLM's 16-token pages): the running state, after exactly 40
+    # tokens, is in the Mamba block at position (40 - 1) // 16 = 2; the one on vLLM's grid at 32
+    # at position 1. The request-end save offers both, with the KV of all 40 tokens.
     attn, mamba = [3, 7, 9], [11, 12, 13]
-    kv = random_kv(seed=5)
-    e.write(attn, kv, 0, 40)
-    g = torch.Generator().manual_seed(6)
-    for name in MAMBA:  # some state in every Mamba block of the request
-        e.views[name][mamba] = torch.randint(-128, 127, e.views[name][mamba].shape, generator=g, dtype=torch.int8)
-    # 40 tokens computed: the last state on vLLM's grid is at 32, in the Mamba block at position 1.
-    saved_state = {name: e.views[name][12].clone() for name in MAMBA}
-    e.finish(request("r1", PROMPT + [5], computed=40), (attn, mamba))
+    kv, states = hybrid_finished(e, "r1", attn, mamba, seed=5)
 
     s = e.scheduler
-    # KV is stored up to 32 (exact reuse needs a state), with the snapshot at 32: loadable 32, async.
-    assert s.get_num_new_matched_tokens(request("a", PROMPT + [8] * 10), 0) == (32, True)
+    # Off vLLM's grid, to the token: the whole 40 (async: hybrid loads report per request).
+    assert s.get_num_new_matched_tokens(request("a", PROMPT + [8] * 10), 0) == (40, True)
+    # KV matches 37 tokens; the largest state at or below: 32.
     assert s.get_num_new_matched_tokens(request("b", PROMPT[:37] + [999] * 10), 0) == (32, True)
     # KV matches 20 tokens but no snapshot at or below 20: nothing is loadable (exact mode).
     assert s.get_num_new_matched_tokens(request("c", PROMPT[:20] + [999] * 10), 0) == (0, False)
-    # The local hit already covers the boundary.
-    assert s.get_num_new_matched_tokens(request("d", PROMPT + [8] * 10), 32) == (0, False)
+    # Beyond a local hit of 32: the last 8 tokens and the state after them.
+    assert s.get_num_new_matched_tokens(request("d", PROMPT + [8] * 10), 32) == (8, True)
 
     r = request("a2", PROMPT + [8] * 10)
-    assert s.get_num_new_matched_tokens(r, 0) == (32, True)
-    e.load(r, 0, 32, ([40, 41, 42], [50, 51, 52]))
+    assert s.get_num_new_matched_tokens(r, 0) == (40, True)
+    # vLLM allocates the external hit's Mamba block where its kernels read a request's initial
+    # state: position (40 - 1) // 16 = 2, the earlier ones null.
+    e.load(r, 0, 40, ([40, 41, 42], [0, 0, 52]))
     results = e.worker.get_transfer_results(set())
     assert results.finished_recving == {"a2"} and results.failed_recving == set()
-    assert same_bytes(e.blocks([40, 41]), e.expected([40, 41], kv, 32))
+    assert same_bytes(e.blocks([40, 41, 42]), e.expected([40, 41, 42], kv, 40))
     for name in MAMBA:
-        assert torch.equal(e.views[name][51], saved_state[name])
-    assert s.get_kv_connector_stats().data["state_hit_tokens"] == 32  # type: ignore[union-attr]
+        assert torch.equal(e.views[name][52], states[2][name])
+    assert s.get_kv_connector_stats().data["state_hit_tokens"] == 40  # type: ignore[union-attr]
+
+
+def test_hybrid_grid_state_serves_a_sibling(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    e = engine_factory("hybrid-grid", hybrid=True)
+    _, states = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=15)
+    r = request("b", PROMPT[:37] + [999] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (32, True)
+    e.load(r, 0, 32, ([40, 41], [0, 51]))
+    assert e.worker.get_transfer_results(set()).failed_recving == set()
+    for name in MAMBA:
+        assert torch.equal(e.views[name][51], states[1][name])
+
+
+@pytest.mark.parametrize("field", ["spec_token_ids", "num_output_placeholders"])
+def test_no_draft_or_placeholder_state_is_ever_offered(engine_factory, field: str) -> None:  # type: ignore[no-untyped-def]
+    """A request finishing with draft tokens proposed (speculative decoding: its decode-phase
+    Mamba blocks hold draft states until the next step picks the accepted one) or with a step in
+    flight (async scheduling): its KV of the accepted tokens is saved, its running state is not;
+    only the state vLLM kept on its grid (32) is."""
+    e = engine_factory(f"spec-{field}", hybrid=True)
+    value: object = [77, 78] if field == "spec_token_ids" else 1
+    hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=25, **{field: value})
+    assert e.scheduler.get_num_new_matched_tokens(request("a", PROMPT + [8] * 10), 0) == (32, True)
+    assert e.scheduler.get_kv_connector_stats().data["snapshots_withheld"] == 1  # type: ignore[union-attr]
+
+
+def test_speculative_engine_offers_no_decode_phase_state(store: ServeProcess) -> None:
+    """With a speculative config (n-gram proposer), no request-end state and no decode-phase grid
+    state is offered at all, whatever the request's fields say."""
+    e = Engine(store.url, "spec-engine", hybrid=True)
+    try:
+        # What a SpeculativeConfig (n-gram proposer, num_speculative_tokens > 0) sets at start-up;
+        # building one here needs a target model config this harness has no model for.
+        e.scheduler.scheduler_side.speculative = True
+        _, _ = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=35)
+        # The request-end save carries the KV of all 40 tokens, no state: nothing loadable.
+        assert e.scheduler.get_num_new_matched_tokens(request("a", PROMPT + [8] * 10), 0) == (0, False)
+    finally:
+        e.close()
+
+
+def test_junction_hint_ends_a_chunk_where_vllm_can(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """checkpoint_hint: the store holds KV past its last state; a sibling prompt sets vLLM's
+    shared_prefix_boundary to the junction when vLLM's block-floored split lands on it (32: on
+    its 16-token grid), and does not where it cannot (37)."""
+    e = engine_factory("junction", hybrid=True)
+    kv = random_kv(seed=45)
+    e.write([3, 7, 9], kv, 0, 40)
+    # Only the running state at 40 survives (vLLM nulled the grid one).
+    e.finish(request("r1", PROMPT + [5], computed=40), ([3, 7, 9], [0, 0, 13]))
+    on_grid = request("a", PROMPT[:32] + [999] * 20)
+    assert e.scheduler.get_num_new_matched_tokens(on_grid, 0) == (0, False)
+    assert on_grid.shared_prefix_boundary == 32
+    off_grid = request("b", PROMPT[:37] + [999] * 20)
+    assert e.scheduler.get_num_new_matched_tokens(off_grid, 0) == (0, False)
+    assert off_grid.shared_prefix_boundary == 0
+    assert e.scheduler.get_kv_connector_stats().data["junctions_off_grid"] == 1  # type: ignore[union-attr]
+
+
+def test_lookup_waits_for_a_save_in_flight(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """The next turn arrives as the previous one finishes: its lookup is asked again (None) until
+    the workers report the previous turn's save ended, then it gets the whole turn."""
+    e = engine_factory("wait")
+    e.write([3, 7, 9], random_kv(seed=65), 0, 40)
+    assert e.scheduler.request_finished_all_groups(request("r1", PROMPT + [5], computed=40), ([3, 7, 9],)) == (True, None)
+    assert e.scheduler.saves_in_flight == 1 and e.scheduler.has_pending_push_work()
+    nxt = PROMPT + [5, 6, 7]
+    assert e.scheduler.get_num_new_matched_tokens(request("t2", nxt), 0) == (None, False)
+    # Another conversation (its own salt) is not held back.
+    other = request("o", nxt)
+    other.cache_salt = "other"
+    assert e.scheduler.get_num_new_matched_tokens(other, 0) == (0, False)
+    e.step()  # the worker copies and offers; its report reaches the scheduler
+    assert e.scheduler.saves_in_flight == 0 and not e.scheduler.has_pending_push_work()
+    assert e.scheduler.get_num_new_matched_tokens(request("t2", nxt), 0) == (40, False)
+    assert e.scheduler.get_kv_connector_stats().data["save_waits"] == 1  # type: ignore[union-attr]
+
+
+def test_tensor_parallel_answer_is_the_least_over_ranks(store: ServeProcess) -> None:
+    """Each rank keys its own shard (tp_rank in the namespace); the scheduler asks every rank's
+    namespace and answers what all of them hold: a rank never loads a prefix another lacks."""
+    import numpy as np
+
+    from prefixstore.client import SyncPrefixClient
+    from prefixstore.client.vllm.connector import namespace_for
+
+    e = Engine(store.url, "tp-2", tensor_parallel_size=2, save_wait_s=0)  # one worker here reports, of two
+    try:
+        e.write([3, 7, 9], random_kv(seed=55), 0, 40)
+        e.finish(request("r1", PROMPT + [5], computed=40), ([3, 7, 9],))  # rank 0's shard: 40 tokens
+        s = e.scheduler
+        assert s.get_num_new_matched_tokens(request("a", PROMPT + [1] * 4), 0) == (0, False)  # rank 1 has none
+        side = s.scheduler_side
+        ns1 = namespace_for(e.config, side.groups, side.settings, 1)
+        with SyncPrefixClient(ns1, side.settings.client) as rank1:  # rank 1 saves 24 tokens of its shard
+            size = ns1.kv.layer_token_bytes * ns1.kv.num_layers
+            result = rank1.save(rank1.prompt(PROMPT[:24]), 24, lambda a, b: np.zeros((b - a) * size, np.uint8))
+            assert result.stored >= 2
+        assert s.get_num_new_matched_tokens(request("b", PROMPT + [1] * 4), 0) == (24, False)
+    finally:
+        e.close()
 
 
 def test_hybrid_refuses_replay_mode(store: ServeProcess) -> None:

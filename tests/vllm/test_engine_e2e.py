@@ -68,15 +68,22 @@ def reuse_run(llm: Any, reset_local_cache: bool) -> tuple[Any, Any, Any]:
     first = llm.generate([{"prompt_token_ids": PREFIX + [1, 2, 3]}], greedy)[0]
     get_kv_transfer_group().drain()  # the prompt-end save of `first` is in the store before `second` looks up
     if reset_local_cache:
+        settle(llm)  # `first`'s request-end save holds its blocks until the worker copied them
         assert llm.reset_prefix_cache()
     second = llm.generate([{"prompt_token_ids": PREFIX + [4, 5, 6]}], greedy)[0]
     return reference, first, second
 
 
-def assert_same_generation(a: Any, b: Any) -> None:
+LFM2_CHUNKING_TOLERANCE = 5e-2
+"""vLLM 0.32's LFM2 on CPU gives a 69-token prompt's first generated token log-probability -0.7825
+in one prefill chunk and -0.7511 in 32-token chunks (same engine, no connector): outputs depend on
+chunk ends at this magnitude, so a resume off the recompute's chunk ends is compared within it."""
+
+
+def assert_same_generation(a: Any, b: Any, abs_logprob: float = 1e-4) -> None:
     assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
     for la, lb, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
-        assert la[token].logprob == pytest.approx(lb[token].logprob, abs=1e-4)
+        assert la[token].logprob == pytest.approx(lb[token].logprob, abs=abs_logprob)
 
 
 def test_llama_second_request_loads_the_prefix_and_generates_the_same(store: ServeProcess, tmp_path: Path) -> None:
@@ -93,7 +100,7 @@ def test_llama_second_request_loads_the_prefix_and_generates_the_same(store: Ser
     assert_same_generation(second, reference)
 
 
-def test_hybrid_lfm2_loads_kv_and_state_to_the_boundary(store: ServeProcess, tmp_path: Path) -> None:
+def lfm2(path: Path) -> str:
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     # vLLM 0.32's LFM2 reads the conv/block sizes under these (older) config names.
@@ -102,7 +109,78 @@ def test_hybrid_lfm2_loads_kv_and_state_to_the_boundary(store: ServeProcess, tmp
                         layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
                         conv_dim=128, block_dim=128, block_ff_dim=256, block_auto_adjust_ff_dim=False,
                         block_ffn_dim_multiplier=1.0, block_multiple_of=256, norm_eps=1e-5, initializer_range=0.5)
-    model = save_tiny(Lfm2ForCausalLM, config, tmp_path / "lfm2")
+    return save_tiny(Lfm2ForCausalLM, config, path)
+
+
+def connectors(llm: Any) -> tuple[Any, Any]:
+    """The scheduler's and the worker's connector of an in-process engine."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector(), get_kv_transfer_group()
+
+
+def settle(llm: Any) -> None:
+    """Step the idle engine until every save it planned has been offered (an engine serving
+    traffic keeps stepping while a finished request holds blocks; LLM.generate stops at once)."""
+    scheduler, worker = connectors(llm)
+    for _ in range(200):
+        if not scheduler.saves_in_flight:
+            break
+        llm.llm_engine.step()
+        worker.drain()
+    assert scheduler.saves_in_flight == 0
+
+
+def converse(llm: Any, name: str, turns: list[list[int]], *, settle_between: bool) -> list[tuple[Any, Any]]:
+    """A conversation: each turn's prompt is the previous prompt + its answer + the new user
+    tokens. Returns (output, reference) per turn; the reference computes the same prompt with a
+    salt of its own (nothing in the store or vLLM's cache matches it)."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, logprobs=1)
+    out: list[tuple[Any, Any]] = []
+    prompt: list[int] = []
+    for k, user in enumerate(turns):
+        prompt = prompt + user
+        reference = llm.generate([{"prompt_token_ids": prompt, "cache_salt": f"{name}-reference-{k}"}], greedy)[0]
+        if settle_between:
+            settle(llm)
+            assert llm.reset_prefix_cache()  # whatever this turn reuses, the store supplied
+        turn = llm.generate([{"prompt_token_ids": prompt, "cache_salt": name}], greedy)[0]
+        out.append((turn, reference))
+        prompt = prompt + list(turn.outputs[0].token_ids)
+    return out
+
+
+TURNS = [[(i * 13 + 5) % 500 for i in range(40)],  # shorter than two of vLLM's 32-token pages
+         [(i * 29 + 7) % 500 for i in range(29)],
+         [(i * 17 + 3) % 500 for i in range(20)]]
+
+
+def test_hybrid_conversation_reuses_each_whole_previous_turn(store: ServeProcess, tmp_path: Path) -> None:
+    """Three turns on LFM2: turns 2 and 3 load, from the store, the previous turn's prompt and
+    answer but its last sampled token (prompt + N - 1, KV and conv state): 47 then 84 tokens,
+    both mid-block (vLLM's page is 32 tokens, the store's block 16), the first from a 40-token
+    prompt, which vLLM alone caches nothing of beyond one page."""
+    model = lfm2(tmp_path / "lfm2")
+    with engine(model, store, "e2e-lfm2-conversation", enable_prefix_caching=True, mamba_cache_mode="align") as llm:
+        alone = converse(llm, "alone", TURNS, settle_between=True)
+        at_once = converse(llm, "at-once", TURNS, settle_between=False)
+        scheduler, _ = connectors(llm)
+    P = [40, 40 + 8 + 29, 40 + 8 + 29 + 8 + 20]
+    for turns in (alone, at_once):
+        assert [t.num_cached_tokens for t, _ in turns] == [0, P[0] + 8 - 1, P[1] + 8 - 1]  # 0, 47, 84
+        for turn, reference in turns:
+            assert reference.num_cached_tokens == 0
+            # vLLM's own LFM2 CPU path changes log-probabilities by up to 3e-2 with where prefill
+            # chunks end, store or not (docs/vllm.md, "Not done"); a resume at 47 or 84 ends a chunk
+            # where the recompute does not, so here the bound is that, not 1e-4. The state bytes
+            # themselves are checked exactly in test_connector.py.
+            assert_same_generation(turn, reference, abs_logprob=LFM2_CHUNKING_TOLERANCE)
+
+
+def test_hybrid_lfm2_loads_kv_and_state_to_the_boundary(store: ServeProcess, tmp_path: Path) -> None:
+    model = lfm2(tmp_path / "lfm2")
     with engine(model, store, "e2e-lfm2", enable_prefix_caching=True, mamba_cache_mode="align") as llm:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -110,5 +188,7 @@ def test_hybrid_lfm2_loads_kv_and_state_to_the_boundary(store: ServeProcess, tmp
         assert groups is not None and groups.hybrid  # the connector moves the conv state too
         reference, first, second = reuse_run(llm, reset_local_cache=True)
     assert reference.num_cached_tokens == 0 and first.num_cached_tokens == 0
-    assert second.num_cached_tokens == 192  # the state boundary on vLLM's 32-token grid below 200
+    # A sibling of `first` diverging at 200: the state the store holds below that is the one on
+    # vLLM's 32-token grid that `first`'s prompt-end save offered beside the prompt end's (203).
+    assert second.num_cached_tokens == 192
     assert_same_generation(second, reference)
