@@ -128,6 +128,7 @@ async def put(request: web.Request) -> web.Response:
     if declared is not None and declared != PREFIX_BYTES + header_len + payload_bytes:
         raise WireError("frame", f"Content-Length is {declared} bytes but the header lists "
                         f"{payload_bytes} payload bytes ({PREFIX_BYTES + header_len + payload_bytes} in all)")
+    await store.room_for(items)
     plan = store.reserve(ns_id, items)
     try:
         async with asyncio.timeout_at(deadline):  # a stalled client must not hold its reserved pages

@@ -265,6 +265,20 @@ class Store:
     def plan_put(self, ns_id: bytes, items: Sequence[ItemSpec]) -> PutPlan:
         return self.writes.plan_put(self.namespaces.get(ns_id), items)
 
+    async def room_for(self, items: Sequence[ItemSpec]) -> None:
+        """Before a put is planned: where its payloads do not fit in the free pages and committed
+        entries are still behind the write-behind (store/behind.py), wait -- at most a few
+        write_behind_s -- until they are written, so eviction can demote them to make room, as
+        ``sync`` would at once. Without it a burst larger than the free RAM is refused while the
+        writer catches up (benchmarks/nixl_lmdb_read.py's set-up caught it)."""
+        need = sum(self.arena.pages_for(it.size) for it in items if it.size > 0)
+        if need <= self.arena.num_free or not self.behind.entries:
+            return
+        try:
+            await asyncio.wait_for(self.behind.drain(), 2 * self.config.write_behind_s + 1.0)
+        except TimeoutError:
+            pass  # planned as it is: what does not fit is refused, as before
+
     def reserve(self, ns_id: bytes, items: Sequence[ItemSpec]) -> PutPlan:
         """:meth:`plan_put`, refused whole over the tenant's quota (WritePath.reserve)."""
         return self.writes.reserve(self.namespaces.get(ns_id), items)

@@ -438,6 +438,7 @@ async def nixl_reserve(request: web.Request) -> web.Response:
     ns_id = req_bin(header, "ns", size=8)
     owned(request, ns_id)
     items = parse_items(header, store.limits)
+    await store.room_for(items)  # write-behind: wait for demotable RAM, as /v1/put does
     plan = store.reserve(ns_id, items)  # refused whole over the tenant's quota, as a put is
     out: list[NixlReservation] = []
     for r, e in zip(plan.results, plan.entries):

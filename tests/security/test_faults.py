@@ -83,8 +83,10 @@ async def test_sigkill_during_write_burst(tmp_path: Path, serve: StartServe) -> 
     intact and byte-identical, and no entry is ever served with wrong bytes."""
     ns = make_namespace(block_tokens=4, num_layers=16, with_state=False, model="fault-burst")  # 1 KiB blocks
     data_dir = tmp_path / "lmdb"
+    # durability=sync: every acknowledged commit is in LMDB (write-behind, the default, may lose its
+    # last write_behind_s: tests/durability covers that bound).
     args = ["--port", "0", "--data-dir", str(data_dir), "--ram-bytes", "4MiB", "--page-bytes", "4KiB",
-            "--disk-bytes", "256MiB"]
+            "--disk-bytes", "256MiB", "--durability", "sync"]
     first = serve(*args)
     url = first.url or ""
     attempted: dict[bytes, bytes] = {}  # entry key -> the payload sent
