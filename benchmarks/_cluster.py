@@ -35,7 +35,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,7 +118,7 @@ class InProcessCluster:
         self.urls = [f"http://127.0.0.1:{p}" for p in ports]
         for port, url in zip(ports, self.urls):
             config = StoreConfig(port=port, node_url=url, peers=",".join(self.urls), data_dir="none",
-                                 nixl="off", **self.knobs)  # type: ignore[arg-type]
+                                 nixl="off", **self.knobs)
             runner = web.AppRunner(create_app(config), access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", port)
@@ -136,6 +137,45 @@ class InProcessCluster:
                 await r.cleanup()  # type: ignore[attr-defined]
             except Exception:  # already killed
                 pass
+
+
+@dataclass
+class RunningCluster:
+    """A started cluster of either kind; ``kill`` is a real kill -9 or the in-process cut."""
+
+    urls: list[str]
+    procs: list[subprocess.Popen[bytes]]
+    inprocess: InProcessCluster | None
+
+    @property
+    def mode(self) -> str:
+        return "simulated" if self.inprocess is not None else "kill -9"
+
+    async def kill(self, url: str) -> None:
+        if self.inprocess is not None:
+            await self.inprocess.kill(url)
+        else:
+            self.procs[self.urls.index(url)].send_signal(signal.SIGKILL)
+
+
+@asynccontextmanager
+async def running_cluster(n: int, max_processes: int, prefix: str) -> AsyncIterator[RunningCluster]:
+    """N real processes up to ``max_processes`` nodes, in-process applications above; stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        cluster: InProcessCluster | None = None
+        procs: list[subprocess.Popen[bytes]] = []
+        if n <= max_processes:
+            urls, procs = await asyncio.to_thread(start_processes, n, ["--ram-bytes", "64MiB"], Path(tmp))
+        else:
+            cluster = InProcessCluster(n, {"ram_bytes": 16 << 20, "page_bytes": 4 << 10})
+            await cluster.start()
+            urls = cluster.urls
+        try:
+            yield RunningCluster(urls, procs, cluster)
+        finally:
+            if cluster is not None:
+                await cluster.close()
+            stop_processes(procs)
 
 
 def namespace(block_tokens: int, state: bool = True) -> Namespace:
@@ -276,7 +316,7 @@ def client_config(urls: Sequence[str], **kw: object) -> ClientConfig:
     base: dict[str, object] = dict(urls=tuple(urls), timeout_s=5.0, connect_timeout_s=0.5, retry_after_s=0.5,
                                    max_retry_after_s=2.0, data_path="http")
     base.update(kw)
-    return ClientConfig(**base)  # type: ignore[arg-type]
+    return ClientConfig(**base)
 
 
 async def drive(client: PrefixClient, ns: Namespace, reqs: Sequence[Request], concurrency: int,
@@ -304,6 +344,6 @@ def tmpdir(prefix: str) -> tempfile.TemporaryDirectory[str]:
     return tempfile.TemporaryDirectory(prefix=prefix)
 
 
-__all__ = ["WORKLOADS", "InProcessCluster", "Outcome", "Request", "client_config", "drive", "free_ports",
+__all__ = ["WORKLOADS", "InProcessCluster", "RunningCluster", "running_cluster", "Outcome", "Request", "client_config", "drive", "free_ports",
            "hit_rate", "multiturn", "namespace", "payload", "rolling", "serve_request", "snapshot", "start_processes",
            "stop_processes", "sysprompt", "tmpdir", "wait_healthy", "workload"]

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _cluster import WORKLOADS, InProcessCluster, client_config, drive, hit_rate, namespace, start_processes, \
-    stop_processes, tmpdir, workload
+from _cluster import WORKLOADS, client_config, drive, hit_rate, namespace, running_cluster, workload
 from _harness import DEFAULT_OUT, machine_note, print_table, progress, pyplot, save_figure
 
 from prefixstore.client import PrefixClient, Prompt
@@ -47,25 +46,13 @@ async def run_one(n: int, name: str, args: argparse.Namespace) -> dict[str, obje
     ns = namespace(args.block_tokens)
     reqs = workload(name, args.seed, args.requests)
     warm = len(reqs) // 3
-    cluster: InProcessCluster | None = None
-    procs = []
-    with tmpdir("prefixstore-scale-") as tmp:
-        if n <= args.max_processes:
-            urls, procs = await asyncio.to_thread(start_processes, n, ["--ram-bytes", "64MiB"], Path(tmp))
-        else:
-            cluster = InProcessCluster(n, {"ram_bytes": 16 << 20, "page_bytes": 4 << 10})
-            await cluster.start()
-            urls = cluster.urls
-        try:
-            async with PrefixClient(ns, client_config(urls)) as client:
-                progress(f"N={n} {name}: warm-up, {warm} requests")
-                await drive(client, ns, reqs[:warm], args.concurrency)
-                progress(f"N={n} {name}: measuring {len(reqs) - warm} requests")
-                outs = await drive(client, ns, reqs[warm:], args.concurrency)
-        finally:
-            if cluster is not None:
-                await cluster.close()
-            stop_processes(procs)
+    async with running_cluster(n, args.max_processes, "prefixstore-scale-") as cluster:
+        urls = cluster.urls
+        async with PrefixClient(ns, client_config(urls)) as client:
+            progress(f"N={n} {name}: warm-up, {warm} requests")
+            await drive(client, ns, reqs[:warm], args.concurrency)
+            progress(f"N={n} {name}: measuring {len(reqs) - warm} requests")
+            outs = await drive(client, ns, reqs[warm:], args.concurrency)
     nodes = np.array([o.nodes for o in outs], dtype=float)
     probes = np.array([o.probes for o in outs], dtype=float)
     load = Counter(u for o in outs for u in o.asked)

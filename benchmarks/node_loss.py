@@ -22,12 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 from collections import Counter
 from pathlib import Path
 
-from _cluster import WORKLOADS, InProcessCluster, client_config, drive, hit_rate, namespace, start_processes, \
-    stop_processes, tmpdir, workload
+from _cluster import WORKLOADS, client_config, drive, hit_rate, namespace, running_cluster, workload
 from _harness import DEFAULT_OUT, machine_note, print_table, progress, pyplot, save_figure
 
 from prefixstore.client import PrefixClient
@@ -37,35 +35,19 @@ async def run_one(n: int, name: str, args: argparse.Namespace) -> dict[str, obje
     ns = namespace(args.block_tokens)
     reqs = workload(name, args.seed, args.requests)
     third = len(reqs) // 3
-    cluster: InProcessCluster | None = None
-    procs = []
-    mode = "kill -9" if n <= args.max_processes else "simulated"
-    with tmpdir("prefixstore-loss-") as tmp:
-        if n <= args.max_processes:
-            urls, procs = await asyncio.to_thread(start_processes, n, ["--ram-bytes", "64MiB"], Path(tmp))
-        else:
-            cluster = InProcessCluster(n, {"ram_bytes": 16 << 20, "page_bytes": 4 << 10})
-            await cluster.start()
-            urls = cluster.urls
-        try:
-            async with PrefixClient(ns, client_config(urls)) as client:
-                progress(f"N={n} {name}: warm-up, {third} requests")
-                await drive(client, ns, reqs[:third], args.concurrency)
-                progress(f"N={n} {name}: before the loss, {third} requests")
-                before = await drive(client, ns, reqs[third:2 * third], args.concurrency)
-                load = Counter(u for o in before for u in o.asked)
-                victim = max(urls, key=lambda u: load.get(u, 0))
-                progress(f"N={n} {name}: {mode} of {victim} (answered {load.get(victim, 0)} probes), "
-                         f"then {len(reqs) - 2 * third} requests")
-                if cluster is not None:
-                    await cluster.kill(victim)
-                else:
-                    procs[urls.index(victim)].send_signal(signal.SIGKILL)
-                after = await drive(client, ns, reqs[2 * third:], args.concurrency)
-        finally:
-            if cluster is not None:
-                await cluster.close()
-            stop_processes(procs)
+    async with running_cluster(n, args.max_processes, "prefixstore-loss-") as cluster:
+        urls, mode = cluster.urls, cluster.mode
+        async with PrefixClient(ns, client_config(urls)) as client:
+            progress(f"N={n} {name}: warm-up, {third} requests")
+            await drive(client, ns, reqs[:third], args.concurrency)
+            progress(f"N={n} {name}: before the loss, {third} requests")
+            before = await drive(client, ns, reqs[third:2 * third], args.concurrency)
+            load = Counter(u for o in before for u in o.asked)
+            victim = max(urls, key=lambda u: load.get(u, 0))
+            progress(f"N={n} {name}: {mode} of {victim} (answered {load.get(victim, 0)} probes), "
+                     f"then {len(reqs) - 2 * third} requests")
+            await cluster.kill(victim)
+            after = await drive(client, ns, reqs[2 * third:], args.concurrency)
     hb, ha = hit_rate(before), hit_rate(after)
     target = hb * (n - 1) / n - 0.03
     return {"nodes": n, "workload": name, "mode": mode, "hit_before": round(hb, 4), "hit_after": round(ha, 4),
