@@ -74,10 +74,15 @@ def reuse_run(llm: Any, reset_local_cache: bool) -> tuple[Any, Any, Any]:
     return reference, first, second
 
 
-LFM2_CHUNKING_TOLERANCE = 5e-2
-"""vLLM 0.32's LFM2 on CPU gives a 69-token prompt's first generated token log-probability -0.7825
-in one prefill chunk and -0.7511 in 32-token chunks (same engine, no connector): outputs depend on
-chunk ends at this magnitude, so a resume off the recompute's chunk ends is compared within it."""
+NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
+"""vLLM 0.32's CPU rotary-embedding kernel (``torch.ops._C.rotary_embedding``, the CustomOp's
+``forward_cpu``) takes ``num_tokens = query.numel() / query.size(-1)``: a ``[tokens, heads,
+head_size]`` query, which LFM2's attention passes (``models/lfm2.py:176``), is read as
+``tokens * heads`` one-head tokens, rotated by ``positions[token * heads + head]``, which runs past
+the batch's positions into whatever vLLM's persistent buffer holds there. Outputs then depend on
+where prefill chunks end (-0.7825 vs -0.7511 for one log-probability) and differ from transformers
+by up to 0.2. With the op's PyTorch path (this setting) vLLM's LFM2 equals transformers' to 1e-4 at
+every position, in one chunk or in 32-token chunks (docs/vllm.md)."""
 
 
 def assert_same_generation(a: Any, b: Any, abs_logprob: float = 1e-4) -> None:
@@ -157,31 +162,56 @@ TURNS = [[(i * 13 + 5) % 500 for i in range(40)],  # shorter than two of vLLM's 
          [(i * 17 + 3) % 500 for i in range(20)]]
 
 
+def prompt_logprobs(llm: Any, prompt: list[int]) -> list[float]:
+    """Each prompt token's log-probability as the engine computes it (its own salt: no cache hit)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, detokenize=False, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "prompt-logprobs"}], params)[0]
+    return [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])]
+
+
+def transformers_logprobs(model: str, prompt: list[int]) -> list[float]:
+    """The same from transformers' implementation of the model, one pass, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0]
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    return [lp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+
+
 def test_hybrid_conversation_reuses_each_whole_previous_turn(store: ServeProcess, tmp_path: Path) -> None:
     """Three turns on LFM2: turns 2 and 3 load, from the store, the previous turn's prompt and
     answer but its last sampled token (prompt + N - 1, KV and conv state): 47 then 84 tokens,
     both mid-block (vLLM's page is 32 tokens, the store's block 16), the first from a 40-token
     prompt, which vLLM alone caches nothing of beyond one page."""
     model = lfm2(tmp_path / "lfm2")
-    with engine(model, store, "e2e-lfm2-conversation", enable_prefix_caching=True, mamba_cache_mode="align") as llm:
+    with engine(model, store, "e2e-lfm2-conversation", enable_prefix_caching=True, mamba_cache_mode="align",
+                compilation_config=NATIVE_ROPE) as llm:
         alone = converse(llm, "alone", TURNS, settle_between=True)
         at_once = converse(llm, "at-once", TURNS, settle_between=False)
-        scheduler, _ = connectors(llm)
+        last_prompt = list(at_once[-1][1].prompt_token_ids)
+        engine_logprobs = prompt_logprobs(llm, last_prompt)
+    # The reference itself is the model's: vLLM's LFM2 (its PyTorch rotary embedding) gives every
+    # position of the last turn's 105-token prompt transformers' log-probability.
+    assert engine_logprobs == pytest.approx(transformers_logprobs(model, last_prompt), abs=1e-4)
     P = [40, 40 + 8 + 29, 40 + 8 + 29 + 8 + 20]
     for turns in (alone, at_once):
         assert [t.num_cached_tokens for t, _ in turns] == [0, P[0] + 8 - 1, P[1] + 8 - 1]  # 0, 47, 84
         for turn, reference in turns:
             assert reference.num_cached_tokens == 0
-            # vLLM's own LFM2 CPU path changes log-probabilities by up to 3e-2 with where prefill
-            # chunks end, store or not (docs/vllm.md, "Not done"); a resume at 47 or 84 ends a chunk
-            # where the recompute does not, so here the bound is that, not 1e-4. The state bytes
-            # themselves are checked exactly in test_connector.py.
-            assert_same_generation(turn, reference, abs_logprob=LFM2_CHUNKING_TOLERANCE)
+            # A resume at 47 or 84 ends a chunk where the recompute does not: same tokens, same
+            # log-probabilities (1e-4) once vLLM's CPU rotary kernel is not used (NATIVE_ROPE).
+            assert_same_generation(turn, reference)
 
 
 def test_hybrid_lfm2_loads_kv_and_state_to_the_boundary(store: ServeProcess, tmp_path: Path) -> None:
     model = lfm2(tmp_path / "lfm2")
-    with engine(model, store, "e2e-lfm2", enable_prefix_caching=True, mamba_cache_mode="align") as llm:
+    with engine(model, store, "e2e-lfm2", enable_prefix_caching=True, mamba_cache_mode="align",
+                compilation_config=NATIVE_ROPE) as llm:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         groups = get_kv_transfer_group().groups
