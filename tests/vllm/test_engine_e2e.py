@@ -50,7 +50,8 @@ def engine(model: str, store: ServeProcess, model_id: str, **kw: object) -> Iter
     transfer = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role="kv_both",
                                 kv_connector_module_path="prefixstore.client.vllm.connector",
                                 kv_connector_extra_config={"url": store.url, "model_id": model_id})
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=512, block_size=32,
+    kw.setdefault("dtype", "float32")
+    llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, block_size=32,
               enforce_eager=True, kv_cache_memory_bytes=64 << 20, kv_transfer_config=transfer, **kw)
     try:
         yield llm
@@ -83,6 +84,13 @@ the batch's positions into whatever vLLM's persistent buffer holds there. Output
 where prefill chunks end (-0.7825 vs -0.7511 for one log-probability) and differ from transformers
 by up to 0.2. With the op's PyTorch path (this setting) vLLM's LFM2 equals transformers' to 1e-4 at
 every position, in one chunk or in 32-token chunks (docs/vllm.md)."""
+
+
+GDN_BF16_TOLERANCE = 0.3
+"""Qwen3-Next runs on vLLM's CPU build in bfloat16 only, where vLLM by itself (no connector) moves
+a generated token's log-probability by 0.075 between one prefill chunk and 32-token chunks; the
+store-served turns here differ from the recompute by up to 0.21. The guard of the state is the
+tokens: with the loaded state zeroed, turn 2's tokens differ."""
 
 
 def assert_same_generation(a: Any, b: Any, abs_logprob: float = 1e-4) -> None:
@@ -222,3 +230,40 @@ def test_hybrid_lfm2_loads_kv_and_state_to_the_boundary(store: ServeProcess, tmp
     # vLLM's 32-token grid that `first`'s prompt-end save offered beside the prompt end's (203).
     assert second.num_cached_tokens == 192
     assert_same_generation(second, reference)
+
+
+def qwen3_next(path: Path) -> str:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    # vLLM's CPU gated-delta-net kernel takes bfloat16 only and head sizes of 64 or more
+    # (ops/cpu/gdn_attention.py:158, chunk_gated_delta_rule_cpu).
+    config = Qwen3NextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, head_dim=64, linear_num_value_heads=2,
+                             linear_num_key_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+                             linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=64, layer_types=["linear_attention", "full_attention"],
+                             max_position_embeddings=1024, initializer_range=0.5)
+    import torch
+
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(config)
+    for layer in model.model.layers:  # a long memory (decay exp(-exp(A_log) * dt) near 1): the state matters
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn.A_log.data.fill_(-8.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_gated_delta_net_conversation_reuses_each_whole_previous_turn(store: ServeProcess, tmp_path: Path) -> None:
+    """Qwen3-Next (gated-delta-net layers: a conv state and a recurrent matrix state per layer)
+    in bfloat16: turns 2 and 3 load the previous prompt + answer less its last token, 47 and 84,
+    and generate the recompute's tokens (log-probabilities: GDN_BF16_TOLERANCE)."""
+    model = qwen3_next(tmp_path / "qwen3next")
+    with engine(model, store, "e2e-qwen3next-conversation", enable_prefix_caching=True, mamba_cache_mode="align",
+                compilation_config=NATIVE_ROPE, dtype="bfloat16") as llm:
+        turns = converse(llm, "alone", TURNS, settle_between=True)
+    P = [40, 40 + 8 + 29, 40 + 8 + 29 + 8 + 20]
+    assert [t.num_cached_tokens for t, _ in turns] == [0, P[0] + 8 - 1, P[1] + 8 - 1]
+    for turn, reference in turns:
+        assert reference.num_cached_tokens == 0
+        assert_same_generation(turn, reference, abs_logprob=GDN_BF16_TOLERANCE)
