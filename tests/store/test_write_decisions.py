@@ -1,0 +1,71 @@
+"""Offer and put decisions item by item, and their counters, for batches that mix outcomes.
+
+Written against survivors of a mutation sample of store/writes.py (docs/testing.md): a
+rejected item must not end the batch, a put carrying an item the store already has or
+cannot take still reserves the rest and counts each decision, and a wanted offer is
+forgotten pending_ttl_s after it was made. Same namespace as test_metric_values.py.
+"""
+
+from __future__ import annotations
+
+from prefixstore.client.prompt import Prompt, with_payload
+from prefixstore.protocol.wire import STATUS_OK
+
+from ..factories import kv_payload
+from .test_metric_values import A, counters, harness, ns, ram_only
+
+__all__ = ["harness", "ns"]  # fixtures
+
+C = list(range(50, 62))  # 12 tokens, nothing of it stored
+DECISIONS = ("want", "have", "rejected")
+
+
+def test_a_rejected_item_does_not_end_the_offer(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    h = harness(ram_only(), ns)
+    orphan = Prompt(ns, C).kv_items(12)[1][0]  # block 1 of C: its parent (block 0) is not stored
+    first = Prompt(ns, A).kv_items(8)[0][0]
+    got = h.store.offer(ns.id, [orphan, first])
+    assert [(d.status, d.reason) for d in got] == [("rejected", "parent not stored"), ("want", "")]
+    assert counters(h.store, "prefixstore_admission_total", "decision", DECISIONS) == {
+        ("kv", "want"): 1, ("kv", "have"): 0, ("kv", "rejected"): 1,
+        ("state", "want"): 0, ("state", "have"): 0, ("state", "rejected"): 0}
+
+
+def test_a_put_with_held_and_refused_items_takes_the_rest_and_counts_each(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    h = harness(ram_only(), ns)
+    h.save(A[:4], 4)  # block 0 of A: offer want, put want
+    before = counters(h.store, "prefixstore_admission_total", "decision", DECISIONS)
+    (b0, a0, e0), (b1, a1, e1) = Prompt(ns, A).kv_items(8)
+    orphans = [with_payload(s, kv_payload(ns, C, ca, cb)) for s, ca, cb in Prompt(ns, C).kv_items(12)[1:]]
+    items = [with_payload(b0, kv_payload(ns, A, a0, e0)),  # held already
+             *orphans,  # blocks 1 and 2 of C: parent not stored (two, so have and rejected differ)
+             with_payload(b1, kv_payload(ns, A, a1, e1))]  # new, its parent held
+    plan = h.store.plan_put(ns.id, items)
+    assert [r.status for r in plan.results] == ["have", "rejected", "rejected", "pending"]
+    assert [t is not None for t in plan.targets] == [False, False, False, True]
+    after = counters(h.store, "prefixstore_admission_total", "decision", DECISIONS)
+    assert {k: after[k] - before[k] for k in after} == {
+        ("kv", "want"): 1, ("kv", "have"): 1, ("kv", "rejected"): 2,
+        ("state", "want"): 0, ("state", "have"): 0, ("state", "rejected"): 0}
+    target = plan.targets[3]
+    assert target is not None
+    payload, pos = kv_payload(ns, A, a1, e1), 0
+    for view in target:
+        view[:] = payload[pos : pos + len(view)]
+        pos += len(view)
+    h.store.verify_put(plan)
+    assert [r.status for r in h.run(h.store.commit(ns.id, plan.keys))] == [STATUS_OK]
+    assert h.lookup(A[:8])[1].kv_tokens == 8
+
+
+def test_a_wanted_offer_is_forgotten_after_pending_ttl(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    h = harness(ram_only(pending_ttl_s=5.0), ns)
+    owner = h.store.owner_of(ns)
+    assert [d.status for d in h.store.offer(ns.id, [Prompt(ns, A).kv_items(4)[0][0]])] == ["want"]
+    assert h.store.held_by(owner)["offers"] == 1
+    h.now[0] += 4.0
+    h.store.sweep()
+    assert h.store.held_by(owner)["offers"] == 1  # 4 s of 5
+    h.now[0] += 2.0
+    h.store.sweep()
+    assert h.store.held_by(owner)["offers"] == 0
