@@ -69,3 +69,16 @@ def test_a_wanted_offer_is_forgotten_after_pending_ttl(ns, harness) -> None:  # 
     h.now[0] += 2.0
     h.store.sweep()
     assert h.store.held_by(owner)["offers"] == 0
+
+
+def test_a_put_never_evicts_the_parent_it_builds_on(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """The arena holds one block (256 bytes), block 0 of A. A put of block 1 (its child) needs
+    room, and the only candidate is that parent: it is pinned, so the put is refused and the
+    parent stays; evicting it would leave the new block hanging from nothing."""
+    h = harness(ram_only(ram_bytes=256), ns)
+    h.save(A[:4], 4)
+    (_, _, _), (b1, a1, e1) = Prompt(ns, A).kv_items(8)
+    plan = h.store.plan_put(ns.id, [with_payload(b1, kv_payload(ns, A, a1, e1))])
+    assert [r.status for r in plan.results] == ["rejected"]
+    assert plan.keys == []
+    assert h.lookup(A[:8], lease=False)[1].kv_tokens == 4
