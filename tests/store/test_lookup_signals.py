@@ -26,7 +26,7 @@ def test_a_lookup_tells_eviction_which_block_and_junction_it_missed(ns, harness)
     h.save(A[:8], 8)
     calls: list[tuple[Kind, bytes]] = []
     h.store.eviction.on_miss = lambda kind, key, now: calls.append((kind, key))  # type: ignore[method-assign]
-    tokens = A + [11, 12]
+    tokens = A + [11, 12, 13, 14, 15, 16]  # 4 blocks: the first missing one is block 2 alone
     p, a = h.lookup(tokens)
     assert (a.matched_blocks, a.kv_tokens, a.state_tokens) == (2, 8, 0)
     assert calls == [(Kind.STATE, ns.id + p.hashes[1]), (Kind.BLOCK, ns.id + p.hashes[2])]
@@ -61,7 +61,7 @@ def test_prefill_flops_saved_counts_the_exactly_reusable_prefix(ns, harness) -> 
 def test_block_tiers_only_when_locations_are_asked_for(ns, harness) -> None:  # type: ignore[no-untyped-def]
     h = harness(ram_only(), ns)
     h.save(A[:8], 8)
-    p = Prompt(ns, A)
+    p = Prompt(ns, A + [11, 12, 13, 14, 15, 16])  # 4 blocks asked for, 2 matched
 
     def ask(locations: bool):  # type: ignore[no-untyped-def]
         return h.store.lookup(LookupRequest(namespace_id=ns.id, hashes=b"".join(p.hashes), tokens=p.packed,
@@ -73,3 +73,13 @@ def test_block_tiers_only_when_locations_are_asked_for(ns, harness) -> None:  # 
     a = h.store.lookup(LookupRequest(namespace_id=ns.id, hashes=b"".join(nothing.hashes), tokens=nothing.packed,
                                      lease=False, locations=True))
     assert (a.matched_blocks, a.block_tiers) == (0, None)
+
+
+def test_no_checkpoint_hint_when_the_snapshot_covers_the_kv_match(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """A long prefix (300 tokens, past the small ints Python shares) with its snapshot: the
+    KV match and the state match are equal, so there is no junction to hint at."""
+    h = harness(ram_only(), ns)
+    long = list(range(1000, 1300))
+    h.save(long, 300, {300: state_payload(ns, long, 300)})
+    _, a = h.lookup(long + [5])
+    assert (a.kv_tokens, a.state_tokens, a.checkpoint_hint) == (300, 300, 0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol.wire import STATUS_OK
 
-from ..factories import kv_payload
+from ..factories import kv_payload, make_namespace
 from .test_metric_values import A, counters, harness, ns, ram_only
 
 __all__ = ["harness", "ns"]  # fixtures
@@ -78,7 +78,32 @@ def test_a_put_never_evicts_the_parent_it_builds_on(ns, harness) -> None:  # typ
     h = harness(ram_only(ram_bytes=256), ns)
     h.save(A[:4], 4)
     (_, _, _), (b1, a1, e1) = Prompt(ns, A).kv_items(8)
+    before = counters(h.store, "prefixstore_admission_total", "decision", DECISIONS)[("kv", "rejected")]
     plan = h.store.plan_put(ns.id, [with_payload(b1, kv_payload(ns, A, a1, e1))])
-    assert [r.status for r in plan.results] == ["rejected"]
+    assert [(r.status, r.reason) for r in plan.results] == [
+        ("rejected", "RAM arena full of pinned or uncommitted entries")]
+    assert counters(h.store, "prefixstore_admission_total", "decision", DECISIONS)[("kv", "rejected")] == before + 1
     assert plan.keys == []
     assert h.lookup(A[:8], lease=False)[1].kv_tokens == 4
+
+
+def test_an_item_larger_than_the_arena_is_refused_one_that_fills_it_is_taken(harness) -> None:  # type: ignore[no-untyped-def]
+    big = make_namespace(block_tokens=8)  # a block is 512 bytes
+    h = harness(ram_only(ram_bytes=512), big)
+    got = h.store.offer(big.id, [Prompt(big, A[:8]).kv_items(8)[0][0]])
+    assert [(d.status, d.reason) for d in got] == [("want", "")]
+    small = harness(ram_only(ram_bytes=256), big)
+    got = small.store.offer(big.id, [Prompt(big, A[:8]).kv_items(8)[0][0]])
+    assert [(d.status, d.reason) for d in got] == [("rejected", "larger than the RAM arena")]
+
+
+def test_a_reserved_put_survives_a_sweep_until_pending_ttl(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    h = harness(ram_only(pending_ttl_s=5.0), ns)
+    keys, _ = h.stage(A[:4], 4)
+    h.now[0] += 4.0
+    h.store.sweep()  # 4 s of 5: still pending
+    assert [r.status for r in h.run(h.store.commit(ns.id, keys))] == [STATUS_OK]
+    keys, _ = h.stage(A[:8], 8)
+    h.now[0] += 6.0
+    h.store.sweep()
+    assert [r.status for r in h.run(h.store.commit(ns.id, keys))] != [STATUS_OK]
