@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol.wire import STATUS_OK
+from prefixstore.store import StoreConfig
 
 from ..factories import kv_payload, make_namespace
 from .test_metric_values import A, counters, harness, ns, ram_only
@@ -107,3 +108,18 @@ def test_a_reserved_put_survives_a_sweep_until_pending_ttl(ns, harness) -> None:
     h.now[0] += 6.0
     h.store.sweep()
     assert [r.status for r in h.run(h.store.commit(ns.id, keys))] != [STATUS_OK]
+
+
+def test_stats_and_gauges_report_free_bytes_and_the_disk_tier(ns, harness, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """1 KiB of 64-byte pages (16); one block (256 bytes, 4 pages) held: 768 bytes free."""
+    h = harness(ram_only(ram_bytes=1024), ns)
+    h.save(A[:4], 4)
+    stats = h.store.stats()
+    assert stats["arena"] == {"capacity_bytes": 1024, "page_bytes": 64, "free_bytes": 768}  # type: ignore[index]
+    assert stats["disk"]["enabled"] is False  # type: ignore[index]
+    registry = h.store.metrics.registry
+    assert registry.get_sample_value("prefixstore_arena_free_bytes") == 768
+    assert registry.get_sample_value("prefixstore_lmdb_read_txns") == 0
+    on_disk = harness(StoreConfig(port=0, data_dir=str(tmp_path), ram_bytes=1024, page_bytes=64), ns)
+    assert on_disk.store.stats()["disk"]["enabled"] is True  # type: ignore[index]
+    assert on_disk.store.metrics.registry.get_sample_value("prefixstore_lmdb_read_txns") == 0
