@@ -71,6 +71,10 @@ log = logging.getLogger(__name__)
 MAX_KNOWN_KEYS = 1 << 18
 BLOCK_BYTE = bytes((Kind.BLOCK,))  # an entry key is the kind byte and the hash (protocol/keys.py)
 """Entry keys whose holders the client remembers from lookups (for reads); oldest forgotten first."""
+MAX_FORK_HINTS = 1 << 14
+"""Prompts' first blocks whose walks' fork levels the client remembers (Walk.hints)."""
+MAX_UNROUTED = 64
+"""Lookups whose block routes wait for a read to be written into the client's route map."""
 REPLICA_TTL_S = 5.0
 """How long a replica set learned from an answer is used to spread probes and reads."""
 
@@ -147,6 +151,8 @@ class ClusterClient(SaveCalls):
         self._members_at = -math.inf
         self._refresh: asyncio.Task[bool] | None = None
         self._where: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # entry key -> node that answered
+        # Routes not yet in _where, in the order learned: (prefix, keys, nodes); entry key = prefix + key.
+        self._unrouted: collections.deque[tuple[bytes, Sequence[bytes], Sequence[str | None]]] = collections.deque()
         self._replicas: dict[bytes, tuple[float, tuple[str, ...]]] = {}  # entry key -> (until, replica nodes)
         self.replicas = 1  # copies of every branch (the cluster's ``replicas``, from /v1/members)
         self.namespace_root = root_hash(namespace)
@@ -154,6 +160,7 @@ class ClusterClient(SaveCalls):
         self._homes: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # block -> branch of its level
         self._parents: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # entry key -> parent hash
         self._offered: collections.OrderedDict[bytes, tuple[str, ItemSpec]] = collections.OrderedDict()  # raw offers
+        self._fork_hints: collections.OrderedDict[bytes, tuple[int, ...]] = collections.OrderedDict()  # h_1 -> forks
         self.last_walk: Walk | None = None  # the last lookup's walk (diagnostics: nodes asked, probes)
         self._leases: dict[bytes, tuple[float, list[tuple[str, bytes]]]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -297,7 +304,18 @@ class ClusterClient(SaveCalls):
             return ()
         return known[1]
 
+    def _routes(self, count: int | None = None) -> None:
+        """Write the oldest ``count`` (default: all) lookups' block routes into ``_where``, in order."""
+        for _ in range(len(self._unrouted) if count is None else count):
+            kind, keys, nodes = self._unrouted.popleft()
+            self._where.update(zip(map(kind.__add__, keys), cast(list[str], nodes)))
+        while len(self._where) > MAX_KNOWN_KEYS:
+            self._where.popitem(last=False)
+
     def _remember(self, key: bytes, node: str) -> None:
+        if self._unrouted:  # after the routes learned before it, not overwritten by them
+            self._unrouted.append((b"", (key,), (node,)))
+            return
         self._where[key] = node
         self._where.move_to_end(key)
         if len(self._where) > MAX_KNOWN_KEYS:
@@ -373,21 +391,37 @@ class ClusterClient(SaveCalls):
         await self._ensure_members()
         if not p.num_tokens or not self.members:
             return LookupResult(prompt=p, ok=bool(self.members))
-        walk = Walk(p, lambda branch, req, first: self._hop(branch, req, first, lease), self.namespace.has_state)
-        await walk.run()
+        h1 = p.hashes[0] if p.hashes else None
+        walk = Walk(p, lambda branch, req, first: self._hop(branch, req, first, lease), self.namespace.has_state,
+                    hints=self._fork_hints.get(h1, ()) if h1 is not None else ())
+        try:
+            await walk.run()
+        finally:
+            spare = walk.leftover()
+            if spare:
+                self._spawn(self._release_spare(spare))
         self.last_walk = walk
+        if h1 is not None:  # the forks this prompt's first block led to, for the next walk (Walk.hints)
+            if walk.fork_levels:
+                self._fork_hints[h1] = tuple(walk.fork_levels)
+                self._fork_hints.move_to_end(h1)
+                if len(self._fork_hints) > MAX_FORK_HINTS:
+                    self._fork_hints.popitem(last=False)
+            else:
+                self._fork_hints.pop(h1, None)
         return self._merge(p, walk)
 
     def _merge(self, p: Prompt, walk: Walk) -> LookupResult:
         B, n = p.block_tokens, len(p.hashes)
         m = walk.matched()
-        # Where each matched block was found (reads go there, or to a copy): one run per hop.
-        keys = list(map(BLOCK_BYTE.__add__, p.hashes[:m]))
-        self._where.update(zip(keys, cast(list[str], walk.held_at[:m])))  # held_at[:m] has no None: m is the first
-        while len(self._where) > MAX_KNOWN_KEYS:
-            self._where.popitem(last=False)
+        # Where each matched block was found (reads go there, or to a copy): written into _where when
+        # a read first needs it (_routes), not here -- 2,048 keys of a 32k-token prompt were a third
+        # of a cluster lookup's client time.
         if m:
-            self._parent_of_key(keys[-1], p.parent_of_block(m - 1))
+            self._unrouted.append((BLOCK_BYTE, p.hashes[:m], walk.held_at[:m]))  # held_at[:m] has no None
+            if len(self._unrouted) > MAX_UNROUTED:
+                self._routes(1)
+            self._parent_of_key(BLOCK_BYTE + p.hashes[m - 1], p.parent_of_block(m - 1))
         for j in (m - 1, m):  # where the levels a save continues from live (client/saves.py)
             branch = walk.branch_of[j] if 0 < j < len(walk.branch_of) else None
             if branch is not None:
@@ -417,6 +451,17 @@ class ClusterClient(SaveCalls):
             self._spawn(self._report(p, walk, kv, state, hint, m))
         return LookupResult(prompt=p, kv_tokens=kv, state_tokens=state, checkpoint_hint=hint, matched_blocks=m,
                             child=child, snapshot=snapshot, lease_id=lease_id, ok=ok)
+
+    async def _release_spare(self, spare: list[asyncio.Future[list[tuple[str, ProbeAnswer]]]]) -> None:
+        """Release what early hops the walk did not use leased (client/walk.py ``leftover``)."""
+        for task in spare:
+            try:
+                got = await task
+            except Exception:  # a hop never raises a store failure; anything else is dropped with it
+                continue
+            for url, answer in got:
+                if answer.lease_id is not None:
+                    await self._node(url).client.release(answer.lease_id)
 
     async def _report(self, p: Prompt, walk: Walk, kv: int, state: int, hint: int, m: int) -> None:
         """Tell the junction's home what a single node would have counted (policies, metrics)."""
@@ -467,6 +512,8 @@ class ClusterClient(SaveCalls):
         done = [-1] * len(items)
         now = time.monotonic()
         plan: dict[str, list[int]] = collections.defaultdict(list)
+        if self._unrouted:
+            self._routes()
         for i, item in enumerate(items):
             home = self._where.get(item.key)
             if home is None:  # never named by a lookup of this client: nowhere to ask

@@ -29,7 +29,8 @@ every home answers; a dead home's levels are misses (the match stops there), nev
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..protocol.hashing import TOKEN_BYTES, BlockHash
@@ -38,6 +39,8 @@ from ..protocol.probe import TIER_ELSEWHERE, ProbeAnswer, ProbeRequest
 from ..protocol.wire import EntryRef
 from .prompt import Prompt
 
+MAX_EARLY = 2
+"""Hops sent early, beside the first, from an earlier walk's forks."""
 MAX_HOPS = 12
 """Probes one lookup sends at most (hops along forks and follow-ups). A prompt forking more often
 than this is answered up to where the walk stopped: lower, never wrong."""
@@ -67,6 +70,10 @@ class Walk:
     answered: list[tuple[str, ProbeAnswer]] = field(default_factory=list)
     probes: int = 0
     nodes: set[str] = field(default_factory=set)  # nodes that answered (cluster_scale counts them)
+    hints: Sequence[int] = ()  # levels where an earlier walk of this prompt's first block followed a fork
+    fork_levels: list[int] = field(default_factory=list)  # levels where this walk followed a fork
+    sent_early: int = 0  # hops sent at once from the hints
+    early: dict[tuple[bytes, int], asyncio.Future[list[tuple[str, ProbeAnswer]]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         p = self.prompt
@@ -106,8 +113,13 @@ class Walk:
         if self.probes >= MAX_HOPS:
             return []
         self.probes += 1
-        first = self.prompt.block_key(start) if start < self.n else None
-        got = await self.hop(branch, self.request(start, stop), first)
+        early = self.early.pop((branch, start), None) if stop is None else None
+        if early is not None:
+            self.probes -= 1  # counted when it was sent
+            got = await early
+        else:
+            first = self.prompt.block_key(start) if start < self.n else None
+            got = await self.hop(branch, self.request(start, stop), first)
         out = []
         for url, answer in got:
             if answer.start != start:
@@ -159,6 +171,15 @@ class Walk:
         branch = self.prompt.hashes[0] if self.n else self.branch_of[0]
         assert branch is not None
         start = 0
+        # Hops an earlier walk took at forks are sent at once, beside the first (the same question the
+        # walk would ask after the first answer, so the same answer); one the walk does not reach is
+        # left to the caller (``leftover``), whose leases it releases.
+        for j in self.hints[:MAX_EARLY]:
+            if 0 < j < self.n and self.probes < MAX_HOPS - 1:
+                head = BlockHash(self.prompt.hashes[j])
+                self.probes += 1
+                self.sent_early += 1
+                self.early[(head, j)] = asyncio.ensure_future(self.hop(head, self.request(j), self.prompt.block_key(j)))
         tried: set[tuple[bytes, int]] = set()
         while self.probes < MAX_HOPS:
             tried.add((branch, start))
@@ -178,6 +199,7 @@ class Walk:
                 head = BlockHash(self.prompt.hashes[j])
                 if (head, j) in tried:
                     break  # its branch node did not confirm it: the match ends at level j (the home's child)
+                self.fork_levels.append(j)
                 branch, start = head, j
                 continue
             if held or self.exact[j]:
@@ -265,8 +287,14 @@ class Walk:
         best = self.best_child(m)
         return best if best is not None and best[0].tier != TIER_ELSEWHERE else None
 
+    def leftover(self) -> list[asyncio.Future[list[tuple[str, ProbeAnswer]]]]:
+        """Early hops the walk did not use (their answers are not part of the lookup)."""
+        out = list(self.early.values())
+        self.early.clear()
+        return out
+
     def leases(self) -> list[tuple[str, bytes]]:
         return [(url, a.lease_id) for url, a in self.answered if a.lease_id is not None]
 
 
-__all__ = ["MAX_HOPS", "Found", "Hop", "Walk"]
+__all__ = ["MAX_EARLY", "MAX_HOPS", "Found", "Hop", "Walk"]

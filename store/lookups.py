@@ -159,11 +159,13 @@ class LookupService:
         # The run of held blocks. Fast path, as a single node's match: where this node holds no hot
         # copies, its own blocks from level ``start`` on are prefix-closed (each hangs from the one
         # before, and eviction is leaf-first) and a fork record can only end the run, so a binary
-        # search finds the run and only the levels with snapshots are visited. With copies (which
-        # arrive one by one), every level is checked in the loop below.
+        # search finds the run and only the levels with snapshots are visited. That holds also where
+        # the first level is not this node's (the branch node of a fork head h_1 is seldom the root
+        # level's home): only that level is inexact. With copies (which arrive one by one), every
+        # level is checked in the loop below.
         found: list[Entry | None] = []
         i = 0
-        if not copies and k > 8 and exact:
+        if not copies and k > 8:
             lo, hi = 0, k
             while lo < hi:
                 mid = (lo + hi + 1) // 2
@@ -196,6 +198,9 @@ class LookupService:
                         x = (e.start // B - start) if e is not None and e.kind is Kind.BLOCK else -1
                         if e is not None and 0 <= x < skip and hashes[x * H:(x + 1) * H] == e.hash:
                             reported.append(e)
+                if not exact:
+                    inexact.append(start)  # the first level only: every later one hangs from a block held here
+                exact = True  # level start+skip's parent is held here, not as a copy: its home
                 i = skip
                 parent = hashes[(skip - 1) * H:skip * H]
                 found = [None] * skip

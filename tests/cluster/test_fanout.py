@@ -110,3 +110,57 @@ def test_conversations_spread_over_the_nodes(make_cluster) -> None:  # type: ign
     assert homes == [rank(cluster.urls, p.hashes[0])[0] for p in ns_prompts]
     held = [json.loads(http_get(u + "/v1/stats")[1])["entries"].get("kv/disk", 0) for u in cluster.urls]
     assert held == [3 * Counter(homes)[u] for u in cluster.urls] and all(held), held
+
+
+def test_a_walk_sends_the_hops_it_learned_at_once_and_releases_the_ones_it_did_not_use(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Conversations forking after a shared system prompt: the second lookup of a conversation sends
+    its fork hop beside the first (Walk.hints), with the same answer and exact bytes; a prompt with the
+    same first block whose continuation is not stored sends its early hop and does not use it (its
+    answer is not merged), and no node keeps a lease afterwards."""
+    cluster = make_cluster(3)
+    ns = make_namespace(block_tokens=4, model="early")
+    system = list(range(1, 21))  # 5 blocks
+    convs = [system + [100 + 20 * i + t for t in range(12)] for i in range(12)]
+    # The last conversation's fork head on another node than the system prompt's branch (else no hop).
+    sys_node = rank(cluster.urls, Prompt(ns, system).hashes[0])[0]
+    away = [c for c in convs if rank(cluster.urls, Prompt(ns, c).hashes[5])[0] != sys_node]
+    convs = [c for c in convs if c not in away[-1:]] + away[-1:]
+
+    def leases() -> int:
+        return sum(json.loads(http_get(u + "/v1/stats")[1])["leases"] for u in cluster.urls)
+
+    async def run() -> None:
+        async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls))) as client:
+            for t in convs:
+                res = await client.lookup(t)
+                await client.release(res.lease_id)
+                await client.save(client.prompt(t), len(t), lambda a, b, t=t: kv_payload(ns, t, a, b),
+                                  start=res.kv_tokens - res.kv_tokens % 4)
+            t = convs[-1]
+            first = await client.lookup(t)
+            walk1 = client.impl.last_walk
+            await client.release(first.lease_id)
+            assert walk1 is not None and walk1.fork_levels == [5], walk1.fork_levels
+            again = await client.lookup(t)
+            walk2 = client.impl.last_walk
+            assert walk2 is not None and walk2.hints == (5,) and walk2.sent_early == 1 and walk2.fork_levels == [5]
+            assert (again.kv_tokens, again.matched_blocks) == (first.kv_tokens, first.matched_blocks) == (32, 8)
+            assert [(a.start, a.held) for _, a in walk2.answered] == [(a.start, a.held) for _, a in walk1.answered]
+            reads = again.kv_reads(32)
+            bufs = [bytearray(ns.kv.payload_bytes(b - a)) for _, a, b in reads]
+            assert await client.read([it for it, _, _ in reads], bufs) == [len(b) for b in bufs]
+            assert b"".join(bufs) == b"".join(kv_payload(ns, t, a, b) for _, a, b in reads)
+            await client.release(again.lease_id)
+            # Same first block (the hint is the system prompt's), a continuation never stored: the
+            # early hop to level 5 is sent and not used.
+            other = system + [999] * 12
+            miss = await client.lookup(other)
+            walk3 = client.impl.last_walk
+            assert walk3 is not None and walk3.hints == (5,) and walk3.sent_early == 1 and walk3.fork_levels == []
+            assert (miss.kv_tokens, miss.matched_blocks) == (20, 5)
+            await client.release(miss.lease_id)
+            await asyncio.sleep(0.2)  # the unused hop's release runs in the background
+            assert client.failures.total() == 0
+
+    asyncio.run(run())
+    assert leases() == 0
