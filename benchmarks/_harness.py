@@ -490,6 +490,7 @@ async def child_main(argv: list[str]) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     if args.kind == "store":
         from prefixstore.store import StoreConfig, create_app
+        from prefixstore.store.heap import keep_freed_memory
 
         overrides: dict[str, object] = {"port": 0, "ram_bytes": args.ram_bytes, "page_bytes": args.page_bytes,
                                         "data_dir": args.data_dir}
@@ -497,6 +498,7 @@ async def child_main(argv: list[str]) -> None:
             k, _, v = kv.partition("=")
             overrides[k] = v
         config = StoreConfig.from_sources(overrides=overrides, env={})
+        keep_freed_memory(config.heap_keep_bytes)  # as `prefixstore serve` does
         runner = web.AppRunner(create_app(config), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -33,6 +33,7 @@ from .flags import add_knob_flags, flag_name, format_size, human_bytes, knob_sou
 from .store.admin import sources_of
 from .store.cluster import MEMBERSHIP
 from .store.config import ENV_PREFIX, ConfigError, StoreConfig
+from .store.heap import keep_freed_memory
 from .store.runner import StoreRunner
 from .store.server import STORE, create_app
 
@@ -206,6 +207,7 @@ async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None,
                 sources: Mapping[str, str] | None = None) -> int:
     """Serve until SIGTERM/SIGINT. Returns the process exit status. ``sources``: where each knob's
     value came from (/v1/admin/config answers them)."""
+    keep_freed_memory(config.heap_keep_bytes)  # this process's C heap (store/heap.py)
     try:
         app = create_app(config)  # maps the RAM arena and allocates the sighting filter
         if sources is not None:

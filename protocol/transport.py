@@ -81,7 +81,7 @@ from .wire import (
     WireError,
     decode_frame,
     decode_header,
-    encode_header,
+    encode_header_parts,
     parse_prefix,
 )
 
@@ -768,10 +768,10 @@ async def post(pool: FramePool, path: str, header: dict[str, object],
     Lookups ride this path too: their request is large (a 131k-token prompt is 655 KB) and
     aiohttp's per-request machinery cost about 1.5 ms of a 3.3 ms round trip
     (docs/benchmarks.md); puts send their payloads without joining them into one body."""
-    frame = encode_header(header)
-    body_bytes = len(frame) + sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in payloads)
+    parts = [*encode_header_parts(header), *payloads]
+    body_bytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
     try:
-        body = await _call(pool, request_head(pool, path, body_bytes), [frame, *payloads], path,
+        body = await _call(pool, request_head(pool, path, body_bytes), parts, path,
                            MAX_ANSWER_HEADER_BYTES + PREFIX_BYTES, timeout_s)
         answer, _ = decode_frame(body, MAX_ANSWER_HEADER_BYTES)
     except (StoreError, Malformed, WireError, OSError, asyncio.TimeoutError) as err:

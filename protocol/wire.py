@@ -57,6 +57,35 @@ def encode_header(header: dict[str, object]) -> bytes:
     return PREFIX.pack(MAGIC, WIRE_VERSION, len(body)) + bytes(body)
 
 
+#: A header value at least this large (a lookup's hashes and tokens) is sent from its own buffer.
+LARGE_BIN_BYTES: Final = 1 << 16
+_BIN32 = struct.Struct(">BI")
+
+
+def encode_header_parts(header: dict[str, object]) -> list[bytes | memoryview]:
+    """The prefix and header of a frame as buffers to send in order, the same bytes as
+    :func:`encode_header` (msgpack encodes a ``bin`` of 64 KiB or more as bin 32 either way), but
+    every such value is one of the parts itself, never copied: a 131,072-token lookup's 655 KB of
+    hashes and tokens were copied twice (into msgpack's buffer, then behind the prefix), each copy
+    into memory freshly faulted in (docs/benchmarks.md)."""
+    if len(header) >= 1 << 16:
+        raise ValueError("header: too many fields")
+    parts: list[bytes | memoryview] = []
+    small = [bytes([0x80 | len(header)]) if len(header) < 16 else struct.pack(">BH", 0xDE, len(header))]
+    for key, value in header.items():
+        small.append(msgpack.packb(key, use_bin_type=True))
+        if isinstance(value, (bytes, memoryview)) and (n := memoryview(value).nbytes) >= LARGE_BIN_BYTES:
+            small.append(_BIN32.pack(0xC6, n))
+            parts += [b"".join(small), memoryview(value).cast("B")]
+            small = []
+        else:
+            small.append(msgpack.packb(value, use_bin_type=True))
+    parts.append(b"".join(small))
+    length = sum(memoryview(p).nbytes for p in parts)
+    parts[0] = PREFIX.pack(MAGIC, WIRE_VERSION, length) + parts[0]
+    return [p for p in parts if memoryview(p).nbytes]
+
+
 def encode_frame(header: dict[str, object], payloads: Sequence[bytes | memoryview] = ()) -> bytes:
     """Whole frame in one buffer (control messages and tests; bulk paths stream)."""
     return b"".join([encode_header(header), *payloads])
@@ -507,6 +536,7 @@ __all__ = [
     "decode_header",
     "encode_frame",
     "encode_header",
+    "encode_header_parts",
     "is_entry_key",
     "opt_bin",
     "parse_get_items",

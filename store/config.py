@@ -71,6 +71,11 @@ class StoreConfig:
         "durability=write-behind: most bytes of committed entries not yet in LMDB before commits wait on "
         "the writer; at most half of ram_bytes is used (the entries behind hold RAM pages, which are never "
         "demoted before they are written).", "size"))
+    heap_keep_bytes: int = field(default=16 << 20, metadata=_doc(
+        "Freed C-heap memory the store process keeps mapped for the next request instead of returning it "
+        "to the kernel (glibc's malloc trim and mmap thresholds; store/heap.py): a lookup's request buffers "
+        "are then reused rather than faulted in again page by page. Bounds what RSS keeps beyond its peak "
+        "use; payloads never come from this heap. 0: the C library's own behaviour.", "size"))
     lease_ttl_s: float = field(default=30.0, metadata=_doc(
         "Lifetime of a lookup's lease: leased entries are not evicted until it expires or is released. "
         "Lookups never renew leases."))
@@ -195,6 +200,8 @@ class StoreConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)!r}")
+        if self.heap_keep_bytes < 0:
+            raise ConfigError(f"heap_keep_bytes: must be 0 (off) or positive, got {self.heap_keep_bytes!r}")
         if self.ram_bytes < self.page_bytes:
             raise ConfigError(f"ram_bytes: {self.ram_bytes} is smaller than one page (page_bytes={self.page_bytes})")
         if not 0 <= self.port <= 65535:

@@ -136,13 +136,16 @@ def _schema_type(prop: dict[str, Any]) -> str:
     return str(prop["type"])
 
 
+SIZES_THAT_MAY_BE_ZERO = {"heap_keep_bytes"}  # 0 turns it off (store/config.py)
+
+
 def test_schema_types_follow_the_fields() -> None:
     props = chart_schema()["properties"]["config"]["properties"]
     for name, prop in props.items():
         f = FIELDS[name]
         default = f.default
         if f.metadata.get("kind") == "size":
-            expected = {"size"}
+            expected = {"quota"} if name in SIZES_THAT_MAY_BE_ZERO else {"size"}
         elif isinstance(default, bool):
             expected = {"boolean"}
         elif isinstance(default, int):

@@ -29,6 +29,7 @@ from prefixstore.protocol.wire import (
     decode_header,
     encode_frame,
     encode_header,
+    encode_header_parts,
     parse_items,
     parse_prefix,
 )
@@ -81,6 +82,26 @@ def test_frame_round_trip(payloads: list[bytes | memoryview]) -> None:
     assert got == header
     assert bytes(rest) == b"".join(bytes(p) for p in payloads)
     assert encode_header(header) == frame[: len(frame) - len(rest)]
+
+
+@pytest.mark.parametrize("header", [
+    {},
+    {"ns": b"\x01" * 16, "lease": True},
+    # a lookup's shape: bins of 64 KiB and more are sent from their own buffers
+    {"ns": b"\x01" * 16, "hashes": bytes(range(256)) * 512, "tokens": memoryview(b"\x07" * (1 << 19)),
+     "lease": False, "extras": [[3, b"img"]]},
+    {"bin16": b"x" * 65535, "bin32": b"y" * 65536, **{f"k{i}": i for i in range(17)}},  # map 16
+])
+def test_header_parts_are_the_header_bytes(header: dict[str, object]) -> None:
+    """The parts are the same bytes as one encoded header, and the large values travel uncopied."""
+    parts = encode_header_parts(header)
+    plain = {k: bytes(v) if isinstance(v, memoryview) else v for k, v in header.items()}
+    assert b"".join(bytes(p) for p in parts) == encode_header(plain)
+    assert decode_frame(b"".join(bytes(p) for p in parts))[0] == plain
+    large = [v for v in header.values() if isinstance(v, (bytes, memoryview)) and len(v) >= 1 << 16]
+    views = [p for p in parts if isinstance(p, memoryview)]
+    assert len(views) == len(large)
+    assert all(p.obj is (v.obj if isinstance(v, memoryview) else v) for p, v in zip(views, large))
 
 
 def test_parse_prefix_returns_header_length() -> None:
