@@ -7,7 +7,7 @@ property tests can take thousands of steps quickly.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import Namespace
@@ -73,11 +73,7 @@ class CoreHarness:
         wanted = [(with_payload(s, pl), pl) for s, pl, d in zip(specs, payloads, decisions) if d.status == WANT]
         plan = self.store.plan_put(self.ns.id, [s for s, _ in wanted])
         for target, (_, pl) in zip(plan.targets, wanted):
-            if target is not None:
-                pos = 0
-                for view in target:
-                    view[:] = pl[pos : pos + len(view)]
-                    pos += len(view)
+            fill_target(target, pl)
         self.store.verify_put(plan)
         return plan.keys, {"offered": len(specs), "wanted": len(wanted),
                            "have": sum(d.status == "have" for d in decisions)}
@@ -115,6 +111,14 @@ class CoreHarness:
             kv_parts.append(_first_tokens(self.ns, data, b - a))
         snap = got[-1] if res.snapshot is not None else None
         return b"".join(kv_parts), snap
+
+
+def fill_target(target: Sequence[memoryview] | None, payload: bytes) -> None:
+    """Copy a payload into a put's reserved views (the store's arena pages), as a client's body would."""
+    pos = 0
+    for view in target or ():
+        view[:] = payload[pos : pos + len(view)]
+        pos += len(view)
 
 
 def _first_tokens(ns: Namespace, payload: bytes, n: int) -> bytes:

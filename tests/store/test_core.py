@@ -12,7 +12,7 @@ from prefixstore.protocol.wire import STATUS_OK, WANT, GetItem
 from prefixstore.store import StoreConfig
 
 from ..factories import kv_payload, make_namespace, state_payload
-from .harness import CoreHarness, expected_prefix_bytes
+from .harness import CoreHarness, expected_prefix_bytes, fill_target
 
 
 def ram_only(ram_bytes: int = 64 * 256, **kw: object) -> StoreConfig:
@@ -108,10 +108,7 @@ def test_uncommitted_puts_are_invisible_and_expire(ns, harness, tmp_path: Path) 
     plan = h.store.plan_put(ns.id, specs)
     for target, (s, a, b) in zip(plan.targets, p.kv_items(6)):
         assert target is not None
-        data, pos = kv_payload(ns, toks, a, b), 0
-        for v in target:
-            v[:] = data[pos : pos + len(v)]
-            pos += len(v)
+        fill_target(target, kv_payload(ns, toks, a, b))
     h.store.verify_put(plan)
     assert h.lookup(toks, lease=False)[1].kv_tokens == 0  # put, not committed: invisible
     h.now[0] += 6

@@ -19,7 +19,7 @@ from prefixstore.protocol.keys import Origin
 from prefixstore.store import StoreConfig
 
 from ..factories import kv_payload, make_namespace, state_payload
-from .harness import CoreHarness
+from .harness import CoreHarness, fill_target
 
 ADMISSION = ("always", "second-hit", "adaptive")
 
@@ -84,10 +84,7 @@ def save_with_origins(h: CoreHarness, tokens: list[int], kv_upto: int, snapshots
     wanted = [(with_payload(s, pl), pl) for s, pl, d in zip(specs, payloads, decided) if d.status == "want"]
     plan = h.store.plan_put(h.ns.id, [s for s, _ in wanted])
     for target, (_, pl) in zip(plan.targets, wanted):
-        pos = 0
-        for view in target or ():
-            view[:] = pl[pos : pos + len(view)]
-            pos += len(view)
+        fill_target(target, pl)
     h.store.verify_put(plan)
     h.run(h.store.commit(h.ns.id, plan.keys))
 

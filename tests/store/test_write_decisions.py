@@ -13,6 +13,7 @@ from prefixstore.protocol.wire import STATUS_OK
 from prefixstore.store import StoreConfig
 
 from ..factories import kv_payload, make_namespace
+from .harness import fill_target
 from .test_metric_values import A, counters, harness, ns, ram_only
 
 __all__ = ["harness", "ns"]  # fixtures
@@ -50,10 +51,7 @@ def test_a_put_with_held_and_refused_items_takes_the_rest_and_counts_each(ns, ha
         ("state", "want"): 0, ("state", "have"): 0, ("state", "rejected"): 0}
     target = plan.targets[3]
     assert target is not None
-    payload, pos = kv_payload(ns, A, a1, e1), 0
-    for view in target:
-        view[:] = payload[pos : pos + len(view)]
-        pos += len(view)
+    fill_target(target, kv_payload(ns, A, a1, e1))
     h.store.verify_put(plan)
     assert [r.status for r in h.run(h.store.commit(ns.id, plan.keys))] == [STATUS_OK]
     assert h.lookup(A[:8])[1].kv_tokens == 8
