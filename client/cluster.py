@@ -68,13 +68,18 @@ from .walk import Walk
 
 log = logging.getLogger(__name__)
 
-MAX_KNOWN_KEYS = 1 << 18
 BLOCK_BYTE = bytes((Kind.BLOCK,))  # an entry key is the kind byte and the hash (protocol/keys.py)
+MAX_KNOWN_KEYS = 1 << 18
 """Entry keys whose holders the client remembers from lookups (for reads); oldest forgotten first."""
 MAX_FORK_HINTS = 1 << 14
-"""Prompts' first blocks whose walks' fork levels the client remembers (Walk.hints)."""
+"""Prompts' first blocks whose walks' fork levels the client remembers, and fork heads it remembers
+(Walk.hints), each."""
+MAX_FORK_LEVELS = 4
+"""Fork levels remembered per first block (the most recent distinct ones)."""
 MAX_UNROUTED = 64
-"""Lookups whose block routes wait for a read to be written into the client's route map."""
+"""Lookups whose block routes wait for a read to be written into the client's route map. A lookup
+of the same matched run again replaces its record (an engine's scheduler asks again for a waiting
+request every step), so only distinct prompts count against it."""
 REPLICA_TTL_S = 5.0
 """How long a replica set learned from an answer is used to spread probes and reads."""
 
@@ -152,7 +157,11 @@ class ClusterClient(SaveCalls):
         self._refresh: asyncio.Task[bool] | None = None
         self._where: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # entry key -> node that answered
         # Routes not yet in _where, in the order learned: (prefix, keys, nodes); entry key = prefix + key.
-        self._unrouted: collections.deque[tuple[bytes, Sequence[bytes], Sequence[str | None]]] = collections.deque()
+        # Keyed by what they route -- (True, the run's last block key) for a lookup's matched run (the
+        # hash chain makes it name the whole run), (False, entry key) for one entry -- so the same
+        # run learned again replaces its record and moves to the end: newest written last, as learned.
+        self._unrouted: collections.OrderedDict[tuple[bool, bytes], tuple[bytes, Sequence[bytes], Sequence[str | None]]] \
+            = collections.OrderedDict()
         self._replicas: dict[bytes, tuple[float, tuple[str, ...]]] = {}  # entry key -> (until, replica nodes)
         self.replicas = 1  # copies of every branch (the cluster's ``replicas``, from /v1/members)
         self.namespace_root = root_hash(namespace)
@@ -160,7 +169,12 @@ class ClusterClient(SaveCalls):
         self._homes: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # block -> branch of its level
         self._parents: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # entry key -> parent hash
         self._offered: collections.OrderedDict[bytes, tuple[str, ItemSpec]] = collections.OrderedDict()  # raw offers
-        self._fork_hints: collections.OrderedDict[bytes, tuple[int, ...]] = collections.OrderedDict()  # h_1 -> forks
+        # Where walks forked (Walk.hints): h_1 -> levels where walks from it followed a fork, and the
+        # blocks they found there as fork heads. A level is a hint for a prompt only where the prompt's
+        # own block there is a known head: the conversation that continues on the system prompt's
+        # branch shares h_1 and the level with those that fork, not the block.
+        self._fork_hints: collections.OrderedDict[bytes, tuple[int, ...]] = collections.OrderedDict()
+        self._fork_heads: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.last_walk: Walk | None = None  # the last lookup's walk (diagnostics: nodes asked, probes)
         self._leases: dict[bytes, tuple[float, list[tuple[str, bytes]]]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -307,14 +321,20 @@ class ClusterClient(SaveCalls):
     def _routes(self, count: int | None = None) -> None:
         """Write the oldest ``count`` (default: all) lookups' block routes into ``_where``, in order."""
         for _ in range(len(self._unrouted) if count is None else count):
-            kind, keys, nodes = self._unrouted.popleft()
+            kind, keys, nodes = self._unrouted.popitem(last=False)[1]
             self._where.update(zip(map(kind.__add__, keys), cast(list[str], nodes)))
         while len(self._where) > MAX_KNOWN_KEYS:
             self._where.popitem(last=False)
 
+    def _queue_routes(self, what: tuple[bool, bytes], routes: tuple[bytes, Sequence[bytes], Sequence[str | None]]) -> None:
+        self._unrouted.pop(what, None)
+        self._unrouted[what] = routes
+        if len(self._unrouted) > MAX_UNROUTED:
+            self._routes(1)
+
     def _remember(self, key: bytes, node: str) -> None:
         if self._unrouted:  # after the routes learned before it, not overwritten by them
-            self._unrouted.append((b"", (key,), (node,)))
+            self._queue_routes((False, key), (b"", (key,), (node,)))
             return
         self._where[key] = node
         self._where.move_to_end(key)
@@ -392,8 +412,11 @@ class ClusterClient(SaveCalls):
         if not p.num_tokens or not self.members:
             return LookupResult(prompt=p, ok=bool(self.members))
         h1 = p.hashes[0] if p.hashes else None
+        n = len(p.hashes)
+        levels = self._fork_hints.get(h1, ()) if h1 is not None else ()
+        hints = tuple(j for j in levels if j < n and p.hashes[j] in self._fork_heads)
         walk = Walk(p, lambda branch, req, first: self._hop(branch, req, first, lease), self.namespace.has_state,
-                    hints=self._fork_hints.get(h1, ()) if h1 is not None else ())
+                    hints=hints)
         try:
             await walk.run()
         finally:
@@ -401,15 +424,28 @@ class ClusterClient(SaveCalls):
             if spare:
                 self._spawn(self._release_spare(spare))
         self.last_walk = walk
-        if h1 is not None:  # the forks this prompt's first block led to, for the next walk (Walk.hints)
-            if walk.fork_levels:
-                self._fork_hints[h1] = tuple(walk.fork_levels)
-                self._fork_hints.move_to_end(h1)
-                if len(self._fork_hints) > MAX_FORK_HINTS:
-                    self._fork_hints.popitem(last=False)
-            else:
-                self._fork_hints.pop(h1, None)
+        if h1 is not None:
+            self._learn_forks(p, h1, levels, walk)
         return self._merge(p, walk)
+
+    def _learn_forks(self, p: Prompt, h1: bytes, levels: Sequence[int], walk: Walk) -> None:
+        """Remember where this walk forked, for the next walk from the same first block (Walk.hints);
+        forget a head the walk was hinted and did not follow (the store no longer forks there)."""
+        for j in walk.early_levels:
+            if j not in walk.fork_levels:
+                self._fork_heads.pop(p.hashes[j], None)
+        if not walk.fork_levels:
+            return
+        for j in walk.fork_levels:
+            self._fork_heads[p.hashes[j]] = None
+            self._fork_heads.move_to_end(p.hashes[j])
+        while len(self._fork_heads) > MAX_FORK_HINTS:
+            self._fork_heads.popitem(last=False)
+        recent = tuple(dict.fromkeys([*walk.fork_levels, *levels]))[:MAX_FORK_LEVELS]
+        self._fork_hints[h1] = recent
+        self._fork_hints.move_to_end(h1)
+        if len(self._fork_hints) > MAX_FORK_HINTS:
+            self._fork_hints.popitem(last=False)
 
     def _merge(self, p: Prompt, walk: Walk) -> LookupResult:
         B, n = p.block_tokens, len(p.hashes)
@@ -418,9 +454,7 @@ class ClusterClient(SaveCalls):
         # a read first needs it (_routes), not here -- 2,048 keys of a 32k-token prompt were a third
         # of a cluster lookup's client time.
         if m:
-            self._unrouted.append((BLOCK_BYTE, p.hashes[:m], walk.held_at[:m]))  # held_at[:m] has no None
-            if len(self._unrouted) > MAX_UNROUTED:
-                self._routes(1)
+            self._queue_routes((True, p.hashes[m - 1]), (BLOCK_BYTE, p.hashes[:m], walk.held_at[:m]))  # no None
             self._parent_of_key(BLOCK_BYTE + p.hashes[m - 1], p.parent_of_block(m - 1))
         for j in (m - 1, m):  # where the levels a save continues from live (client/saves.py)
             branch = walk.branch_of[j] if 0 < j < len(walk.branch_of) else None

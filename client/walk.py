@@ -70,9 +70,10 @@ class Walk:
     answered: list[tuple[str, ProbeAnswer]] = field(default_factory=list)
     probes: int = 0
     nodes: set[str] = field(default_factory=set)  # nodes that answered (cluster_scale counts them)
-    hints: Sequence[int] = ()  # levels where an earlier walk of this prompt's first block followed a fork
+    hints: Sequence[int] = ()  # levels where this prompt's block is a fork head an earlier walk followed
     fork_levels: list[int] = field(default_factory=list)  # levels where this walk followed a fork
     sent_early: int = 0  # hops sent at once from the hints
+    early_levels: list[int] = field(default_factory=list)  # their levels
     early: dict[tuple[bytes, int], asyncio.Future[list[tuple[str, ProbeAnswer]]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,14 +109,17 @@ class Walk:
                             hashes=self.hash_bytes[start * 16:(start + blocks) * 16],
                             tokens=p.packed[start * B * TOKEN_BYTES:end_tok * TOKEN_BYTES], extras=extras)
 
-    async def _ask(self, branch: bytes, start: int, stop: int | None = None) -> list[ProbeAnswer]:
-        """One probe of levels [start, stop) on ``branch``; the answers absorbed."""
+    async def _ask(self, branch: bytes, start: int, stop: int | None = None, hop: bool = False) -> list[ProbeAnswer]:
+        """One probe of levels [start, stop) on ``branch``; the answers absorbed. A hop of the walk
+        (``hop``) takes the answer of the same question sent early, if there is one (asked of all
+        levels from ``start``: ``stop`` is then not used)."""
         if self.probes >= MAX_HOPS:
             return []
         self.probes += 1
-        early = self.early.pop((branch, start), None) if stop is None else None
+        early = self.early.pop((branch, start), None) if hop else None
         if early is not None:
             self.probes -= 1  # counted when it was sent
+            stop = None
             got = await early
         else:
             first = self.prompt.block_key(start) if start < self.n else None
@@ -179,11 +183,17 @@ class Walk:
                 head = BlockHash(self.prompt.hashes[j])
                 self.probes += 1
                 self.sent_early += 1
+                self.early_levels.append(j)
                 self.early[(head, j)] = asyncio.ensure_future(self.hop(head, self.request(j), self.prompt.block_key(j)))
         tried: set[tuple[bytes, int]] = set()
         while self.probes < MAX_HOPS:
             tried.add((branch, start))
-            got = await self._ask(branch, start)
+            # A hop that reaches a level whose own hop was sent early asks only up to that level: the
+            # early hop asks the rest (a 32k-token prompt forking after its system prompt sends each
+            # node its part, as one lookup sends one node the whole). Where the prompt does not fork
+            # there after all, the next hop asks the rest of this branch.
+            stop = None if (branch, start) in self.early else self.early_stop(start)
+            got = await self._ask(branch, start, stop, hop=True)
             if not got:
                 # No node of this branch answered. A fork head's branch: its home's answer stands (the
                 # match ends at its level). The branch node of h_1: the root level's home still knows level 0.
@@ -193,6 +203,9 @@ class Walk:
                 branch = home
                 continue
             last = max(got, key=lambda a: (a.end, a.stop is None or a.stop.fork))
+            if stop is not None and last.stop is None and start + last.held >= stop:
+                start = stop  # held up to where it asked, no fork there: the rest is on this branch too
+                continue
             j = min(last.end, self.num_levels - 1)
             held = last.stop is None or last.stop.fork
             if last.stop is not None and last.stop.fork:
@@ -216,6 +229,12 @@ class Walk:
             branch, start = home, j
         await self._confirm_child()
         await self._snapshots()
+
+    def early_stop(self, start: int) -> int | None:
+        """Where a hop from level ``start`` stops asking: one past the nearest later level whose hop
+        was sent early (that level is asked by both: its home's answer says whether it forks)."""
+        later = [j for _, j in self.early if j > start]
+        return min(later) + 1 if later else None
 
     def matched(self) -> int:
         try:

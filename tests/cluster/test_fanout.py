@@ -6,9 +6,12 @@ import asyncio
 import json
 from collections import Counter
 
+import aiohttp
+
 from prefixstore.client import ClientConfig, PrefixClient, Prompt, SyncPrefixClient
 from prefixstore.client.cluster import ClusterClient
 from prefixstore.protocol.placement import rank, root_branch
+from prefixstore.protocol.wire import CONTENT_TYPE
 
 from ..factories import kv_payload, make_namespace, state_payload
 from ..serve_process import http_get
@@ -114,9 +117,12 @@ def test_conversations_spread_over_the_nodes(make_cluster) -> None:  # type: ign
 
 def test_a_walk_sends_the_hops_it_learned_at_once_and_releases_the_ones_it_did_not_use(make_cluster) -> None:  # type: ignore[no-untyped-def]
     """Conversations forking after a shared system prompt: the second lookup of a conversation sends
-    its fork hop beside the first (Walk.hints), with the same answer and exact bytes; a prompt with the
-    same first block whose continuation is not stored sends its early hop and does not use it (its
-    answer is not merged), and no node keeps a lease afterwards."""
+    its fork hop beside the first (Walk.hints), the first hop asking only up to the fork, with the
+    same answer and exact bytes. A prompt with the same first block is hinted only where its own
+    block there is a known fork head: the conversation that continues on the system prompt's branch
+    and a continuation never stored send no early hop. A hinted hop the walk does not use (the system
+    prompt's node lost its entries) is released, and its head forgotten. (A first hop held through
+    the level it stopped at: tests/client/test_walk.py.)"""
     cluster = make_cluster(3)
     ns = make_namespace(block_tokens=4, model="early")
     system = list(range(1, 21))  # 5 blocks
@@ -129,8 +135,23 @@ def test_a_walk_sends_the_hops_it_learned_at_once_and_releases_the_ones_it_did_n
     def leases() -> int:
         return sum(json.loads(http_get(u + "/v1/stats")[1])["leases"] for u in cluster.urls)
 
+    async def flush(url: str) -> None:
+        async with aiohttp.ClientSession() as s, \
+                s.post(url + "/v1/admin/flush", data=b"", headers={"Content-Type": CONTENT_TYPE}) as r:
+            assert r.status == 200
+
     async def run() -> None:
         async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls))) as client:
+            impl = client.impl
+            assert isinstance(impl, ClusterClient)
+            asked: list[tuple[int, int]] = []  # (first level, levels) of each hop sent
+            hop = impl._hop
+
+            async def recording(branch, req, first, lease):  # type: ignore[no-untyped-def]
+                asked.append((req.start, req.num_levels(4)))
+                return await hop(branch, req, first, lease)
+
+            impl._hop = recording  # type: ignore[method-assign]
             for t in convs:
                 res = await client.lookup(t)
                 await client.release(res.lease_id)
@@ -138,12 +159,15 @@ def test_a_walk_sends_the_hops_it_learned_at_once_and_releases_the_ones_it_did_n
                                   start=res.kv_tokens - res.kv_tokens % 4)
             t = convs[-1]
             first = await client.lookup(t)
-            walk1 = client.impl.last_walk
+            walk1 = impl.last_walk
             await client.release(first.lease_id)
             assert walk1 is not None and walk1.fork_levels == [5], walk1.fork_levels
+            asked.clear()
             again = await client.lookup(t)
-            walk2 = client.impl.last_walk
+            walk2 = impl.last_walk
             assert walk2 is not None and walk2.hints == (5,) and walk2.sent_early == 1 and walk2.fork_levels == [5]
+            # Each node its part (levels 0-5, then 5-7), then single-level follow-ups (root snapshots).
+            assert sorted(asked[:2]) == [(0, 6), (5, 3)] and all(k == 1 for _, k in asked[2:]), asked
             assert (again.kv_tokens, again.matched_blocks) == (first.kv_tokens, first.matched_blocks) == (32, 8)
             assert [(a.start, a.held) for _, a in walk2.answered] == [(a.start, a.held) for _, a in walk1.answered]
             reads = again.kv_reads(32)
@@ -151,15 +175,27 @@ def test_a_walk_sends_the_hops_it_learned_at_once_and_releases_the_ones_it_did_n
             assert await client.read([it for it, _, _ in reads], bufs) == [len(b) for b in bufs]
             assert b"".join(bufs) == b"".join(kv_payload(ns, t, a, b) for _, a, b in reads)
             await client.release(again.lease_id)
-            # Same first block (the hint is the system prompt's), a continuation never stored: the
-            # early hop to level 5 is sent and not used.
-            other = system + [999] * 12
-            miss = await client.lookup(other)
-            walk3 = client.impl.last_walk
-            assert walk3 is not None and walk3.hints == (5,) and walk3.sent_early == 1 and walk3.fork_levels == []
-            assert (miss.kv_tokens, miss.matched_blocks) == (20, 5)
-            await client.release(miss.lease_id)
+            # Same first block and fork level, not a known head: no early hop, one hop of all levels.
+            for other, kv in ((convs[0], 32), (system + [999] * 12, 20)):  # continues on the branch; never stored
+                asked.clear()
+                res = await client.lookup(other)
+                walk3 = impl.last_walk
+                assert walk3 is not None and walk3.hints == () and walk3.sent_early == 0
+                assert (res.kv_tokens, asked[0]) == (kv, (0, 8)), (res.kv_tokens, asked)
+                await client.release(res.lease_id)
+            # The system prompt's node loses its entries: the hinted hop is sent (the head's node leases
+            # its part) and not used, released, and the head forgotten.
+            await flush(sys_node)
+            lost = await client.lookup(t)
+            walk4 = impl.last_walk
+            assert walk4 is not None and walk4.sent_early == 1 and walk4.fork_levels == [] and lost.kv_tokens < 20
+            await client.release(lost.lease_id)
             await asyncio.sleep(0.2)  # the unused hop's release runs in the background
+            assert leases() == 0
+            res = await client.lookup(t)
+            await client.release(res.lease_id)
+            walk5 = impl.last_walk
+            assert walk5 is not None and walk5.hints == ()  # the head the walk did not follow is forgotten
             assert client.failures.total() == 0
 
     asyncio.run(run())
