@@ -8,6 +8,7 @@ import pytest
 
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import Kind
+from prefixstore.protocol.probe import ProbeRequest
 from prefixstore.protocol.wire import STATUS_OK, WANT, GetItem
 from prefixstore.store import StoreConfig
 
@@ -63,6 +64,35 @@ def test_leased_entries_survive_eviction_pressure_until_released(ns, harness) ->
     fill(h, 40, start=5000)
     _, gone = h.lookup(toks, lease=False)
     assert gone.kv_tokens < 10
+    h.store.check()
+
+
+def test_a_probe_leases_the_deepest_block_of_the_run_its_binary_search_found(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """A cluster hop (``probe``) of a 13-block prompt takes the fast path (binary search of the held
+    run, store/lookups.py): its lease must still hold the deepest held block -- eviction is leaf-
+    first, so that one lease keeps the whole run -- and the snapshot with it, until released. The
+    prompt ends on a block boundary: no tail child whose own lease would keep the run anyway."""
+    h = harness(ram_only(), ns)
+    toks = list(range(1, 53))  # 13 full blocks
+    h.save(toks, 52, {20: state_payload(ns, toks, 20)})  # its container (block 5) is not the deepest
+    p = Prompt(ns, toks)
+
+    def probe(lease: bool):  # type: ignore[no-untyped-def]
+        return h.store.probe(ProbeRequest(namespace_id=ns.id, start=0, parent=p.parent_of_block(0),
+                                          hashes=b"".join(p.hashes), tokens=p.packed, lease=lease))
+
+    ans = probe(True)
+    assert (ans.held, ans.lease_id is not None, 4 in ans.snapshots) == (13, True, True), ans
+    fill(h, 40)  # 40 x 512 B through a 16 KiB arena: everything unleased is evicted
+    h.store.check()
+    again = probe(False)
+    assert (again.held, again.snapshots[4].usable_tokens) == (13, 20)
+    _, look = h.lookup(toks, lease=False)
+    kv, snap = h.read_prefix(toks, look, 52)
+    assert kv == expected_prefix_bytes(ns, toks, 52, 4) and snap == state_payload(ns, toks, 20)
+    assert h.store.release(ans.lease_id)
+    fill(h, 40, start=5000)
+    assert probe(False).held < 13
     h.store.check()
 
 
