@@ -456,6 +456,24 @@ def test_prometheus_counters(engine_factory) -> None:  # type: ignore[no-untyped
 
 
 
+def test_a_second_engine_in_the_process_registers_its_counters_again(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """vLLM builds the connector's Prometheus metrics once per engine, in prometheus_client's
+    default registry (stats on: ``LLM(disable_log_stats=False)``, ``vllm serve``). A second engine
+    in one process (a notebook re-creating ``LLM``, a benchmark's next run) must start, and its
+    counters be the ones exported."""
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+    e = engine_factory("prom-twice")
+    types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+    PrefixStoreConnector.build_prom_metrics(e.config, types, ["model_name", "engine"], {0: ["first", "0"]})
+    second = PrefixStoreConnector.build_prom_metrics(e.config, types, ["model_name", "engine"], {0: ["second", "0"]})
+    assert second is not None
+    second.observe({"lookups": 3}, 0)
+    assert REGISTRY.get_sample_value("prefixstore_vllm_events_total",
+                                     {"model_name": "second", "engine": "0", "event": "lookups"}) == 3
+    assert REGISTRY.get_sample_value("prefixstore_vllm_events_total",
+                                     {"model_name": "first", "engine": "0", "event": "lookups"}) is None
+
 @NEEDS_NIXL
 def test_save_then_load_over_nixl_into_the_registered_staging_region(
         serve: StartServe, tmp_path: Path, engine_factory) -> None:  # type: ignore[no-untyped-def]
