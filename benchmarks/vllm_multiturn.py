@@ -31,7 +31,10 @@ each store run its own namespace, so nothing carries over):
   same figure, is in the JSON);
 * ``TTFT``: vLLM's own time to first token of the request (``RequestOutput.metrics
   .first_token_latency``: arrival to first token, so lookup, load and prefill of the rest);
-* ``same``: whether the store side generated exactly vLLM alone's tokens (greedy).
+* ``same``: whether the store side generated exactly vLLM alone's tokens (greedy);
+* ``save drain``: store side, how long the saves of the request before were still running when
+  this one was due (the benchmark waits for them, so a turn's TTFT never shares the machine with
+  an earlier turn's put; on a serving engine they would overlap other requests).
 
 Each fresh engine first serves ``--warmup`` unmeasured requests (the first conversation's first
 prompt under a salt of its own, which nothing in the trace matches): an engine's first requests
@@ -154,6 +157,8 @@ class Turn:
     store_answer: int | None
     ttft_s: float
     wall_s: float
+    settle_s: float = 0.0
+    """Store side: time the earlier turns' saves still took before this turn was sent."""
     output: list[int] = field(default_factory=list)
 
 
@@ -229,14 +234,22 @@ class ConnectorProbe:
     def reset(self) -> None:
         self.answer, self.loaded = None, 0
 
-    def settle(self, llm: Any) -> None:
+    def settle(self, llm: Any) -> float:
         """Step the engine until every save it planned has ended (a serving engine keeps stepping
-        while a finished request holds blocks; LLM.generate returns at once)."""
+        while a finished request holds blocks; LLM.generate returns at once), then wait for the
+        worker's offers and puts themselves: the scheduler stops counting a save after
+        ``save_wait_s`` (2 s), and on a loaded machine a put can take longer. Returns the seconds
+        it took, the cost of the saves that the next turn's time to first token then leaves out."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        begin = time.perf_counter()
         for _ in range(1000):
             if not self.connector.saves_in_flight:
-                return
+                break
             llm.llm_engine.step()
             time.sleep(0.001)  # the worker's offer runs on the client's own thread
+        get_kv_transfer_group().drain()
+        return time.perf_counter() - begin
 
 
 def run_side(args: argparse.Namespace, model: str, users: list[list[list[int]]], store_url: str | None,
@@ -256,8 +269,9 @@ def run_side(args: argparse.Namespace, model: str, users: list[list[list[int]]],
         for t in range(args.turns):
             for c in range(args.conversations):
                 prompt = prompts[c] + users[c][t]
+                settle_s = 0.0
                 if probe is not None:
-                    probe.settle(llm)  # the earlier turns' saves are in the store, as on a serving engine
+                    settle_s = probe.settle(llm)  # the earlier turns' saves are in the store
                     probe.reset()
                 begin = time.perf_counter()
                 out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
@@ -267,7 +281,7 @@ def run_side(args: argparse.Namespace, model: str, users: list[list[list[int]]],
                 turns.append(Turn(conversation=c, turn=t, prompt_tokens=len(prompt), cached=out.num_cached_tokens or 0,
                                   store_loaded=probe.loaded if probe else 0,
                                   store_answer=probe.answer if probe else None, ttft_s=ttft, wall_s=wall,
-                                  output=answer))
+                                  settle_s=settle_s, output=answer))
                 prompts[c] = prompt + answer
             row = [x for x in turns if x.turn == t]
             h.progress(f"{label}: turn {t + 1}/{args.turns}: prompts {row[0].prompt_tokens}, cached "
@@ -326,6 +340,7 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[list[Turn]]], vllm_
             row[f"{side}_wall_ms"] = statistics.median(x.wall_s for x in turns) * 1e3
         store_turns = [x for rep in runs["store"] for x in rep if x.turn == t]
         row["store_loaded"] = statistics.mean(x.store_loaded for x in store_turns)
+        row["store_settle_ms"] = statistics.median(x.settle_s for x in store_turns) * 1e3
         row["store_answer"] = statistics.mean(x.store_answer or 0 for x in store_turns)
         # The previous turn's prompt + answer less its last token: what the request-end save holds.
         row["previous_turn_tokens"] = 0 if t == 0 else args.first_tokens + (t - 1) * (
@@ -339,12 +354,13 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[list[Turn]]], vllm_
     same = all(r["same_tokens"] for r in per_turn)
     rows = [[r["turn"], int(r["vllm_prompt_tokens"]), int(r["previous_turn_tokens"]), r["vllm_cached"],  # type: ignore[call-overload]
              r["store_cached"], r["store_loaded"], r["vllm_ttft_ms"]["median_ms"],  # type: ignore[index]
-             r["store_ttft_ms"]["median_ms"], f"{r['ttft_ratio']:.2f}x", "yes" if r["same_tokens"] else "NO"]  # type: ignore[index]
+             r["store_ttft_ms"]["median_ms"], f"{r['ttft_ratio']:.2f}x", r["store_settle_ms"],
+             "yes" if r["same_tokens"] else "NO"]  # type: ignore[index]
             for r in per_turn]
     table = h.print_table(
         f"Per turn, mean over {args.conversations} conversations (TTFT: median over conversations x {args.reps} runs)",
         ["turn", "prompt", "prev. turn", "vLLM cached", "store side cached", "from store", "TTFT vLLM ms",
-         "TTFT store ms", "vLLM/store", "same tokens"], rows)
+         "TTFT store ms", "vLLM/store", "save drain ms", "same tokens"], rows)
     total = {side: sum(x.ttft_s for rep in runs[side] for x in rep) / args.reps for side in SIDES}
     h.progress(f"whole trace, TTFT summed per run: vLLM alone {total['vllm']:.2f} s, with the store "
                f"{total['store']:.2f} s ({total['vllm'] / total['store']:.2f}x); same tokens: {same}")
