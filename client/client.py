@@ -58,7 +58,8 @@ class StoreClient(Protocol):
     async def offer(self, items: Sequence[ItemSpec]) -> list[ItemResult]: ...
     async def put(self, items: Sequence[tuple[ItemSpec, Buffer]], commit: bool = True) -> list[ItemResult]: ...
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
-                   snapshots: Mapping[int, Buffer] | None = None, start: int = 0) -> SaveResult: ...
+                   snapshots: Mapping[int, Buffer] | None = None, start: int = 0,
+                   origins: Mapping[int, int] | None = None) -> SaveResult: ...
     def register_buffer(self, buf: Buffer | DeviceBuffer) -> bool: ...
     def unregister_buffer(self, buf: Buffer | DeviceBuffer) -> bool: ...
     async def close(self) -> None: ...
@@ -163,10 +164,12 @@ class PrefixClient:
         return await self.impl.put(items, commit)
 
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
-                   snapshots: Mapping[int, Buffer] | None = None, start: int = 0) -> SaveResult:
-        """Offer KV [start, kv_upto) and the snapshots, then put what the store wants."""
+                   snapshots: Mapping[int, Buffer] | None = None, start: int = 0,
+                   origins: Mapping[int, int] | None = None) -> SaveResult:
+        """Offer KV [start, kv_upto) and the snapshots, then put what the store wants; ``origins``
+        says why each snapshot was taken (boundary -> protocol.keys.Origin; absent: unknown)."""
         await self._shape()
-        return await self.impl.save(prompt, kv_upto, kv_payload, snapshots, start)
+        return await self.impl.save(prompt, kv_upto, kv_payload, snapshots, start, origins)
 
     def register_buffer(self, buf: Buffer | DeviceBuffer) -> bool:
         """Register a staging buffer with the NIXL agent once (a no-op, False, on the HTTP path)."""

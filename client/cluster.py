@@ -687,16 +687,17 @@ class ClusterClient(SaveCalls):
         return out
 
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
-                   snapshots: Mapping[int, Buffer] | None = None, start: int = 0) -> SaveResult:
+                   snapshots: Mapping[int, Buffer] | None = None, start: int = 0,
+                   origins: Mapping[int, int] | None = None) -> SaveResult:
         """Offer KV [start, kv_upto) and snapshots to the homes of their levels, branch by branch
-        (client/saves.py), putting what each home wants."""
+        (client/saves.py), putting what each home wants. ``origins``: as NodeClient.save."""
         await self._ensure_members()
         B = prompt.block_tokens
         items: list[SaveItem] = []
         for spec, a, b in prompt.kv_items(kv_upto, start - start % B):
             items.append(SaveItem(dataclasses.replace(spec, start=a), a // B, functools.partial(kv_payload, a, b)))
         for t in sorted(snapshots or {}):
-            spec = prompt.state_item(t, kv_upto)
+            spec = prompt.state_item(t, kv_upto, (origins or {}).get(t, 0))
             block_end = -(-t // B) * B
             container_block = block_end // B - 1 if block_end <= kv_upto else kv_upto // B
             assert spec.container is not None

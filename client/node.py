@@ -282,12 +282,16 @@ class NodeClient:
         return out
 
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
-                   snapshots: Mapping[int, Buffer] | None = None, start: int = 0) -> SaveResult:
+                   snapshots: Mapping[int, Buffer] | None = None, start: int = 0,
+                   origins: Mapping[int, int] | None = None) -> SaveResult:
         """Offer KV [start, kv_upto) and snapshots, then put what the store wants.
 
         ``kv_payload(a, b)`` returns the store-layout payload of tokens [a, b)
         (layer-major, see KVLayout); it is only called for wanted items.
-        ``snapshots`` maps boundaries t <= kv_upto to state payloads.
+        ``snapshots`` maps boundaries t <= kv_upto to state payloads; ``origins`` maps a
+        boundary to why the engine took it (protocol.keys.Origin, offered with the item: the
+        store's adaptive admission and eviction judge prompt ends, generation ends, junctions
+        and periodic states apart). A boundary it does not name is offered as unknown (0).
 
         Items go batch by batch (``max_items``): offer batch k, put what it
         wants, then offer batch k+1. Offering everything first fails past one
@@ -298,7 +302,7 @@ class NodeClient:
         kv = prompt.kv_items(kv_upto, start - start % prompt.block_tokens)
         specs = [spec for spec, _, _ in kv]
         for t in sorted(snapshots or {}):
-            specs.append(prompt.state_item(t, kv_upto))
+            specs.append(prompt.state_item(t, kv_upto, (origins or {}).get(t, 0)))
         stored = have = dropped = 0
         saved: list[tuple[Kind, ItemResult]] = []
         for s in range(0, len(specs), self.config.max_items):

@@ -136,8 +136,9 @@ class SyncPrefixClient:
         return self._run(self._client.put(items, commit))
 
     def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
-             snapshots: Mapping[int, Buffer] | None = None, start: int = 0) -> SaveResult:
-        return self._run(self._client.save(prompt, kv_upto, kv_payload, snapshots, start))
+             snapshots: Mapping[int, Buffer] | None = None, start: int = 0,
+             origins: Mapping[int, int] | None = None) -> SaveResult:
+        return self._run(self._client.save(prompt, kv_upto, kv_payload, snapshots, start, origins))
 
 
 __all__ = ["SyncPrefixClient"]

@@ -140,6 +140,10 @@ class SavePlan:
     """Boundaries of the snapshots to save, each from the Mamba block at
     ``CacheGroups.state_index(t)``: the running state (t = the request's computed length when the
     worker reads the blocks) or a state vLLM keeps on its grid (t a multiple of its block size)."""
+    origins: dict[int, int] = field(default_factory=dict)
+    """Why each snapshot was taken (boundary -> protocol.keys.Origin), offered with it: the store's
+    adaptive admission learns per origin which snapshots get reused (in multi-turn chat the
+    generation end is, the prompt end seldom) and stops admitting a dead origin at first sight."""
     extra_keys: list[bytes] = field(default_factory=list)
     hold: bool = False
     """The request finished and vLLM keeps its blocks until the worker reports it (get_finished);

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...protocol.keys import Origin
 from ..client import PrefixClient
 from ..results import LookupResult
 from .loop import ClientLoop
@@ -253,7 +254,7 @@ class PrefixStoreScheduler:
             del self._junctions[req_id]
             if computed_after_step == junction:  # this chunk ends at the junction
                 plan = self._save_plan(request, junction, self._block_ids_of(req_id), hold=False,
-                                       snapshots=(junction,))
+                                       snapshots={junction: Origin.JUNCTION})
                 if plan is not None:
                     self._stats.count("junction_stops")
                     self._queue(plan)
@@ -265,8 +266,10 @@ class PrefixStoreScheduler:
         # request replaying its output runs past it); the one on vLLM's grid below P is the state
         # vLLM itself keeps for its prefix cache (a prefill chunk ended there), which serves a
         # sibling prompt that diverges between the two.
-        plan = self._save_plan(request, P, self._block_ids_of(req_id), hold=False,
-                               snapshots=(self._grid_floor(P), P if computed_after_step == P else 0))
+        snapshots = {self._grid_floor(P): Origin.PERIODIC}
+        if computed_after_step == P:
+            snapshots[P] = Origin.PROMPT_END  # wins over the grid's label where P is on the grid
+        plan = self._save_plan(request, P, self._block_ids_of(req_id), hold=False, snapshots=snapshots)
         if plan is not None:
             self._saved_upto[req_id] = len(plan.tokens)
             self._queue(plan)
@@ -290,9 +293,17 @@ class PrefixStoreScheduler:
                  and not request.spec_token_ids and computed == request.num_computed_tokens)
         if self.groups.hybrid and not exact and computed > saved:
             self._stats.count("snapshots_withheld")
-        plan = self._save_plan(request, computed, block_ids, hold=True,
-                               snapshots=(0 if self.speculative else self._grid_floor(computed),
-                                          computed if exact else 0))
+        snapshots: dict[int, Origin] = {}
+        if not self.speculative:
+            snapshots[self._grid_floor(computed)] = Origin.PERIODIC
+        if exact:
+            # The state after everything the model consumed: past the prompt, the generation end
+            # (P + N - 1, what the next turn of a conversation replays); at or below it, the
+            # prompt end or a state inside it (a request finished, or aborted, in its prefill).
+            P = request.num_prompt_tokens
+            snapshots[computed] = (Origin.GENERATION_END if computed > P
+                                   else Origin.PROMPT_END if computed == P else Origin.UNKNOWN)
+        plan = self._save_plan(request, computed, block_ids, hold=True, snapshots=snapshots)
         self._store_start.pop(req_id, None)
         if plan is None or len(plan.tokens) <= saved:
             return False, None  # nothing beyond what the prompt-end save covered
@@ -321,9 +332,11 @@ class PrefixStoreScheduler:
         return t // grid * grid if grid else 0
 
     def _save_plan(self, request: Request, computed: int, block_ids: tuple[list[int], ...], *, hold: bool,
-                   snapshots: Sequence[int]) -> SavePlan | None:
+                   snapshots: dict[int, Origin]) -> SavePlan | None:
         """A save of the request's KV [0, computed) and, on a hybrid model, the states after each
-        of ``snapshots`` (0s ignored) whose Mamba block vLLM still holds."""
+        boundary of ``snapshots`` (0 ignored) whose Mamba block vLLM still holds, each offered with
+        its origin: the prompt end, the generation end, a hinted junction, or a state on vLLM's
+        block grid (PERIODIC: vLLM's own prefix cache keeps states every block_size tokens)."""
         if not self.settings.save:
             return None
         if not keyable(request):
@@ -333,7 +346,7 @@ class PrefixStoreScheduler:
             return None
         kept: list[int] = []
         if self.groups.hybrid:
-            for t in sorted(set(snapshots)):
+            for t in sorted(snapshots):
                 index = self.groups.state_index(t)
                 if 0 < t <= computed and all(index < len(block_ids[g]) and block_ids[g][index] != 0
                                              for g, _, _ in self.groups.mamba):
@@ -342,6 +355,6 @@ class PrefixStoreScheduler:
         return SavePlan(req_id=request.request_id, save_id=f"{request.request_id}#{next(self._save_ids)}",
                         tokens=list(request.all_token_ids[:computed]), start=min(start, computed),
                         block_ids=tuple(list(b) for b in block_ids), snapshots=tuple(kept),
-                        extra_keys=extra_keys(request), hold=hold)
+                        origins={t: int(snapshots[t]) for t in kept}, extra_keys=extra_keys(request), hold=hold)
 
 __all__ = ["PrefixStoreScheduler", "TP_LOOKUP_ROUNDS", "common_prefix", "extra_keys", "keyable"]

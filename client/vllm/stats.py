@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -49,9 +49,17 @@ class PrefixStoreStats(KVConnectorStats):
 class PrefixStorePromMetrics(KVConnectorPromMetrics):
     """``prefixstore_vllm_*_total`` counters per engine (vLLM adds its model/engine labels)."""
 
+    _collectors: ClassVar[list[Any]] = []
+    """The counters the last instance in this process registered. vLLM builds this object once per
+    engine and, before it registers its own metrics, unregisters the ``vllm:`` ones an earlier
+    engine in the process left (``unregister_vllm_metrics``); these names are not ``vllm:``, so
+    the connector does the same for its own, or a second engine started in one process (with
+    stats on) fails at start-up with prometheus_client's DuplicateTimeseries."""
+
     def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._unregister_previous()
         tokens = self._counter_cls(name="prefixstore_vllm_lookup_tokens_total",
                                    documentation="Prompt tokens looked up in prefixstore, by kind and result.",
                                    labelnames=[*labelnames, "kind", "result"])
@@ -75,6 +83,18 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
         self._bytes: dict[tuple[int, str], Any] = {
             (idx, d): moved.labels(*values, d)
             for idx, values in per_engine_labelvalues.items() for d in ("load", "save")}
+        PrefixStorePromMetrics._collectors = [tokens, events, moved]
+
+    @classmethod
+    def _unregister_previous(cls) -> None:
+        from prometheus_client import REGISTRY
+
+        for collector in cls._collectors:
+            try:
+                REGISTRY.unregister(collector)
+            except KeyError:  # not in the default registry (vLLM's multiprocess mode, a test's classes)
+                pass
+        cls._collectors = []
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data

@@ -343,7 +343,7 @@ class PrefixStoreWorker:
 
         async def save() -> None:
             try:
-                result = await client.save(prompt, T, payload, snapshots, start)
+                result = await client.save(prompt, T, payload, snapshots, start, plan.origins)
                 self._stats.count("saves")
                 self._stats.count("saved_items", result.stored)
                 self._stats.count("dropped_items", result.dropped)

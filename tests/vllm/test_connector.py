@@ -455,6 +455,25 @@ def test_prometheus_counters(engine_factory) -> None:  # type: ignore[no-untyped
     assert value("prefixstore_vllm_events_total", {**labels, "event": "lookups"}) == 2
 
 
+
+def test_a_second_engine_in_the_process_registers_its_counters_again(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """vLLM builds the connector's Prometheus metrics once per engine, in prometheus_client's
+    default registry (stats on: ``LLM(disable_log_stats=False)``, ``vllm serve``). A second engine
+    in one process (a notebook re-creating ``LLM``, a benchmark's next run) must start, and its
+    counters be the ones exported."""
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+    e = engine_factory("prom-twice")
+    types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+    PrefixStoreConnector.build_prom_metrics(e.config, types, ["model_name", "engine"], {0: ["first", "0"]})
+    second = PrefixStoreConnector.build_prom_metrics(e.config, types, ["model_name", "engine"], {0: ["second", "0"]})
+    assert second is not None
+    second.observe({"lookups": 3}, 0)
+    assert REGISTRY.get_sample_value("prefixstore_vllm_events_total",
+                                     {"model_name": "second", "engine": "0", "event": "lookups"}) == 3
+    assert REGISTRY.get_sample_value("prefixstore_vllm_events_total",
+                                     {"model_name": "first", "engine": "0", "event": "lookups"}) is None
+
 @NEEDS_NIXL
 def test_save_then_load_over_nixl_into_the_registered_staging_region(
         serve: StartServe, tmp_path: Path, engine_factory) -> None:  # type: ignore[no-untyped-def]
@@ -475,3 +494,66 @@ def test_save_then_load_over_nixl_into_the_registered_staging_region(
     # The staging region was registered once (register_kv_caches), so loads needed no per-call registration.
     host = e.worker.worker_side.staging.host.numpy()
     assert client.impl.data.channel.path.covers(host.ctypes.data, host.ctypes.data + host.nbytes)
+
+
+class BlockTable:
+    """What vLLM's KV cache manager answers the connector for a running request: its blocks."""
+
+    block_pool = None  # the connector tracks no per-block state in vLLM's pool
+
+    def __init__(self, block_ids: dict[str, tuple[list[int], ...]]) -> None:
+        self.block_ids = block_ids
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return self.block_ids[req_id]
+
+
+def offered_states(e: Engine) -> list[tuple[int, int]]:
+    """Records (boundary, origin) of every snapshot the worker's client offers the store from now on."""
+    from prefixstore.protocol.keys import Kind
+
+    client = e.worker.worker_side.client.impl
+    offer = client.offer
+    seen: list[tuple[int, int]] = []
+
+    async def recording(items):  # type: ignore[no-untyped-def]
+        seen.extend((i.boundary, i.origin) for i in items if i.kind is Kind.STATE)
+        return await offer(items)
+
+    client.offer = recording
+    return seen
+
+
+def test_snapshots_are_offered_with_their_origin(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """Each snapshot says why it was taken, so the store's adaptive admission can tell prompt ends
+    (seldom reused in multi-turn chat) from generation ends (the next turn's start): the prefill
+    step of a 40-token prompt offers the prompt end (40) and vLLM's grid state below it (32,
+    periodic); the request end after 8 sampled tokens offers the generation end (47)."""
+    from vllm.v1.core.sched.output import NewRequestData
+
+    from prefixstore.protocol.keys import Origin
+
+    e = engine_factory("origins", hybrid=True)
+    seen = offered_states(e)
+    blocks = ([3, 7, 9], [11, 12, 13])
+    e.scheduler.bind_kv_cache_manager(BlockTable({"r": blocks}))  # type: ignore[arg-type]
+    r = request("r", PROMPT)
+    e.scheduler.on_new_request(r)
+    e.write(blocks[0], random_kv(seed=75), 0, 40)
+    step = SchedulerOutput.make_empty()
+    step.scheduled_new_reqs = [NewRequestData.from_request(r, blocks)]
+    step.num_scheduled_tokens = {"r": 40}
+    e.worker.bind_connector_metadata(e.scheduler.build_connector_meta(step))  # the step computing the prompt
+    e.worker.wait_for_save()
+    e.worker.drain()
+    e.worker.clear_connector_metadata()
+    assert seen == [(32, Origin.PERIODIC), (40, Origin.PROMPT_END)]
+
+    seen.clear()
+    r.append_output_token_ids(list(range(8)))
+    r.num_computed_tokens = 47  # 8 sampled, all but the last fed through the model
+    e.write(blocks[0], random_kv(seed=76), 40, 47)
+    e.finish(r, blocks)
+    assert seen == [(32, Origin.PERIODIC), (47, Origin.GENERATION_END)]
+    # The store kept them: the next turn resumes at the generation end.
+    assert e.scheduler.get_num_new_matched_tokens(request("t2", list(r.all_token_ids) + [9, 9]), 0) == (47, True)

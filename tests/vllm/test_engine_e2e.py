@@ -27,18 +27,11 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: tests/vllm/install_vllm.sh installs its CPU build")
 
 from ..serve_process import ServeProcess  # noqa: E402
+from .models import NATIVE_ROPE, lfm2, save_tiny  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 PREFIX = [(i * 37 + 11) % 500 for i in range(200)]
-
-
-def save_tiny(model_cls: Any, config: Any, path: Path) -> str:
-    import torch
-
-    torch.manual_seed(0)
-    model_cls(config).save_pretrained(path)
-    return str(path)
 
 
 @contextlib.contextmanager
@@ -75,17 +68,6 @@ def reuse_run(llm: Any, reset_local_cache: bool) -> tuple[Any, Any, Any]:
     return reference, first, second
 
 
-NATIVE_ROPE = {"custom_ops": ["-rotary_embedding"]}
-"""vLLM 0.32's CPU rotary-embedding kernel (``torch.ops._C.rotary_embedding``, the CustomOp's
-``forward_cpu``) takes ``num_tokens = query.numel() / query.size(-1)``: a ``[tokens, heads,
-head_size]`` query, which LFM2's attention passes (``models/lfm2.py:176``), is read as
-``tokens * heads`` one-head tokens, rotated by ``positions[token * heads + head]``, which runs past
-the batch's positions into whatever vLLM's persistent buffer holds there. Outputs then depend on
-where prefill chunks end (-0.7825 vs -0.7511 for one log-probability) and differ from transformers
-by up to 0.2. With the op's PyTorch path (this setting) vLLM's LFM2 equals transformers' to 1e-4 at
-every position, in one chunk or in 32-token chunks (docs/vllm.md)."""
-
-
 GDN_BF16_TOLERANCE = 0.3
 """Qwen3-Next runs on vLLM's CPU build in bfloat16 only, where vLLM by itself (no connector) moves
 a generated token's log-probability by 0.075 between one prefill chunk and 32-token chunks; the
@@ -111,18 +93,6 @@ def test_llama_second_request_loads_the_prefix_and_generates_the_same(store: Ser
     assert reference.num_cached_tokens == 0 and first.num_cached_tokens == 0
     assert second.num_cached_tokens == 200  # prefix caching is off: all of it came from the store
     assert_same_generation(second, reference)
-
-
-def lfm2(path: Path) -> str:
-    from transformers import Lfm2Config, Lfm2ForCausalLM
-
-    # vLLM 0.32's LFM2 reads the conv/block sizes under these (older) config names.
-    config = Lfm2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
-                        layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
-                        conv_dim=128, block_dim=128, block_ff_dim=256, block_auto_adjust_ff_dim=False,
-                        block_ffn_dim_multiplier=1.0, block_multiple_of=256, norm_eps=1e-5, initializer_range=0.5)
-    return save_tiny(Lfm2ForCausalLM, config, path)
 
 
 def connectors(llm: Any) -> tuple[Any, Any]:
