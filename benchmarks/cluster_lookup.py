@@ -29,7 +29,8 @@ import numpy as np
 from _cluster import VOCAB, client_config, namespace, payload, rolling, start_processes, stop_processes, tmpdir
 from _harness import DEFAULT_OUT, machine_note, print_table, progress, pyplot, save_figure
 
-from prefixstore.client import ClientConfig, PrefixClient
+from prefixstore.client import ClientConfig, PrefixClient, Prompt
+from prefixstore.protocol.placement import rank
 
 
 async def fill(client: PrefixClient, ns, seqs: list[list[int]]) -> None:  # type: ignore[no-untyped-def]
@@ -51,12 +52,23 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     rng = np.random.default_rng(args.seed)
     system = [int(t) for t in rng.integers(1, VOCAB, args.system_tokens)]
     one = [int(t) for t in rng.integers(1, VOCAB, args.tokens)]
-    convs = [system + [int(t) for t in rng.integers(1, VOCAB, args.tokens - args.system_tokens)] for _ in range(4)]
-    prompts = {"one branch": one, "two branches": convs[-1]}
+    convs = [system + [int(t) for t in rng.integers(1, VOCAB, args.tokens - args.system_tokens)] for _ in range(8)]
     ram = f"{max(64, (args.tokens * 5 * ns.kv.token_bytes >> 20) * 4 + 64)}MiB"
     with tmpdir("prefixstore-clookup-") as tmp:
         single_urls, single_procs = await asyncio.to_thread(start_processes, 1, ["--ram-bytes", ram], Path(tmp) / "one")
         urls, procs = await asyncio.to_thread(start_processes, args.nodes, ["--ram-bytes", ram], Path(tmp) / "cluster")
+        # The two-branch prompt: a conversation whose fork head's branch node is not the system prompt's
+        # (ports, hence placement, differ run to run; on the same node the walk is one hop), stored
+        # after the others, so it forks (the first conversation stored continues the system prompt's branch).
+        fork = args.system_tokens // ns.block_tokens
+        def hashes(t: list[int]) -> list[bytes]:
+            return Prompt(ns, t[: (fork + 1) * ns.block_tokens]).hashes
+        away = [c for c in convs[1:] if rank(urls, hashes(c)[fork])[0] != rank(urls, hashes(c)[0])[0]]
+        if away:
+            convs = [c for c in convs if c is not away[-1]][:3] + [away[-1]]
+        else:
+            convs = convs[:4]
+        prompts = {"one branch": one, "two branches": convs[-1]}
         try:
             async with PrefixClient(ns, ClientConfig(url=single_urls[0], data_path="http")) as single, \
                     PrefixClient(ns, client_config(urls)) as cluster:
