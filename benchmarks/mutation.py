@@ -47,7 +47,7 @@ PACKAGES = {"protocol": "protocol", "store": "store", "client": "client", "admis
 POLICY_TESTS = ("tests/admission", "tests/store/test_policy_settings.py", "tests/store/test_metric_values.py")
 STORE_TESTS = ("tests/store/test_metric_values.py", "tests/store/test_policy_settings.py", "tests/store/test_core.py",
                "tests/store/test_lookup_signals.py", "tests/store/test_write_decisions.py",
-               "tests/store/test_index_model.py")
+               "tests/store/test_index_model.py", "tests/store/test_index_check.py")
 
 
 @dataclass(frozen=True)
