@@ -20,7 +20,16 @@ import pytest
 
 from prefixstore.protocol import Kind
 from prefixstore.protocol.hashing import TOKEN_BYTES
-from prefixstore.store.index import Entry, Index, IndexInvariantError, entry_charge, node_key, store_key
+from prefixstore.store.index import (
+    SCAN_BUDGET_PER_SCAN,
+    Entry,
+    Index,
+    IndexInvariantError,
+    ScanBudget,
+    entry_charge,
+    node_key,
+    store_key,
+)
 
 N = b"N" * 8  # a namespace id
 ROOT = b"\x00" * 16  # its root hash h_0
@@ -43,7 +52,7 @@ def built() -> tuple[Index, dict[str, Entry]]:
     ix = Index()
     b0 = kv(b"a", Kind.BLOCK, ROOT, 0, packed(1, 2, 3, 4))
     b1 = kv(b"b", Kind.BLOCK, b0.hash, 4, packed(5, 6, 7, 8))
-    t = kv(b"c", Kind.TAIL, b1.hash, 8, packed(9, 10), size=32)
+    t = kv(b"c", Kind.TAIL, b1.hash, 8, packed(9, 10), size=48)
     r = kv(b"r", Kind.BLOCK, b0.hash, 4, packed(5, 6, 7, 9), record=True)
     s = Entry(key=store_key(N, Kind.STATE, b"s" * 16), kind=Kind.STATE, hash=b"s" * 16, namespace_id=N,
               parent=None, start=0, tokens=b"", extra=b"", container=b1.key, boundary=6, size=16, checksum=0,
@@ -58,7 +67,7 @@ def test_a_healthy_index_passes_and_counts_what_it_holds() -> None:
     ix, e = built()
     assert ix.fork_records == 1
     assert (e["b0"].num_children, e["b1"].num_children, e["b1"].num_snapshots) == (2, 1, 1)
-    assert dict(ix.stored_bytes) == {("kv", "ram"): 64 + 64 + 32, ("state", "ram"): 16}
+    assert dict(ix.stored_bytes) == {("kv", "ram"): 64 + 64 + 48, ("state", "ram"): 16}
     assert dict(ix.stored_entries) == {("kv", "ram"): 3, ("state", "ram"): 1}
     assert ix.continuation == {node_key(N, ROOT): e["b0"].key, node_key(N, e["b0"].hash): e["b1"].key}
 
@@ -138,19 +147,33 @@ def test_subtree_lists_what_depends_on_an_entry_leaves_first() -> None:
 
 
 def test_disk_charge_counts_payloads_and_records_of_what_is_on_disk() -> None:
-    """What the disk budget counts: the payload bytes on disk and each disk entry's record
-    (tokens, extra keys, overhead); a RAM-only entry counts nothing, and a fork record on disk
-    its record alone."""
+    """What the disk budget counts: the payload bytes on disk, of both kinds, and each disk
+    entry's record (tokens, extra keys, overhead); a RAM-only entry counts nothing, and a fork
+    record on disk its record alone."""
     ix, e = built()
     assert ix.disk_bytes() == 0 and ix.disk_charge() == 0
-    t = e["t"]
+    t, s, r = e["t"], e["s"], e["r"]
     ix.set_tier(t, [0], True)  # written through: in RAM and on disk
-    assert ix.disk_bytes() == 32 and ix.disk_charge() == entry_charge(32, t.tokens, t.extra)
+    assert ix.disk_bytes() == 48 and ix.disk_charge() == entry_charge(48, t.tokens, t.extra)
     ix.set_tier(t, None, True)  # demoted: on disk only
-    assert ix.disk_charge() == entry_charge(32, t.tokens, t.extra)
-    ix.set_tier(e["r"], None, True)  # the record persisted
-    assert ix.disk_charge() == entry_charge(32, t.tokens, t.extra) + entry_charge(0, e["r"].tokens, b"")
+    ix.set_tier(s, None, True)
+    assert ix.disk_bytes() == 48 + 16
+    assert ix.disk_charge() == entry_charge(48, t.tokens, t.extra) + entry_charge(16, b"", b"")
+    ix.set_tier(r, None, True)  # the record persisted
+    records = entry_charge(48, t.tokens, t.extra) + entry_charge(16, b"", b"") + entry_charge(0, r.tokens, b"")
+    assert ix.disk_charge() == records
     ix.check(ROOTS)
-    ix.set_tier(t, [3], False)  # promoted back, the disk copy dropped
-    assert ix.disk_bytes() == 0 and ix.disk_charge() == entry_charge(0, e["r"].tokens, b"")
+    ix.set_tier(t, [3], False)  # promoted back, the disk copies dropped
+    ix.set_tier(s, [4], False)
+    assert ix.disk_bytes() == 0 and ix.disk_charge() == entry_charge(0, r.tokens, b"")
     ix.check(ROOTS)
+
+
+def test_a_scan_budget_is_eight_times_the_per_level_scan_in_all() -> None:
+    """SCAN_BUDGET_PER_SCAN (8) x max_child_scan comparisons for one lookup, handed out until
+    spent, then none: the answer may be lower, the search never unbounded."""
+    assert SCAN_BUDGET_PER_SCAN == 8
+    budget = ScanBudget(max_child_scan=5)
+    assert budget.left == 40
+    assert [budget.take(15), budget.take(15), budget.take(15), budget.take(1)] == [15, 15, 10, 0]
+    assert budget.left == 0
