@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixstore.admission import FlopAware, PolicyContext, get_model
+from prefixstore.admission import FlopAware, ModelShape, PolicyContext, get_model
 from prefixstore.admission.eviction import OriginValue, anchor_key, flops_saved
 from prefixstore.protocol import Kind
 from prefixstore.protocol.keys import Origin
@@ -208,14 +208,58 @@ def test_a_miss_counts_only_within_what_a_different_weight_could_have_added(posi
 
 def test_entries_without_a_model_shape_are_evicted_and_missed() -> None:
     """No shape for the namespace (nothing to compute FLOPs from): E is 1, the eviction and a
-    later miss on the entry go through without an efficiency to divide by."""
-    p = FlopAware(PolicyContext(), weight=0.5)
+    later miss on the entry go through without an efficiency to divide by, and the miss, of no
+    known cost, weighs one step."""
+    p = FlopAware(PolicyContext(), weight=0.5, step=0.01, early_votes=0)
     s = snap(1, 3000)
     p.on_store(s, 0.0)
     assert p.priority(s, 0.0) == pytest.approx(1.0)  # L = 0, V = 1, E = 1
     p.on_evict(s, 1.0, 0.0)
     p.on_miss(Kind.STATE, s.key[1:], 0.0)
-    assert p.inflation == 1.0 and 0.0 <= p.weight <= 1.0
+    assert p.inflation == 1.0 and p.votes == 1 and abs(p.weight - 0.5) == pytest.approx(0.01)
+
+
+def test_e_is_relative_whatever_the_units_of_flops_per_byte() -> None:
+    """A shape that saves far less than one FLOP per byte held (a tiny model, a huge state):
+    E is still each entry's efficiency over the running mean, as for a 7B model."""
+    tiny = ModelShape(name="tiny", hidden_size=1, num_attention_layers=0, num_linear_layers=1, num_kv_heads=1,
+                      head_dim=1, state_bytes_per_layer=1 << 30, linear_flops_per_token=1)
+    p = FlopAware(PolicyContext(shape_of=lambda ns: tiny), tune=False)
+    a = FakeEntry(key(1), Kind.STATE, tiny.state_bytes, 1000)
+    b = FakeEntry(key(2), Kind.STATE, tiny.state_bytes, 3000)
+    per_byte = [flops_saved(tiny, e) / e.size for e in (a, b)]
+    assert per_byte[1] < 1.0
+    assert p.efficiency(a) == 1.0
+    assert p.efficiency(b) == pytest.approx(per_byte[1] / (sum(per_byte) / 2))  # 1.5
+
+
+def test_kv_stores_are_no_snapshot_origins_and_only_a_first_use_counts_as_reuse() -> None:
+    """V is the share of an origin's snapshots that got reused at all: KV stored beside them
+    counts toward no origin, and a snapshot used three times is one reused snapshot."""
+    p = policy(tune=False)
+    for i in range(5):
+        p.on_store(block(i), 0.0)
+    assert p.origins.stored == {}
+    s = snap(10, 3000, Origin.PROMPT_END)
+    p.on_store(s, 0.0)
+    for hits in range(3):
+        s.num_hits = hits  # the store counts a hit after telling the policy
+        p.on_hit(s, 0.0)
+    assert p.origins.stored == {Origin.PROMPT_END: 1.0} and p.origins.reused == {Origin.PROMPT_END: 1.0}
+
+
+def test_the_last_num_ghosts_evictions_are_remembered() -> None:
+    """num_ghosts = 2 and three evictions: a miss on the oldest says nothing (forgotten), misses
+    on the two others vote."""
+    p = policy(weight=0.5, step=0.01, early_votes=0, num_ghosts=2)
+    gone = [snap(i, 3000) for i in range(3)]
+    for s in gone:
+        p.on_evict(s, 0.0, 0.0)
+    p.on_miss(Kind.STATE, gone[0].key[1:], 0.0)
+    assert p.votes == 0
+    p.on_miss(Kind.STATE, gone[1].key[1:], 0.0)
+    p.on_miss(Kind.STATE, gone[2].key[1:], 0.0)
+    assert p.votes == 2
 
 
 def chain_policy(**kw: object) -> FlopAware:
