@@ -177,3 +177,54 @@ def test_a_scan_budget_is_eight_times_the_per_level_scan_in_all() -> None:
     assert budget.left == 40
     assert [budget.take(15), budget.take(15), budget.take(15), budget.take(1)] == [15, 15, 10, 0]
     assert budget.left == 0
+
+
+def test_an_entry_is_charged_its_payload_tokens_extra_keys_and_overhead() -> None:
+    """What a tenant's quota and the disk budget are charged per entry (ENTRY_OVERHEAD_BYTES = 512)."""
+    assert entry_charge(64, packed(1, 2, 3, 4), b"") == 64 + 16 + 512
+    assert entry_charge(0, packed(1, 2, 3, 4), b"x" * 8) == 16 + 8 + 512  # a fork record with extra keys
+    assert entry_charge(16, b"", b"") == 16 + 512  # a snapshot
+
+
+def test_an_entry_position_is_where_its_tokens_end_or_its_boundary() -> None:
+    """Tokens consumed at the entry's end: what eviction prices (admission/eviction.py)."""
+    _, e = built()
+    assert [e[n].position for n in ("b0", "b1", "t", "s")] == [4, 8, 10, 6]
+    assert [e[n].end for n in ("b0", "b1", "t")] == [4, 8, 10]
+
+
+def test_only_the_scan_most_recent_snapshots_and_children_of_a_level_are_compared() -> None:
+    """max_child_scan = 300 and 301 entries under one level: the oldest, the best match, is past
+    the scan and never compared, so the answer is the best of the 300 newer ones (lower, never
+    wrong). More than 256 so that the scan's end is a large int."""
+    ix, e = built()
+    b1 = e["b1"]
+    level = node_key(N, e["b0"].hash)
+
+    def snapshot(i: int, boundary: int) -> Entry:
+        h = i.to_bytes(16, "little")
+        return Entry(key=store_key(N, Kind.STATE, h), kind=Kind.STATE, hash=h, namespace_id=N, parent=None,
+                     start=0, tokens=b"", extra=b"", container=b1.key, boundary=boundary, size=16, checksum=0,
+                     pages=[1])
+
+    for i in range(300):  # newer than s (boundary 6), each at boundary 5
+        ix.insert(snapshot(1000 + i, 5))
+    assert len(ix.snaps_under[level]) == 301
+    best = ix.best_snapshot_under(level, packed(5, 6, 7, 8), 4, 4, own_next=None, extra=b"", limit=8, scan=300,
+                                  budget=ScanBudget(300))
+    assert best is not None and best.boundary == 5
+    best = ix.best_snapshot_under(level, packed(5, 6, 7, 8), 4, 4, own_next=None, extra=b"", limit=8, scan=301,
+                                  budget=ScanBudget(301))
+    assert best is e["s"]  # in the scan: the largest boundary
+
+    # Children: b1 and the record r under b0, then 300 newer tails [5] under b0.
+    for i in range(300):
+        h = (5000 + i).to_bytes(16, "little")
+        ix.insert(Entry(key=store_key(N, Kind.TAIL, h), kind=Kind.TAIL, hash=h, namespace_id=N,
+                        parent=e["b0"].hash, start=4, tokens=packed(5), extra=b"", container=None, boundary=0,
+                        size=8, checksum=0, pages=[2]))
+    child, agree = ix.best_child(level, packed(5, 6, 7, 8), b"", 300, ScanBudget(300))
+    assert child is not None and child.kind is Kind.TAIL and agree == 1  # b1 ([5..8]) is past the scan
+    child, agree = ix.best_child(level, packed(5, 6, 7, 8), b"", 302, ScanBudget(302))
+    assert child is b1 and agree == 4
+    ix.check(ROOTS)
