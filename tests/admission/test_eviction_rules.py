@@ -275,7 +275,8 @@ def block(i: int) -> FakeEntry:
     return FakeEntry(key(i, Kind.BLOCK), Kind.BLOCK, 16 * SHAPE.kv_bytes_per_token, 16, num_tokens=16)
 
 
-def test_a_chain_is_judged_by_the_most_valuable_snapshot_evicted_beneath_it() -> None:
+@pytest.mark.parametrize("junction_first", [False, True])
+def test_a_chain_is_judged_by_the_most_valuable_snapshot_evicted_beneath_it(junction_first: bool) -> None:
     """Under one block: a long prompt-end snapshot (an origin never reused: V x FLOPs per byte
     small, though its FLOPs per byte are the highest) leaves first, at priority 0, then a junction
     snapshot (reused: V = 1) at 5, then the block at 5. The miss on the block is judged as the
@@ -293,8 +294,9 @@ def test_a_chain_is_judged_by_the_most_valuable_snapshot_evicted_beneath_it() ->
     p.on_hit(junction, 0.0)  # its first use: the junction origin's value
     assert eff(prompt_end) > eff(junction) > eff(parent)
     assert p.value(prompt_end) * eff(prompt_end) < p.value(junction) * eff(junction)  # V x FLOPs per byte
-    p.on_evict(prompt_end, 0.0, 0.0)
-    p.on_evict(junction, 5.0, 0.0)
+    # Either order: the carry keeps the higher V x FLOPs per byte, not the latest.
+    for s, at in ([(junction, 5.0), (prompt_end, 0.0)] if junction_first else [(prompt_end, 0.0), (junction, 5.0)]):
+        p.on_evict(s, at, 0.0)
     p.on_evict(parent, 5.0, 0.0)
     p.on_miss(Kind.BLOCK, parent.key[1:], 0.0)
     assert p.votes == 1 and p.weight == pytest.approx(0.51)
@@ -323,13 +325,18 @@ def test_ghosts_carried_up_are_kept_for_the_num_ghosts_parents_touched_last() ->
     assert p.votes == 3 and weights[:2] == pytest.approx([0.51, 0.52]) and weights[2] < weights[1]
 
 
+@pytest.mark.parametrize("frontier", [None, 30_000])
 @pytest.mark.parametrize(("position", "steps"), [(2000, (1.9, 2.0)), (20_000, (4.0, 4.0))])
 def test_a_miss_moves_w_by_its_cost_over_the_typical_misses_at_most_four_steps(
-        position: int, steps: tuple[float, float]) -> None:
+        position: int, steps: tuple[float, float], frontier: int | None) -> None:
     """Two misses, each inside the reach. The first sets the typical cost: one step. The second
     cost about twice as much (a 2,000-token snapshot after a 1,000-token one): about two steps
-    (a little less, as the running mean moved towards it); 400 times as much: four, the cap."""
+    (a little less, as the running mean moved towards it); 400 times as much: four, the cap.
+    The same whether the misses raise w or (behind a frontier of 30,000-token snapshots, more
+    efficient than both) lower it."""
     p = policy(weight=0.5, step=0.01, early_votes=0)
+    if frontier is not None:
+        p.on_evict(snap(9, frontier), 0.0, 0.0)
     cheap, costly = snap(1, 1000), snap(2, position)
     p.on_evict(cheap, 0.0, 0.0)
     p.on_evict(costly, 0.0, 0.0)
@@ -338,7 +345,19 @@ def test_a_miss_moves_w_by_its_cost_over_the_typical_misses_at_most_four_steps(
     assert abs(after_first - 0.5) == pytest.approx(0.01)
     p.on_miss(Kind.STATE, costly.key[1:], 0.0)
     moved = abs(p.weight - after_first) / 0.01
+    assert (p.weight < after_first) is (frontier is not None)
     assert p.votes == 2 and steps[0] - 1e-9 <= moved <= steps[1] + 1e-9
     # The typical cost is a running mean over about 64 misses, seeded by the first.
     f1, f2 = flops_saved(SHAPE, cheap), flops_saved(SHAPE, costly)
     assert moved == pytest.approx(min(4.0, f2 / (f1 + (f2 - f1) / 64)))
+
+
+@pytest.mark.parametrize("raise_w", [True, False])
+def test_a_miss_keeps_the_weight_within_zero_and_one(raise_w: bool) -> None:
+    """A four-step miss next to a bound: w stops at 1 (raised) or 0 (lowered)."""
+    p = policy(weight=0.99 if raise_w else 0.01, step=0.5, early_votes=0)
+    low, high = snap(1, 1000), snap(2, 20_000)
+    p.on_evict(low, 0.0, 0.0)  # the frontier: the first victim, then a 64th of the way to the second
+    p.on_evict(high, 0.0, 0.0)
+    p.on_miss(Kind.STATE, (high if raise_w else low).key[1:], 0.0)
+    assert p.votes == 1 and p.weight == (1.0 if raise_w else 0.0)
