@@ -184,6 +184,7 @@ def test_an_entry_is_charged_its_payload_tokens_extra_keys_and_overhead() -> Non
     assert entry_charge(64, packed(1, 2, 3, 4), b"") == 64 + 16 + 512
     assert entry_charge(0, packed(1, 2, 3, 4), b"x" * 8) == 16 + 8 + 512  # a fork record with extra keys
     assert entry_charge(16, b"", b"") == 16 + 512  # a snapshot
+    assert entry_charge(48, packed(1, 2, 3, 4), b"") == 48 + 16 + 512  # sizes that share bits: a sum, not a mix
 
 
 def test_an_entry_position_is_where_its_tokens_end_or_its_boundary() -> None:
@@ -228,3 +229,31 @@ def test_only_the_scan_most_recent_snapshots_and_children_of_a_level_are_compare
     child, agree = ix.best_child(level, packed(5, 6, 7, 8), b"", 302, ScanBudget(302))
     assert child is b1 and agree == 4
     ix.check(ROOTS)
+
+
+def test_a_snapshot_counts_only_if_its_container_agrees_up_to_its_boundary_under_the_same_extra() -> None:
+    """At level b0 (tokens from 4), s (boundary 6) needs its container b1 to agree with the
+    prompt for 2 tokens: [5, 6, ...] does, [5, 9, ...] does not. A container stored under other
+    extra keys (a LoRA) never agrees, whatever its tokens."""
+    ix, e = built()
+    level = node_key(N, e["b0"].hash)
+
+    def best(seg: bytes, extra: bytes = b"", where: bytes = level, start: int = 4) -> Entry | None:
+        return ix.best_snapshot_under(where, seg, start, 4, own_next=None, extra=extra, limit=8, scan=16,
+                                      budget=ScanBudget(16))
+
+    assert best(packed(5, 6, 9, 9)) is e["s"]
+    assert best(packed(5, 9, 9, 9)) is None
+    # Under the root: a tail [1, 2] stored with a LoRA's extra key and a snapshot at 2 in it.
+    h = b"u" * 16
+    ix.insert(Entry(key=store_key(N, Kind.TAIL, h), kind=Kind.TAIL, hash=h, namespace_id=N, parent=ROOT, start=0,
+                    tokens=packed(1, 2), extra=b"lora", container=None, boundary=0, size=8, checksum=0, pages=[5]))
+    su = Entry(key=store_key(N, Kind.STATE, b"v" * 16), kind=Kind.STATE, hash=b"v" * 16, namespace_id=N,
+               parent=None, start=0, tokens=b"", extra=b"", container=store_key(N, Kind.TAIL, h), boundary=2,
+               size=16, checksum=0, pages=[6])
+    ix.insert(su)
+    ix.check(ROOTS)
+    root = node_key(N, ROOT)
+    assert best(packed(1, 2, 3, 4), b"lora", root, 0) is su
+    assert best(packed(1, 2, 3, 4), b"", root, 0) is None  # the same tokens without the LoRA
+    assert best(packed(1, 2, 3, 4), b"a", root, 0) is None  # another extra, ordered below "lora"
