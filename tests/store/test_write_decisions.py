@@ -176,6 +176,13 @@ def test_a_fork_head_sends_what_hangs_below_it_to_its_branch(ns, harness) -> Non
     # Offered again, the stored record answers have and still a fork head; its child goes to the branch.
     again = h.store.offer(ns.id, items[1:3])
     assert [(r.status, r.fork, r.branch) for r in again] == [("have", True, None), ("elsewhere", False, fork_head)]
+    # A put of the fork head's payload here is refused (the record keeps the level exact); the
+    # put's next item is still taken.
+    d1 = with_payload(blocks[1], kv_payload(ns, d_tokens, 4, 8))
+    tail = with_payload(Prompt(ns, C).kv_items(1)[0][0], kv_payload(ns, C, 0, 1))
+    plan = h.store.plan_put(ns.id, [d1, tail])
+    assert [r.status for r in plan.results] == ["rejected", "pending"]
+    h.store.abort_put(plan)
 
 
 def test_an_offer_naming_a_fork_head_twice_answers_fork_both_times(ns, harness) -> None:  # type: ignore[no-untyped-def]
@@ -189,3 +196,24 @@ def test_an_offer_naming_a_fork_head_twice_answers_fork_both_times(ns, harness) 
     got = h.store.offer(ns.id, [blocks[1], blocks[1], blocks[2]])
     assert [(r.status, r.fork, r.branch) for r in got] == [
         ("want", True, None), ("have", True, None), ("elsewhere", False, d.hashes[1])]
+
+
+def test_an_item_too_large_for_the_arena_does_not_end_the_offer(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """A 128-byte arena: a block (256 bytes) can never fit, a one-token tail (64 bytes) can; the
+    tail after the refused block is still taken."""
+    h = harness(ram_only(ram_bytes=128), ns)
+    block = Prompt(ns, A).kv_items(4)[0][0]
+    tail = Prompt(ns, C).kv_items(1)[0][0]
+    got = h.store.offer(ns.id, [block, tail])
+    assert [(d.status, d.reason) for d in got] == [("rejected", "larger than the RAM arena"), ("want", "")]
+
+
+def test_an_owner_keeps_up_to_max_offers_per_tenant_wanted_offers(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """max_offers_per_tenant = 2: two wanted offers are both held; a third forgets the oldest."""
+    h = harness(ram_only(max_offers_per_tenant=2), ns)
+    owner = h.store.owner_of(ns)
+    items = [Prompt(ns, t).kv_items(1)[0][0] for t in (A, C, [99])]  # three one-token tails under the root
+    assert [d.status for d in h.store.offer(ns.id, items[:2])] == ["want", "want"]
+    assert h.store.held_by(owner)["offers"] == 2
+    assert [d.status for d in h.store.offer(ns.id, items[2:])] == ["want"]
+    assert h.store.held_by(owner)["offers"] == 2
