@@ -217,3 +217,14 @@ def test_an_owner_keeps_up_to_max_offers_per_tenant_wanted_offers(ns, harness) -
     assert h.store.held_by(owner)["offers"] == 2
     assert [d.status for d in h.store.offer(ns.id, items[2:])] == ["want"]
     assert h.store.held_by(owner)["offers"] == 2
+
+
+def test_an_item_refused_by_admission_does_not_end_the_offer(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """kv_admission second-hit: C's tail, offered once before, is wanted on its second sighting
+    even after A's block, seen for the first time, is refused in the same offer."""
+    h = harness(ram_only(kv_admission="second-hit"), ns)
+    block = Prompt(ns, A).kv_items(4)[0][0]
+    tail = Prompt(ns, C).kv_items(1)[0][0]
+    assert [(d.status, d.reason) for d in h.store.offer(ns.id, [tail])] == [("rejected", "admission")]
+    got = h.store.offer(ns.id, [block, tail])
+    assert [(d.status, d.reason) for d in got] == [("rejected", "admission"), ("want", "")]
