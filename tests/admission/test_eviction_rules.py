@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixstore.admission import FlopAware, PolicyContext, get_model
+from prefixstore.admission import FlopAware, ModelShape, PolicyContext, get_model
 from prefixstore.admission.eviction import OriginValue, anchor_key, flops_saved
 from prefixstore.protocol import Kind
 from prefixstore.protocol.keys import Origin
@@ -133,3 +133,231 @@ def test_a_first_hit_does_not_vote_on_the_weight() -> None:
     snap.num_hits = 1
     p.on_hit(snap, 0.0)  # a repeat use votes
     assert p.weight > 0.5 and p.votes == 1
+
+
+# ---------------------------------------------------------------- the weight's tuner
+# Written against the survivors of a seeded mutation sample of admission/eviction.py
+# (docs/testing.md): the step schedule, the per-origin mean a repeat use is judged by, how far
+# a different w could have reached, which ghost a chain leaves, and how a miss is weighed.
+
+
+def snap(i: int, position: int, origin: int = Origin.JUNCTION, container: bytes | None = None) -> FakeEntry:
+    return FakeEntry(key(i), Kind.STATE, SHAPE.state_bytes, position, origin=origin, container=container)
+
+
+def eff(entry: FakeEntry) -> float:
+    return flops_saved(SHAPE, entry) / entry.size
+
+
+def test_the_step_shrinks_as_one_over_one_plus_n_over_k_down_to_the_base_step() -> None:
+    """The module docstring's schedule with the default K = 10: the n-th vote (from 0) moves w by
+    step x max(1, K / (1 + n/K)), so 10 steps at first, 6.67 at the 6th vote, and the base step
+    from the 91st on (K(K - 1) = 90 votes)."""
+    p = policy(weight=0.0, step=0.001)
+    short, long_ = snap(1, 500), snap(2, 30_000)
+    p.on_store(short, 0.0)
+    p.on_store(long_, 0.0)
+    long_.num_hits = 1  # repeat uses of the more efficient snapshot: each raises w
+    weights = [p.weight]
+    for _ in range(100):
+        p.on_hit(long_, 0.0)
+        weights.append(p.weight)
+    deltas = [b - a for a, b in zip(weights, weights[1:])]
+    expected = [0.001 * max(1.0, 10 / (1 + n / 10)) for n in range(100)]
+    assert deltas == pytest.approx(expected, rel=1e-9)
+    assert deltas[0] == pytest.approx(0.01) and deltas[5] == pytest.approx(0.001 * 10 / 1.5)
+    assert deltas[89] > 0.001 and deltas[90] == pytest.approx(0.001)
+    assert p.votes == 100
+
+
+@pytest.mark.parametrize(("position", "raises"), [(3000, False), (2000, False), (4000, True)])
+def test_a_repeat_use_raises_w_only_when_more_efficient_than_what_its_origin_stores(position: int,
+                                                                                   raises: bool) -> None:
+    """The origin stored one snapshot (at 3000 tokens), so what it typically stores is that
+    snapshot's efficiency, exactly. A repeat use of a snapshot as efficient (the same one) or
+    less (2000 tokens: two thirds of it) lowers w; a more efficient one (4000) raises it."""
+    p = policy(weight=0.5, step=0.01, early_votes=0)
+    p.on_store(snap(1, 3000), 0.0)
+    used = snap(2, position)
+    assert (eff(used) > eff(snap(1, 3000))) is raises
+    used.num_hits = 1
+    p.on_hit(used, 0.0)
+    assert p.weight == pytest.approx(0.51 if raises else 0.49)
+
+
+@pytest.mark.parametrize("position", [4000, 2000])  # more efficient than the mean (w -> 1 helps), less (w -> 0)
+@pytest.mark.parametrize("beyond", [False, True])
+def test_a_miss_counts_only_within_what_a_different_weight_could_have_added(position: int, beyond: bool) -> None:
+    """A ghost evicted at priority 10: a different w in [0, 1] could have added at most V x (1 - w)
+    x (E - 1) to its priority when E > 1, V x w x (1 - E) when E < 1. A miss after the inflation
+    grew by a bit less votes; a bit more, and no w could have kept it: no vote."""
+    p = policy(weight=0.5, step=0.01, early_votes=0)
+    p.origins.on_store(Origin.JUNCTION)  # the only origin seen: V = 1
+    ref = snap(1, 3000)
+    assert p.efficiency(ref) == 1.0  # the running mean of E is this snapshot's efficiency
+    x = snap(2, position)
+    e = eff(x) / eff(ref)
+    reach = (1 - 0.5) * (e - 1) if e > 1 else 0.5 * (1 - e)
+    assert 0.1 < reach < 0.25
+    p.on_evict(x, 10.0, 0.0)
+    p.inflation = 10.0 + (reach + 0.05 if beyond else reach - 0.05)
+    p.on_miss(Kind.STATE, x.key[1:], 0.0)
+    assert p.votes == (0 if beyond else 1)
+    assert p.weight != 0.5 or beyond
+
+
+def test_entries_without_a_model_shape_are_evicted_and_missed() -> None:
+    """No shape for the namespace (nothing to compute FLOPs from): E is 1, the eviction and a
+    later miss on the entry go through without an efficiency to divide by, and the miss, of no
+    known cost, weighs one step."""
+    p = FlopAware(PolicyContext(), weight=0.5, step=0.01, early_votes=0)
+    s = snap(1, 3000)
+    p.on_store(s, 0.0)
+    assert p.priority(s, 0.0) == pytest.approx(1.0)  # L = 0, V = 1, E = 1
+    p.on_evict(s, 1.0, 0.0)
+    p.on_miss(Kind.STATE, s.key[1:], 0.0)
+    assert p.inflation == 1.0 and p.votes == 1 and abs(p.weight - 0.5) == pytest.approx(0.01)
+
+
+def test_e_is_relative_whatever_the_units_of_flops_per_byte() -> None:
+    """A shape that saves far less than one FLOP per byte held (a tiny model, a huge state):
+    E is still each entry's efficiency over the running mean, as for a 7B model."""
+    tiny = ModelShape(name="tiny", hidden_size=1, num_attention_layers=0, num_linear_layers=1, num_kv_heads=1,
+                      head_dim=1, state_bytes_per_layer=1 << 30, linear_flops_per_token=1)
+    p = FlopAware(PolicyContext(shape_of=lambda ns: tiny), tune=False)
+    a = FakeEntry(key(1), Kind.STATE, tiny.state_bytes, 1000)
+    b = FakeEntry(key(2), Kind.STATE, tiny.state_bytes, 3000)
+    per_byte = [flops_saved(tiny, e) / e.size for e in (a, b)]
+    assert per_byte[1] < 1.0
+    assert p.efficiency(a) == 1.0
+    assert p.efficiency(b) == pytest.approx(per_byte[1] / (sum(per_byte) / 2))  # 1.5
+
+
+def test_kv_stores_are_no_snapshot_origins_and_only_a_first_use_counts_as_reuse() -> None:
+    """V is the share of an origin's snapshots that got reused at all: KV stored beside them
+    counts toward no origin, and a snapshot used three times is one reused snapshot."""
+    p = policy(tune=False)
+    for i in range(5):
+        p.on_store(block(i), 0.0)
+    assert p.origins.stored == {}
+    s = snap(10, 3000, Origin.PROMPT_END)
+    p.on_store(s, 0.0)
+    for hits in range(3):
+        s.num_hits = hits  # the store counts a hit after telling the policy
+        p.on_hit(s, 0.0)
+    assert p.origins.stored == {Origin.PROMPT_END: 1.0} and p.origins.reused == {Origin.PROMPT_END: 1.0}
+
+
+def test_the_last_num_ghosts_evictions_are_remembered() -> None:
+    """num_ghosts = 2 and three evictions: a miss on the oldest says nothing (forgotten), misses
+    on the two others vote."""
+    p = policy(weight=0.5, step=0.01, early_votes=0, num_ghosts=2)
+    gone = [snap(i, 3000) for i in range(3)]
+    for s in gone:
+        p.on_evict(s, 0.0, 0.0)
+    p.on_miss(Kind.STATE, gone[0].key[1:], 0.0)
+    assert p.votes == 0
+    p.on_miss(Kind.STATE, gone[1].key[1:], 0.0)
+    p.on_miss(Kind.STATE, gone[2].key[1:], 0.0)
+    assert p.votes == 2
+
+
+def chain_policy(**kw: object) -> FlopAware:
+    """A tuner whose typical victim (the frontier) is a snapshot of 4,400 tokens: between a KV
+    block's efficiency and a 6,000-token snapshot's, so a miss judged as the block lowers w and
+    one judged as that snapshot raises it."""
+    p = policy(weight=0.5, step=0.01, early_votes=0, **kw)
+    p.on_evict(snap(90, 4400), 0.0, 0.0)  # no container: it carries nothing up
+    return p
+
+
+def block(i: int) -> FakeEntry:
+    return FakeEntry(key(i, Kind.BLOCK), Kind.BLOCK, 16 * SHAPE.kv_bytes_per_token, 16, num_tokens=16)
+
+
+@pytest.mark.parametrize("junction_first", [False, True])
+def test_a_chain_is_judged_by_the_most_valuable_snapshot_evicted_beneath_it(junction_first: bool) -> None:
+    """Under one block: a long prompt-end snapshot (an origin never reused: V x FLOPs per byte
+    small, though its FLOPs per byte are the highest) leaves first, at priority 0, then a junction
+    snapshot (reused: V = 1) at 5, then the block at 5. The miss on the block is judged as the
+    junction snapshot: inside the reach (evicted at today's inflation) and more efficient than the
+    frontier, so w rises. Judged as the prompt end it would not count (evicted long before), as
+    the block itself w would fall."""
+    p = chain_policy()
+    parent = block(10)
+    prompt_end = snap(11, 20_000, Origin.PROMPT_END, container=parent.key)
+    junction = snap(12, 6000, Origin.JUNCTION, container=parent.key)
+    for _ in range(40):
+        p.origins.on_store(Origin.PROMPT_END)
+    p.on_store(prompt_end, 0.0)
+    p.on_store(junction, 0.0)
+    p.on_hit(junction, 0.0)  # its first use: the junction origin's value
+    assert eff(prompt_end) > eff(junction) > eff(parent)
+    assert p.value(prompt_end) * eff(prompt_end) < p.value(junction) * eff(junction)  # V x FLOPs per byte
+    # Either order: the carry keeps the higher V x FLOPs per byte, not the latest.
+    for s, at in ([(junction, 5.0), (prompt_end, 0.0)] if junction_first else [(prompt_end, 0.0), (junction, 5.0)]):
+        p.on_evict(s, at, 0.0)
+    p.on_evict(parent, 5.0, 0.0)
+    p.on_miss(Kind.BLOCK, parent.key[1:], 0.0)
+    assert p.votes == 1 and p.weight == pytest.approx(0.51)
+
+
+def test_ghosts_carried_up_are_kept_for_the_num_ghosts_parents_touched_last() -> None:
+    """num_ghosts = 2: three parents each carry the snapshot evicted beneath them, so the carry
+    forgets the parent touched longest ago. The two others, evicted and missed, are judged as
+    their snapshots (more efficient than the frontier: w rises); the first as itself (a KV
+    block: w falls)."""
+    p = chain_policy(num_ghosts=2)
+    parents = [block(10), block(20), block(30)]
+    snaps = [snap(11 + i, 6000, container=b.key) for i, b in enumerate(parents)]
+    for s in snaps:
+        p.on_store(s, 0.0)  # the junction origin, the only one stored: V = 1
+    assert p.value(snaps[0]) * eff(snaps[0]) > eff(parents[0])  # what a parent carries outranks it
+    for s in snaps:
+        p.on_evict(s, 5.0, 0.0)
+    weights = []
+    for b in reversed(parents):  # the last touched first
+        p.on_evict(b, 5.0, 0.0)
+        p.on_miss(Kind.BLOCK, b.key[1:], 0.0)
+        weights.append(p.weight)
+    # (The last miss lowers w by less than a step: a block's miss costs far less than the
+    # snapshots' misses before it, and misses are weighed by their cost.)
+    assert p.votes == 3 and weights[:2] == pytest.approx([0.51, 0.52]) and weights[2] < weights[1]
+
+
+@pytest.mark.parametrize("frontier", [None, 30_000])
+@pytest.mark.parametrize(("position", "steps"), [(2000, (1.9, 2.0)), (20_000, (4.0, 4.0))])
+def test_a_miss_moves_w_by_its_cost_over_the_typical_misses_at_most_four_steps(
+        position: int, steps: tuple[float, float], frontier: int | None) -> None:
+    """Two misses, each inside the reach. The first sets the typical cost: one step. The second
+    cost about twice as much (a 2,000-token snapshot after a 1,000-token one): about two steps
+    (a little less, as the running mean moved towards it); 400 times as much: four, the cap.
+    The same whether the misses raise w or (behind a frontier of 30,000-token snapshots, more
+    efficient than both) lower it."""
+    p = policy(weight=0.5, step=0.01, early_votes=0)
+    if frontier is not None:
+        p.on_evict(snap(9, frontier), 0.0, 0.0)
+    cheap, costly = snap(1, 1000), snap(2, position)
+    p.on_evict(cheap, 0.0, 0.0)
+    p.on_evict(costly, 0.0, 0.0)
+    p.on_miss(Kind.STATE, cheap.key[1:], 0.0)
+    after_first = p.weight
+    assert abs(after_first - 0.5) == pytest.approx(0.01)
+    p.on_miss(Kind.STATE, costly.key[1:], 0.0)
+    moved = abs(p.weight - after_first) / 0.01
+    assert (p.weight < after_first) is (frontier is not None)
+    assert p.votes == 2 and steps[0] - 1e-9 <= moved <= steps[1] + 1e-9
+    # The typical cost is a running mean over about 64 misses, seeded by the first.
+    f1, f2 = flops_saved(SHAPE, cheap), flops_saved(SHAPE, costly)
+    assert moved == pytest.approx(min(4.0, f2 / (f1 + (f2 - f1) / 64)))
+
+
+@pytest.mark.parametrize("raise_w", [True, False])
+def test_a_miss_keeps_the_weight_within_zero_and_one(raise_w: bool) -> None:
+    """A four-step miss next to a bound: w stops at 1 (raised) or 0 (lowered)."""
+    p = policy(weight=0.99 if raise_w else 0.01, step=0.5, early_votes=0)
+    low, high = snap(1, 1000), snap(2, 20_000)
+    p.on_evict(low, 0.0, 0.0)  # the frontier: the first victim, then a 64th of the way to the second
+    p.on_evict(high, 0.0, 0.0)
+    p.on_miss(Kind.STATE, (high if raise_w else low).key[1:], 0.0)
+    assert p.votes == 1 and p.weight == (1.0 if raise_w else 0.0)
