@@ -32,7 +32,7 @@ from ..protocol.keys import Kind
 from ..protocol.namespace import Namespace
 from ..protocol.nixl_wire import NixlPlacements
 from ..protocol.transport import FramePool, get_into
-from ..protocol.wire import REASON_QUOTA, GetItem, ItemResult, ItemSpec, WireError, encode_header
+from ..protocol.wire import REASON_QUOTA, GetItem, ItemResult, ItemSpec, WireError, encode_get_items, encode_header
 from .config import ClientConfig
 from .device import DeviceBuffer
 from .failures import Failures
@@ -349,7 +349,7 @@ class DataPath:
     async def _read_http(self, items: Sequence[GetItem], views: list[memoryview], batch: list[int],
                          done: list[int]) -> None:
         """One POST /v1/get on the frame transport: payloads land straight in ``views``."""
-        request = encode_header({"ns": self._ns.id, "items": [items[i].to_wire() for i in batch]})
+        request = encode_header({"ns": self._ns.id, **encode_get_items([items[i] for i in batch])})
         batch_views = [views[i] for i in batch]
         try:
             await self._node.ensure_namespace()

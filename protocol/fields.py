@@ -69,7 +69,7 @@ def req_list(h: dict[str, object], name: str, ctx: str, max_len: int) -> list[ob
 
 def is_entry_key(v: object) -> bool:
     """17 bytes whose first is a Kind (protocol/keys.py)."""
-    return isinstance(v, bytes) and len(v) == ENTRY_KEY_BYTES and v[0] in _KIND_BYTES
+    return isinstance(v, bytes) and len(v) == ENTRY_KEY_BYTES and v[0] in KIND_BYTES
 
 
 def req_entry_keys(h: dict[str, object], name: str, max_len: int) -> list[bytes]:
@@ -82,7 +82,7 @@ def req_entry_keys(h: dict[str, object], name: str, max_len: int) -> list[bytes]
     return keys
 
 
-_KIND_BYTES = frozenset(int(k) for k in Kind)
+KIND_BYTES = frozenset(int(k) for k in Kind)  # the first byte of every valid entry key
 
 
 def req_map(v: object, ctx: str) -> dict[str, object]:
@@ -100,5 +100,5 @@ def split_hashes(packed: bytes) -> list[BlockHash]:
     return [BlockHash(packed[i : i + HASH_BYTES]) for i in range(0, len(packed), HASH_BYTES)]
 
 
-__all__ = ["WireError", "is_entry_key", "opt_bin", "req_bin", "req_bool", "req_entry_keys", "req_int", "req_kind",
+__all__ = ["KIND_BYTES", "WireError", "is_entry_key", "opt_bin", "req_bin", "req_bool", "req_entry_keys", "req_int", "req_kind",
            "req_list", "req_map", "split_hashes"]

@@ -76,7 +76,7 @@ from .errors import ItemStatus, Problem, StoreError
 from .wire import (
     CONTENT_TYPE,
     PREFIX_BYTES,
-    GetResult,
+    GetAnswer,
     Limits,
     WireError,
     decode_frame,
@@ -733,26 +733,24 @@ async def _exchange(pool: FramePool, conn: Connection, request: bytes, views: Se
 
     header_len = parse_prefix(bytes(await receiver.read_exactly(PREFIX_BYTES)), MAX_ANSWER_HEADER_BYTES)
     header = decode_header(memoryview(await receiver.read_exactly(header_len)))
-    raw_items = header.get("items")
-    if not isinstance(raw_items, list) or len(raw_items) != len(views):
-        raise _malformed(path, "it lists a different number of items than asked for")
-    answers = [GetResult.from_wire(x) for x in raw_items]
-    ok = [(j, r) for j, r in enumerate(answers) if r.status is ItemStatus.OK]
-    body_bytes = PREFIX_BYTES + header_len + sum(r.size for _, r in ok)
+    answer = GetAnswer.from_header(header, len(views))  # either form (protocol/wire.py)
+    ok = ItemStatus.OK
+    served = [j for j, st in enumerate(answer.statuses) if st is ok]
+    sizes, checksums = answer.sizes, answer.checksums
+    body_bytes = PREFIX_BYTES + header_len + sum([sizes[j] for j in served])
     if body_bytes != head.content_length:
         raise _malformed(path, f"the frame holds {body_bytes} bytes, Content-Length says {head.content_length}")
 
     sinks: list[Sink] = []
-    for j, r in ok:
-        if r.size > len(views[j]):
-            problems.append(("size", f"item {j}: payload of {r.size} bytes exceeds its {len(views[j])}-byte buffer"))
-            sinks.append(r.size)  # received into scratch and dropped
+    for k, j in enumerate(served):
+        size, view = sizes[j], views[j]
+        if size > len(view):
+            problems.append(("size", f"item {j}: payload of {size} bytes exceeds its {len(view)}-byte buffer"))
+            sinks.append(size)  # received into scratch and dropped
         else:
-            sinks.append(views[j][: r.size])
-
-    for k, sink in enumerate(sinks):
-        if not isinstance(sink, int):
-            verifier.expect(k, ok[k][0], sink, ok[k][1].checksum)
+            sink = view[:size]
+            sinks.append(sink)
+            verifier.expect(k, j, sink, checksums[j])
     await receiver.fill(sinks, verifier.on_data)
     conn.clean = head.keep_alive
 

@@ -17,6 +17,8 @@ pickle. Every ``from_header`` validates types and bounds and raises
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -25,6 +27,7 @@ import msgpack
 
 from .errors import ItemStatus, Problem
 from .fields import (  # re-exported (__all__): the readers and WireError have always been importable from here
+    KIND_BYTES,
     WireError,
     is_entry_key,
     opt_bin,
@@ -408,10 +411,49 @@ class GetItem:
         return cls(key=key, layer_start=lo, layer_end=hi)
 
 
+# A get names its items packed (``encode_get_items``): a 1,024-item get of 64 KiB blocks spent
+# more of the store's time building and checking per-item msgpack lists (and answering in them)
+# than sending the payloads' bytes (docs/benchmarks.md, "GET at the raw socket's speed"). Packed:
+#
+#   keys    bin   entry key 0 | entry key 1 | ...            17 bytes each (kind || hash)
+#   layers  bin   optional: start 0 | end 0 | start 1 | ...  u32 LE each; end 0 = to the last layer
+#
+# The older form, ``items: [[key, layer_start, layer_end], ...]``, is still read (a client of an
+# earlier release), and answered in its own form (``GetAnswer``).
+LAYER_RANGE: Final = struct.Struct("<II")
+
+
+def encode_get_items(items: Sequence[GetItem]) -> dict[str, object]:
+    """The items part of a get request (HTTP or NIXL), packed; merge it into the header."""
+    out: dict[str, object] = {"keys": b"".join([it.key for it in items])}
+    if any(it.layer_start or it.layer_end is not None for it in items):
+        out["layers"] = b"".join([LAYER_RANGE.pack(it.layer_start, it.layer_end or 0) for it in items])
+    return out
+
+
 def parse_get_items(h: dict[str, object], limits: Limits) -> list[GetItem]:
-    """The ``items`` of a get (HTTP or NIXL): entry keys with optional layer ranges."""
-    raw = req_list(h, "items", "", limits.max_items)
-    return [GetItem.from_wire(x, f"items[{i}]") for i, x in enumerate(raw)]
+    """The items of a get (HTTP or NIXL): entry keys with optional layer ranges, packed
+    (``keys``/``layers``) or as the older ``items`` list."""
+    if "keys" not in h:
+        raw = req_list(h, "items", "", limits.max_items)
+        return [GetItem.from_wire(x, f"items[{i}]") for i, x in enumerate(raw)]
+    keys = req_bin(h, "keys", multiple=ENTRY_KEY_BYTES)
+    n = len(keys) // ENTRY_KEY_BYTES
+    if n > limits.max_items:
+        raise WireError("keys", f"{n} items exceeds the limit of {limits.max_items}", Problem.TOO_LARGE)
+    split = [keys[i : i + ENTRY_KEY_BYTES] for i in range(0, len(keys), ENTRY_KEY_BYTES)]
+    bad = next((i for i, k in enumerate(split) if k[0] not in KIND_BYTES), None)
+    if bad is not None:
+        raise WireError(f"keys[{bad}]", f"byte {split[bad][0]} is not an entry kind")
+    if "layers" not in h:
+        return [GetItem(key=k) for k in split]
+    layers = req_bin(h, "layers", size=n * LAYER_RANGE.size)
+    items: list[GetItem] = []
+    for i, (k, (lo, hi)) in enumerate(zip(split, LAYER_RANGE.iter_unpack(layers))):
+        if hi and hi <= lo:
+            raise WireError(f"layers[{i}]", f"layer_end {hi} is not above layer_start {lo}")
+        items.append(GetItem(key=k, layer_start=lo, layer_end=hi or None))
+    return items
 
 
 #: Per-item status in put, commit and get answers (protocol/errors.py ItemStatus; these names stay).
@@ -482,6 +524,65 @@ def _status(raw: object, ctx: str) -> ItemStatus:
         raise WireError(ctx, f"unknown item status {raw!r}") from None
 
 
+#: The one-byte codes of a packed get answer's statuses (``GetAnswer``): a status's code is its
+#: place here, so new statuses go at the end.
+GET_STATUSES: Final = (ItemStatus.OK, ItemStatus.MISSING, ItemStatus.CORRUPT, ItemStatus.HTTP)
+_GET_CODES: Final = {s: i for i, s in enumerate(GET_STATUSES)}
+
+
+@dataclass(slots=True)
+class GetAnswer:
+    """A get answer's header: per item a status, and the size and xxh3-64 checksum of each
+    payload that follows (0 where none does), in item order.
+
+    Packed (the answer to a packed request)::
+
+        status     bin   one byte per item: its place in GET_STATUSES
+        sizes      bin   u64 LE per item
+        checksums  bin   u64 LE per item
+
+    or, to a request in the older form, ``items: [[status, size, checksum], ...]``."""
+
+    statuses: list[ItemStatus]
+    sizes: list[int]
+    checksums: list[int]
+
+    def to_header(self, packed: bool = True) -> dict[str, object]:
+        if not packed:
+            return {"items": [[st.value, n, c] for st, n, c in zip(self.statuses, self.sizes, self.checksums)]}
+        return {"status": bytes([_GET_CODES[st] for st in self.statuses]),
+                "sizes": _u64_bytes(self.sizes), "checksums": _u64_bytes(self.checksums)}
+
+    @classmethod
+    def from_header(cls, h: dict[str, object], num_items: int) -> GetAnswer:
+        """Either form; an answer that lists another number of items than ``num_items`` is refused."""
+        if "status" not in h:
+            raw = h.get("items")
+            if not isinstance(raw, list) or len(raw) != num_items:
+                raise WireError("items", "it lists a different number of items than asked for")
+            results = [GetResult.from_wire(x) for x in raw]
+            return cls([r.status for r in results], [r.size for r in results], [r.checksum for r in results])
+        codes = req_bin(h, "status", size=num_items)
+        if max(codes, default=0) >= len(GET_STATUSES):
+            raise WireError("status", f"unknown item status code {max(codes)}")
+        return cls([GET_STATUSES[c] for c in codes], _u64_list(req_bin(h, "sizes", size=8 * num_items)),
+                   _u64_list(req_bin(h, "checksums", size=8 * num_items)))
+
+
+def _u64_bytes(values: list[int]) -> bytes:
+    packed = array("Q", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _u64_list(raw: bytes) -> list[int]:
+    packed = array("Q", raw)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()
+
+
 @dataclass(frozen=True, slots=True)
 class GetResult:
     status: ItemStatus
@@ -507,6 +608,8 @@ class GetResult:
 __all__ = [
     "CONTENT_TYPE",
     "EntryRef",
+    "GET_STATUSES",
+    "GetAnswer",
     "GetItem",
     "GetResult",
     "HAVE",
@@ -539,6 +642,7 @@ __all__ = [
     "encode_header_parts",
     "is_entry_key",
     "opt_bin",
+    "encode_get_items",
     "parse_get_items",
     "parse_items",
     "parse_prefix",

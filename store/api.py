@@ -28,7 +28,6 @@ from ..protocol.stream import FrameReader
 from ..protocol.wire import (
     CONTENT_TYPE,
     PREFIX_BYTES,
-    GetResult,
     ItemSpec,
     LookupRequest,
     WireError,
@@ -41,6 +40,7 @@ from ..protocol.wire import (
 )
 from .http import (LOOKUP_NIXL, PEER, STORE, TENANT, control_header, frame_response, owned, single_node_only,
                    stalled)
+from .sendbody import write_body
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +180,7 @@ async def get(request: web.Request) -> web.StreamResponse:
     items = parse_get_items(header, store.limits)
     plan = await store.prepare_get(ns_id, items)
     try:
-        results = [GetResult(s.status, s.length, s.checksum) if s.status is ItemStatus.OK else GetResult(s.status)
-                   for s in plan.slots]
-        head = encode_header({"items": [r.to_wire() for r in results]})
+        head = encode_header(plan.answer().to_header(packed="keys" in header))  # answered in the request's form
         payload = plan.payload_bytes
         response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
         response.content_length = len(head) + payload
@@ -192,8 +190,9 @@ async def get(request: web.Request) -> web.StreamResponse:
             # pinned (never evicted) for as long as it holds the connection.
             async with asyncio.timeout(store.config.request_timeout_s):
                 await response.write(head)
-                for view in store.body_views(plan):  # adjacent payloads merged (ReadPath.body_views)
-                    await response.write(view)
+                # Adjacent payloads merged (ReadPath.body_views), sent from the arena's pages
+                # without the transport's copy where the connection allows (store/sendbody.py).
+                await write_body(request, response, store.body_views(plan))
                 await response.write_eof()
         except TimeoutError:
             log.warning("get: client took the answer off the wire slower than request_timeout_s=%g; disconnected",

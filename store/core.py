@@ -227,7 +227,7 @@ class Store:
         return self.writes.pending
 
     @property
-    def read_hooks(self) -> list[Callable[[Entry], None]]:
+    def read_hooks(self) -> list[Callable[[list[Entry]], None]]:
         return self.reads.read_hooks
 
     @property

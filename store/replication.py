@@ -123,7 +123,7 @@ class Replicator:
         self._registered: set[tuple[str, bytes]] = set()
         self._task: asyncio.Task[None] | None = None
         self.interval_s = max(0.05, min(1.0, self.half_life_s / 8))
-        store.read_hooks.append(self.on_read)
+        store.read_hooks.append(self.on_reads)
         store.space.on_delete.append(self._forget)
 
     # ------------------------------------------------------------ rates
@@ -141,16 +141,19 @@ class Replicator:
         self.refused.pop(e.key, None)
         self.replica_keys.discard(e.key)
 
-    def on_read(self, e: Entry) -> None:
+    def on_reads(self, served: list[Entry]) -> None:
+        """A get served these entries: each one's decayed read rate grows by one read."""
         if not self.enabled or not self.membership.is_cluster:  # rates matter only where replicas can go
             return
         now = self.clock()
-        slot = self._reads.get(e.key)
-        if slot is None:
-            self._reads[e.key] = [1.0, now]
-        else:
-            slot[0] = slot[0] * 2.0 ** (-(now - slot[1]) / self.half_life_s) + 1.0
-            slot[1] = now
+        reads = self._reads
+        for e in served:
+            slot = reads.get(e.key)
+            if slot is None:
+                reads[e.key] = [1.0, now]
+            else:
+                slot[0] = slot[0] * 2.0 ** (-(now - slot[1]) / self.half_life_s) + 1.0
+                slot[1] = now
 
     def rate(self, key: bytes, now: float | None = None) -> float:
         """Smoothed reads per second this node served of ``key``."""

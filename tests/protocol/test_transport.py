@@ -22,7 +22,7 @@ from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.protocol import transport
 from prefixstore.protocol import KVLayout, Kind, Namespace, make_entry_key
 from prefixstore.protocol.hashing import BlockHash
-from prefixstore.protocol.wire import CONTENT_TYPE, GetItem, encode_frame, encode_header
+from prefixstore.protocol.wire import CONTENT_TYPE, GetItem, encode_frame, encode_get_items, encode_header
 from prefixstore.store import StoreConfig
 
 from ..conftest import RunningStore
@@ -76,6 +76,38 @@ async def test_many_payloads_into_every_kind_of_buffer(big_store: RunningStore) 
             assert (out.tobytes() if isinstance(out, np.ndarray) else bytes(out)) == payload
         assert c.failures == {}
         big_store.store.check()
+
+
+async def test_the_store_answers_a_get_in_the_form_it_was_asked_in(big_store: RunningStore) -> None:
+    """A packed request (``keys``/``layers``) gets a packed answer; the older ``items`` list (a client of
+    an earlier release) gets the older answer; both carry the same statuses, sizes and bytes, layer
+    ranges included."""
+    import aiohttp
+
+    from prefixstore.protocol.wire import GetAnswer, decode_frame
+
+    ns = big_namespace()
+    async with big_store.client(ns) as c:
+        stored = await store_chain(c, 3 * 16, seed=4)
+    missing = GetItem(key=make_entry_key(Kind.BLOCK, BlockHash(b"\x42" * 16)))
+    layer_bytes = len(stored[1][1]) // ns.kv.num_layers
+    items = [stored[0][0], missing, GetItem(key=stored[1][0].key, layer_start=2, layer_end=5), stored[2][0]]
+    want = [stored[0][1], None, stored[1][1][2 * layer_bytes : 5 * layer_bytes], stored[2][1]]
+    async with aiohttp.ClientSession(headers={"Content-Type": CONTENT_TYPE}) as s:
+        for packed, request in ((True, encode_get_items(items)), (False, {"items": [it.to_wire() for it in items]})):
+            async with s.post(big_store.url + "/v1/get", data=encode_frame({"ns": ns.id, **request})) as resp:
+                assert resp.status == 200
+                header, body = decode_frame(await resp.read())
+            assert ("status" in header) == packed and ("items" in header) != packed
+            answer = GetAnswer.from_header(header, len(items))
+            assert [st.value for st in answer.statuses] == ["ok", "missing", "ok", "ok"]
+            assert answer.sizes == [len(w) if w is not None else 0 for w in want]
+            got, at = [], 0
+            for size, checksum in zip(answer.sizes, answer.checksums):
+                got.append(bytes(body[at : at + size]))
+                assert xxhash.xxh3_64_intdigest(got[-1]) == checksum or size == 0
+                at += size
+            assert at == len(body) and [g for g, w in zip(got, want) if w is not None] == [w for w in want if w]
 
 
 async def test_small_payloads_many_per_receive(running: RunningStore) -> None:
@@ -624,7 +656,7 @@ async def test_bulk_read_over_tls(big_store: RunningStore, tmp_path: Path) -> No
         ns = big_namespace()
         async with big_store.client(ns) as c:
             stored = await store_chain(c, 6 * 16 + 3, seed=10)
-            request = encode_header({"ns": ns.id, "items": [it.to_wire() for it, _ in stored]})
+            request = encode_header({"ns": ns.id, **encode_get_items([it for it, _ in stored])})
         pool = transport.FramePool(f"https://127.0.0.1:{port}", connect_timeout_s=5.0, ssl_context=client_ctx)
         try:
             for _ in range(2):

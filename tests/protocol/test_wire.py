@@ -16,7 +16,9 @@ from prefixstore.protocol.wire import (
     PREFIX,
     PREFIX_BYTES,
     WIRE_VERSION,
+    GET_STATUSES,
     EntryRef,
+    GetAnswer,
     GetItem,
     GetResult,
     ItemResult,
@@ -28,8 +30,10 @@ from prefixstore.protocol.wire import (
     decode_frame,
     decode_header,
     encode_frame,
+    encode_get_items,
     encode_header,
     encode_header_parts,
+    parse_get_items,
     parse_items,
     parse_prefix,
 )
@@ -187,6 +191,80 @@ def test_parse_items_round_trip() -> None:
 def test_get_item_round_trip(item: GetItem) -> None:
     assert GetItem.from_wire(item.to_wire(), "items[0]") == item
     assert GetItem.from_wire(through_msgpack(item.to_wire()), "items[0]") == item
+
+
+# ---------------------------------------------------------------- get items and answers, packed
+
+get_items = st.lists(st.builds(
+    GetItem,
+    key=st.builds(lambda k, h: make_entry_key(k, BlockHash(h)), st.sampled_from(list(Kind)),
+                  st.binary(min_size=16, max_size=16)),
+    layer_start=st.integers(0, 50),
+    layer_end=st.none() | st.integers(51, 2**32 - 1),
+), max_size=LIMITS.max_items)
+
+
+@given(items=get_items, whole=st.booleans())
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+def test_packed_get_items_round_trip(items: list[GetItem], whole: bool) -> None:
+    if whole:
+        items = [GetItem(key=it.key) for it in items]
+    header = encode_get_items(items)
+    assert ("layers" in header) == any(it.layer_start or it.layer_end is not None for it in items)
+    assert parse_get_items(through_msgpack(header), LIMITS) == items  # type: ignore[arg-type]
+    # The older form is still read, with the same items.
+    assert parse_get_items({"items": [it.to_wire() for it in items]}, LIMITS) == items
+
+
+KEY = make_entry_key(Kind.BLOCK, HASHES[0])
+
+
+@pytest.mark.parametrize(("header", "field", "status"), [
+    ({"keys": KEY[:-1]}, "keys", 400),
+    ({"keys": KEY + b"\x09" + KEY[1:]}, "keys[1]", 400),
+    ({"keys": "not bytes"}, "keys", 400),
+    ({"keys": KEY * (LIMITS.max_items + 1)}, "keys", 413),
+    ({"keys": KEY * 2, "layers": struct.pack("<II", 0, 1)}, "layers", 400),
+    ({"keys": KEY * 2, "layers": struct.pack("<IIII", 0, 0, 3, 3)}, "layers[1]", 400),
+    ({"keys": KEY, "layers": struct.pack("<II", 5, 2)}, "layers[0]", 400),
+    ({}, "items", 400),
+])
+def test_packed_get_items_name_the_field(header: dict[str, object], field: str, status: int) -> None:
+    with pytest.raises(WireError) as info:
+        parse_get_items(header, LIMITS)
+    assert info.value.field == field and HTTP_STATUS[info.value.problem] == status
+
+
+get_answers = st.lists(st.tuples(st.sampled_from(GET_STATUSES), st.integers(0, 2**40),
+                                 st.integers(0, 2**64 - 1)), max_size=64).map(
+    lambda rows: GetAnswer([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]))
+
+
+@given(answer=get_answers, packed=st.booleans())
+def test_get_answer_round_trip(answer: GetAnswer, packed: bool) -> None:
+    header = through_msgpack(answer.to_header(packed))
+    assert isinstance(header, dict) and (("status" in header) == packed) and (("items" in header) != packed)
+    assert GetAnswer.from_header(header, len(answer.statuses)) == answer
+
+
+def test_packed_answer_layout() -> None:
+    """The bytes another implementation would read: a status code per item, then u64 LE arrays."""
+    header = GetAnswer([GET_STATUSES[0], GET_STATUSES[1]], [65536, 0], [2**64 - 1, 0]).to_header()
+    assert header == {"status": b"\x00\x01", "sizes": struct.pack("<QQ", 65536, 0),
+                      "checksums": struct.pack("<QQ", 2**64 - 1, 0)}
+
+
+@pytest.mark.parametrize(("header", "field"), [
+    (GetAnswer([GET_STATUSES[0]] * 2, [1, 2], [3, 4]).to_header(), "status"),  # two items for three asked
+    ({**GetAnswer([GET_STATUSES[0]] * 3, [1, 2, 3], [3, 4, 5]).to_header(), "status": b"\x00\x00\x09"}, "status"),
+    ({**GetAnswer([GET_STATUSES[0]] * 3, [1, 2, 3], [3, 4, 5]).to_header(), "sizes": b"\x00" * 16}, "sizes"),
+    ({**GetAnswer([GET_STATUSES[0]] * 3, [1, 2, 3], [3, 4, 5]).to_header(), "checksums": None}, "checksums"),
+    (GetAnswer([GET_STATUSES[0]] * 2, [1, 2], [3, 4]).to_header(packed=False), "items"),
+])
+def test_get_answer_names_the_field(header: dict[str, object], field: str) -> None:
+    with pytest.raises(WireError) as info:
+        GetAnswer.from_header(header, 3)
+    assert info.value.field == field
 
 
 def test_lookup_request_round_trip() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import struct
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -396,6 +397,15 @@ FIELD_CASES: list[tuple[str, str, Callable[[Ctx], bytes], int, str]] = [
     ("get-layer-end-beyond", "/v1/get", lambda c: _get(c, _block_key(c), 0, 3), 400, "items[0].layer_end"),
     ("get-layer-start-beyond", "/v1/get", lambda c: _get(c, _block_key(c), 5, None), 400, "items[0].layer_end"),
     ("get-state-layer-end-beyond", "/v1/get", lambda c: _get(c, _state_key(c), 0, 2), 400, "items[0].layer_end"),
+    ("get-packed-keys-ragged", "/v1/get", lambda c: encode_frame({"ns": c.ns.id, "keys": _block_key(c)[:16]}), 400,
+     "keys"),
+    ("get-packed-key-kind", "/v1/get",
+     lambda c: encode_frame({"ns": c.ns.id, "keys": _block_key(c) + b"\x07" + _block_key(c)[1:]}), 400, "keys[1]"),
+    ("get-packed-layers-short", "/v1/get",
+     lambda c: encode_frame({"ns": c.ns.id, "keys": _block_key(c), "layers": b"\x00" * 4}), 400, "layers"),
+    ("get-packed-layer-end-beyond", "/v1/get",
+     lambda c: encode_frame({"ns": c.ns.id, "keys": _block_key(c), "layers": struct.pack("<II", 0, 3)}), 400,
+     "items[0].layer_end"),
     ("commit-keys-str", "/v1/commit", lambda c: encode_frame({"ns": c.ns.id, "keys": "k"}), 400, "keys"),
     ("commit-key-short", "/v1/commit",
      lambda c: encode_frame({"ns": c.ns.id, "keys": [_block_key(c), _block_key(c)[:5]]}), 400, "keys[1]"),
