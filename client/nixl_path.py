@@ -39,7 +39,7 @@ from ..protocol.keys import make_entry_key
 from ..protocol.nixl_agent import NixlUnavailable, make_agent
 from ..protocol.errors import ItemStatus
 from ..protocol.nixl_wire import NixlGetAnswer, NixlMetadata, NixlPlacements, NixlReserveAnswer
-from ..protocol.wire import GetItem, ItemResult, ItemSpec, WireError
+from ..protocol.wire import GetItem, ItemResult, ItemSpec, WireError, encode_get_items
 from .device import DeviceBuffer
 
 log = logging.getLogger(__name__)
@@ -525,7 +525,7 @@ class NixlChannel:
         memory, device = memory_of(views)
         on_device = any(isinstance(v, DeviceBuffer) for v in views)
         hashed = verify and not on_device
-        raw = await call("/v1/nixl/get", {"ns": ns_id, "items": [it.to_wire() for it in items]})
+        raw = await call("/v1/nixl/get", {"ns": ns_id, **encode_get_items(items)})
         lease = raw.get("lease")
         ok: list[tuple[int, int, int]] = []  # (item, size, checksum)
         try:

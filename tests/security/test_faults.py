@@ -25,7 +25,7 @@ import xxhash
 from prefixstore.client import ClientConfig, PrefixClient, Prompt
 from prefixstore.client.prompt import with_payload
 from prefixstore.protocol import Namespace, make_entry_key
-from prefixstore.protocol.wire import CONTENT_TYPE, STATUS_OK, decode_frame, encode_frame
+from prefixstore.protocol.wire import CONTENT_TYPE, STATUS_OK, GetItem, decode_frame, encode_frame, encode_get_items
 from prefixstore.store import StoreConfig
 from prefixstore.store.lmdb_tier import LmdbTier, ReadOutcome, StoredRecord
 
@@ -323,6 +323,49 @@ async def test_stalled_get_reader_is_cut_off_and_unpinned(start_store, tmp_path:
     running.store.check()
     async with aiohttp.ClientSession() as s, s.get(running.url + "/healthz") as resp:
         assert resp.status == 200
+
+
+async def test_a_stalled_get_reader_holds_no_copy_of_its_answer(start_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A client that asks for 16 MiB and reads nothing costs the store the arena pages it pins,
+    not a copy: the payloads leave from the arena straight to the socket (store/sendbody.py), so
+    the connection's transport buffer holds at most the answer's header, whatever the answer's
+    size. (Written through the transport, each payload the socket did not take at once was
+    copied into the transport's buffer, up to 1 MiB a connection: heap an attacker could grow
+    with stalled readers.)"""
+    running: RunningStore = await start_store(StoreConfig(port=0, data_dir="none", ram_bytes=32 * MiB,
+                                                          page_bytes=64 << 10, request_timeout_s=5.0))
+    ns = big_namespace()
+    c = running.client(ns)
+    try:
+        toks = list(range(256 * 16))  # 256 blocks of 64 KiB
+        r = await c.save(c.prompt(toks), len(toks), lambda a, b: os.urandom((b - a) * ns.kv.token_bytes))
+        assert r.stored == 256 and r.dropped == 0, r
+    finally:
+        await c.close()
+    keys = [make_entry_key(spec.kind, spec.hash) for spec, _, _ in c.prompt(toks).kv_items(len(toks))]
+    body = encode_frame({"ns": ns.id, **encode_get_items([GetItem(key=k) for k in keys])})
+    host, port = running.url.removeprefix("http://").split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that takes (almost) nothing
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (host, int(port)))
+    server = running.server.runner.server
+    assert server is not None
+    try:
+        await loop.sock_sendall(sock, f"POST /v1/get HTTP/1.1\r\nHost: {host}\r\nContent-Type: {CONTENT_TYPE}\r\n"
+                                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        entries = running.store.index.entries.values()
+        buffered = []
+        for _ in range(300):  # sampled while the answer is stalled (3 s of the 5 s timeout), bounded
+            if any(e.pins for e in entries):
+                buffered.append(sum(h.transport.get_write_buffer_size() for h in server.connections
+                                    if h.transport is not None))
+            await asyncio.sleep(0.01)
+        assert buffered, "the get never pinned its entries"
+        assert max(buffered) <= 64 << 10, f"the transport buffered {max(buffered)} bytes of a stalled answer"
+    finally:
+        sock.close()
 
 
 def test_request_timeout_must_be_positive() -> None:
