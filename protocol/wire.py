@@ -386,9 +386,14 @@ def parse_items(h: dict[str, object], limits: Limits, name: str = "items") -> li
     return [ItemSpec.from_wire(item, f"{name}[{i}].", limits.max_body_bytes) for i, item in enumerate(raw)]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class GetItem:
-    """One payload to read: an entry, optionally only layers [layer_start, layer_end)."""
+    """One payload to read: an entry, optionally only layers [layer_start, layer_end).
+
+    A hot-path record, not frozen: a get of 64 KiB blocks makes 1,024 of them on the store before
+    its first payload byte leaves, and a frozen dataclass's ``__init__`` (one
+    ``object.__setattr__`` per field) took 0.60 ms for them against 0.19 ms (measured with
+    timeit). Treat it as a value all the same: nothing mutates one after it is made."""
 
     key: bytes
     layer_start: int = 0

@@ -198,18 +198,24 @@ class ReadPath:
         together goes out as a handful of writes, not 1024)."""
         out: list[memoryview] = []
         run: list[tuple[int, int]] = []
+        arena = self._arena
+        page_bytes = arena.page_bytes if not arena.virtual else 0
         for slot in plan.slots:
             if slot.status is not ItemStatus.OK:
                 continue
             e = slot.entry
             assert e is not None
-            if slot.buffer is not None or e.pages is None:
-                out += self._arena.coalesce(run, SEND_BYTES)
+            pages = e.pages
+            if slot.buffer is not None or pages is None:
+                out += arena.coalesce(run, SEND_BYTES)
                 run = []
                 out += self.payload_views(slot)
-                continue
-            run += self._arena.extents(e.pages, slot.offset, slot.length)
-        out += self._arena.coalesce(run, SEND_BYTES)
+            elif len(pages) == 1 and page_bytes:  # the common 64 KiB block: its one extent, no generator
+                start = pages[0] * page_bytes + slot.offset
+                run.append((start, start + slot.length))
+            else:
+                run += arena.extents(pages, slot.offset, slot.length)
+        out += arena.coalesce(run, SEND_BYTES)
         return out
 
     def finish_get(self, plan: GetPlan) -> None:
