@@ -5,11 +5,13 @@
     POST /v1/offer        {ns, items}                 -> {results: [[want|have|rejected, reason]]}
     POST /v1/put          {ns, items, commit} + payloads -> {results: [[status, reason]]}
     POST /v1/commit       {ns, keys}                  -> {results}
-    POST /v1/get          {ns, items}                 -> {items: [[status, size, checksum]]} + payloads
+    POST /v1/get          {ns, keys[, layers]}        -> {status, sizes, checksums} + payloads
+                          (or the older {ns, items}   -> {items: [[status, size, checksum]]} + payloads)
     POST /v1/release      {lease}                     -> {released}
 
 Put bodies are streamed straight into the arena pages the store reserved, and get bodies
-streamed out of them, so bulk bytes are never copied into intermediate Python objects here. A
+streamed out of them (store/sendbody.py), so bulk bytes are never copied into intermediate
+Python objects here. A
 body that is not in within ``request_timeout_s`` is answered 408 (a put's reserved pages are
 freed); a get answer the client does not take within it is cut off (its pins dropped).
 """
