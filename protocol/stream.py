@@ -38,7 +38,9 @@ class FrameReader:
             while done < size:
                 await self._fill()
                 n = min(size - done, len(self._chunk) - self._pos)
-                view[done : done + n] = self._chunk[self._pos : self._pos + n]
+                # Through a memoryview: slicing the bytes chunk itself would copy it first, a
+                # second memcpy of every payload byte on the put path.
+                view[done : done + n] = memoryview(self._chunk)[self._pos : self._pos + n]
                 done += n
                 self._pos += n
 
