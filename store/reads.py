@@ -23,7 +23,7 @@ from ..protocol.wire import GetAnswer, GetItem, WireError
 from .arena import Arena
 from .config import StoreConfig
 from .disk import Disk
-from .index import Entry, Index, scope
+from .index import Entry, Index
 from .lmdb_tier import ReadOutcome
 from .metrics import StoreMetrics
 from .space import Space
