@@ -7,6 +7,8 @@ prefixstore    ``prefixstore serve`` child (LMDB tier in a temp dir: the default
                as the store's default unless ``--durability``), ``PrefixClient.put`` /
                ``.read`` over HTTP (benchmarks/transfer.py's set-up; NIXL: see
                benchmarks/nixl_transfer.py)
+prefixstore-   the same store and GET set, read with the client's xxh3 check off (GET only,
+unchecked      in no target: what the check costs)
 raw            benchmarks/_harness.py's bulk socket server: the same chunks, no framing, no
                checksums, no store (the ceiling)
 mooncake       Mooncake Store 0.3.13 (``mooncake-transfer-engine-non-cuda``): ``mooncake_master``
@@ -22,7 +24,10 @@ lmcache        LMCache 0.5.6's ``lmcache_server`` (what ``remote_url: lm://`` ta
 Per payload size (default 1 MiB and 64 KiB), one call moves ``--batch-bytes`` (64 MiB): PUT of
 fresh keys every rep (nothing already stored), GET of one stored set into preallocated buffers,
 checked byte for byte once before timing. Reps are interleaved, peer by peer, the order rotated
-each rep; every figure is the median. Then lookup: a ``--lookup-tokens`` (131,072) prompt stored
+each rep; every figure is the median. After each prefixstore PUT the benchmark waits, untimed,
+for its write-behind to have written that PUT to LMDB (the store's
+``prefixstore_write_behind_entries`` gauge at 0), so that deferred work is charged to no other
+timed call; how long that took is reported as the write-behind drain. Then lookup: a ``--lookup-tokens`` (131,072) prompt stored
 as 8,192 blocks of 16 tokens; prefixstore's ``client.lookup(tokens)`` end to end (hashing the
 prompt included) against Mooncake's ``batch_is_exist`` of the same 8,192 block keys and a
 Valkey pipeline of 8,192 EXISTS (both given the keys ready-made).
@@ -49,6 +54,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import aiohttp
 import numpy as np
 
 import _harness as H
@@ -57,7 +63,7 @@ from prefixstore.protocol import KVLayout, Kind, Namespace, make_entry_key
 from prefixstore.protocol.wire import GetItem
 from transfer import EVICTION, BLOCK_TOKENS, Chains, make_namespace, prepare, ram_bytes_for
 
-PEERS = ("prefixstore", "raw", "mooncake", "valkey", "lmcache")
+PEERS = ("prefixstore", "prefixstore-unchecked", "raw", "mooncake", "valkey", "lmcache")
 LOOKUP_PEERS = ("prefixstore", "mooncake", "valkey")
 TARGETS = {"put_vs_mooncake": 1.0, "put_vs_raw_1MiB": 0.70, "get_vs_raw_1MiB": 0.95, "get_vs_raw_64KiB": 0.90,
            "lookup_vs_batch_is_exist": 0.2}
@@ -169,10 +175,29 @@ class Batch:
 class PrefixPeer:
     name = "prefixstore"
 
-    def __init__(self, client: PrefixClient, chains: Chains, get_set: list[Any], batch: Batch) -> None:
+    def __init__(self, client: PrefixClient, chains: Chains, get_set: list[Any], batch: Batch, url: str) -> None:
         self.client, self.chains, self.batch = client, chains, batch
         self.items = [GetItem(key=make_entry_key(Kind.BLOCK, spec.hash)) for spec, _ in get_set]
         self._next = chains.fresh()
+        self._metrics_url = url + "/metrics"
+
+    async def settle(self) -> float:
+        """Wait (untimed) until the write-behind has written every committed entry to LMDB;
+        returns how long that took. A PUT is acknowledged once its entries are in RAM; the LMDB
+        writes behind it would otherwise land in whichever timed call comes next (this peer's
+        GET, or the next peer's PUT), charging one call's deferred work to another."""
+        started = time.perf_counter()
+        delay = 0.002
+        async with aiohttp.ClientSession() as session:
+            while True:
+                async with session.get(self._metrics_url) as resp:
+                    text = await resp.text()
+                behind = next((float(line.split()[-1]) for line in text.splitlines()
+                               if line.startswith("prefixstore_write_behind_entries ")), 0.0)
+                if behind == 0:
+                    return time.perf_counter() - started
+                await asyncio.sleep(delay)  # polling a gauge, bounded by the store's own write_behind_s
+                delay = min(2 * delay, 0.02)
 
     async def put(self, rep: int) -> None:
         res = await self.client.put(self._next)
@@ -184,6 +209,26 @@ class PrefixPeer:
         got = await self.client.read(self.items, self.batch.out_views)
         if got != [self.batch.size] * self.batch.n:
             raise SystemExit(f"prefixstore: a timed GET failed: {set(got)}")
+
+
+class UncheckedPeer:
+    """prefixstore's GET with the client's xxh3 check off (``verify_checksums=False``): the same
+    store, GET set and buffers. GET only, and in no target: it shows what the check the design
+    requires on every crossing costs against the raw socket, which checks nothing."""
+
+    name = "prefixstore-unchecked"
+    get_only = True
+
+    def __init__(self, client: PrefixClient, items: list[GetItem], batch: Batch) -> None:
+        self.client, self.items, self.batch = client, items, batch
+
+    async def put(self, rep: int) -> None:
+        pass
+
+    async def get(self) -> None:
+        got = await self.client.read(self.items, self.batch.out_views)
+        if got != [self.batch.size] * self.batch.n:
+            raise SystemExit(f"prefixstore-unchecked: a timed GET failed: {set(got)}")
 
 
 class RawPeer:
@@ -455,10 +500,14 @@ async def bench_size(size: int, args: argparse.Namespace, log_dir: Path) -> dict
             res = await client.put(get_set)
             if any(r.status != "ok" for r in res):
                 raise SystemExit(f"prefixstore: set-up put failed: {res[:3]}")
-            peer = PrefixPeer(client, chains, get_set, batch)
+            peer = PrefixPeer(client, chains, get_set, batch, rs.url)
             await peer.get()
             batch.check("prefixstore")
             peers.append(peer)
+            if "prefixstore-unchecked" in args.peers:
+                unchecked = await stack.enter_async_context(PrefixClient(ns, ClientConfig(
+                    url=rs.url, timeout_s=120, verify_checksums=False)))
+                peers.append(UncheckedPeer(unchecked, peer.items, batch))
         if "raw" in args.peers:
             port = await stack.enter_async_context(H.serve_raw("subprocess", "bulk", max_bytes=total))
             raw = await H.RawClient.connect(port)
@@ -489,7 +538,9 @@ async def bench_size(size: int, args: argparse.Namespace, log_dir: Path) -> dict
         elif "lmcache" in args.peers:
             H.progress(f"lmcache skipped: {why}")
         H.progress(f"{size >> 10} KiB x {n}: peers {[p.name for p in peers]} set up; every GET set read back intact")
-        samples = {(p.name, op): H.Samples(f"{p.name} {op}") for p in peers for op in ("put", "get")}
+        samples = {(p.name, op): H.Samples(f"{p.name} {op}") for p in peers for op in ("put", "get")
+                   if op == "get" or not getattr(p, "get_only", False)}
+        drains = H.Samples("prefixstore write-behind drain")
         gc.collect()
         clock = time.perf_counter
         for rep in range(args.warmup + args.reps):
@@ -499,20 +550,29 @@ async def bench_size(size: int, args: argparse.Namespace, log_dir: Path) -> dict
                 t = clock()
                 await p.put(rep)
                 t_put = clock() - t
+                if isinstance(p, PrefixPeer):  # its deferred LMDB writes end before anything else is timed
+                    drained = await p.settle()
+                    if rep >= args.warmup:
+                        drains.add(drained)
                 t = clock()
                 await p.get()
                 t_get = clock() - t
                 if rep >= args.warmup:
-                    samples[p.name, "put"].add(t_put)
+                    if (p.name, "put") in samples:
+                        samples[p.name, "put"].add(t_put)
                     samples[p.name, "get"].add(t_get)
-                line.append(f"{p.name} {total / t_put / 1e9:.2f}/{total / t_get / 1e9:.2f}")
+                line.append(f"{p.name} {total / t_put / 1e9:.2f}/{total / t_get / 1e9:.2f}"
+                            if (p.name, "put") in samples else f"{p.name} -/{total / t_get / 1e9:.2f}")
             if rep >= args.warmup:
                 H.progress(f"{size >> 10} KiB rep {rep - args.warmup + 1}/{args.reps} (PUT/GET GB/s): " + ", ".join(line))
     figures = {f"{name}_{op}": {"median_gbps": total / s.median / 1e9, "p10_gbps": total / s.quantile(0.9) / 1e9,
                                 "p90_gbps": total / s.quantile(0.1) / 1e9, "median_ms": s.median * 1e3,
                                 "n": len(s.values)}
                for (name, op), s in samples.items()}
-    return {"payload_bytes": size, "batch_items": n, "batch_bytes": total, "figures": figures}
+    out: dict[str, object] = {"payload_bytes": size, "batch_items": n, "batch_bytes": total, "figures": figures}
+    if drains.values:
+        out["write_behind_drain_ms"] = drains.summary_ms()
+    return out
 
 
 # ---------------------------------------------------------------- lookup
@@ -617,7 +677,7 @@ def ratios(results: list[dict[str, Any]], lookup: dict[str, Any] | None) -> dict
     return out
 
 
-COLORS = {"prefixstore": "#4c72b0", "raw": "#8c8c8c", "mooncake": "#dd8452", "valkey": "#c44e52", "lmcache": "#55a868"}
+COLORS = {"prefixstore": "#4c72b0", "prefixstore-unchecked": "#a1c9f4", "raw": "#8c8c8c", "mooncake": "#dd8452", "valkey": "#c44e52", "lmcache": "#55a868"}
 
 
 def plot(results: list[dict[str, Any]], lookup: dict[str, Any] | None, path: Path) -> None:
@@ -659,7 +719,7 @@ async def main(argv: list[str] | None = None) -> int:
                f"{args.batch_bytes >> 20} MiB a call, {args.reps} reps (+{args.warmup}), "
                f"lookup of {args.lookup_tokens} tokens")
     for name in args.peers:
-        if (why := available(name)) is not None and name not in ("prefixstore", "raw"):
+        if (why := available(name)) is not None and name not in ("prefixstore", "prefixstore-unchecked", "raw"):
             H.progress(f"{name} is not installed: {why}")
     with tempfile.TemporaryDirectory(prefix="prefixstore-peers-") as tmp:
         log_dir = Path(tmp)
@@ -680,6 +740,12 @@ async def main(argv: list[str] | None = None) -> int:
                          f["p10_gbps"], f["p90_gbps"], f"{f['median_gbps'] / base['median_gbps']:.0%}" if base else "-"])
     table = H.print_table("Peers: PUT / GET throughput (GB/s = 1e9 B/s, median over interleaved reps)",
                           ["payload x batch", "op", "peer", "GB/s", "p10", "p90", "vs raw"], rows)
+    for r in results:
+        if "write_behind_drain_ms" in r:
+            d = r["write_behind_drain_ms"]
+            print(f"prefixstore, {r['payload_bytes'] >> 10} KiB x {r['batch_items']}: its write-behind finished "
+                  f"writing a PUT to LMDB {d['median_ms']:.1f} ms (median; p10 {d['p10_ms']:.1f}, p90 "
+                  f"{d['p90_ms']:.1f}) after the PUT was acknowledged (untimed: outside every figure above)")
     lookup_table = ""
     if lookup is not None:
         lookup_table = H.print_table(f"Lookup of a {lookup['tokens']}-token prompt ({lookup['blocks']} keys), ms",
