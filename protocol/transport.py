@@ -73,6 +73,7 @@ import json
 import xxhash
 
 from .errors import ItemStatus, Problem, StoreError
+from .sockets import duplicate_socket, send_views
 from .wire import (
     CONTENT_TYPE,
     PREFIX_BYTES,
@@ -788,6 +789,32 @@ async def get_json(pool: FramePool, path: str, *, timeout_s: float) -> object:
         raise _error_of(path, err, timeout_s) from err
 
 
+DIRECT_SEND_BYTES: Final = 64 << 10
+"""Parts of a request body at least this large are sent straight from the caller's memory to the
+socket (protocol/sockets.py) where the connection allows: a put's payloads, a lookup's tokens."""
+
+
+async def _send_parts(transport: asyncio.Transport, receiver: Receiver, parts: Sequence[bytes | memoryview]) -> None:
+    """Write a request body's parts in order: large ones from their own memory where the socket is
+    a plain one and the transport holds nothing unsent (else through the transport, whose copy
+    waits for it to drain: a body larger than the socket takes waits here, not in memory)."""
+    sock = None
+    try:
+        for part in parts:
+            size = part.nbytes if isinstance(part, memoryview) else len(part)
+            if size >= DIRECT_SEND_BYTES and not transport.get_write_buffer_size():
+                if sock is None:
+                    sock = duplicate_socket(transport)
+                if sock is not None:
+                    await send_views(sock, (part,))
+                    continue
+            transport.write(part)
+            await receiver.drain()
+    finally:
+        if sock is not None:
+            sock.close()
+
+
 async def _call(pool: FramePool, head: bytes, parts: Sequence[bytes | memoryview], path: str, limit: int,
                 timeout_s: float) -> bytes:
     """One request whose answer is read whole (at most ``limit`` bytes); a 200 answer's body."""
@@ -802,9 +829,7 @@ async def _call(pool: FramePool, head: bytes, parts: Sequence[bytes | memoryview
                 conn.clean = False
                 conn.num_requests += 1
                 conn.transport.write(head)
-                for part in parts:
-                    conn.transport.write(part)
-                    await receiver.drain()  # a body larger than the socket takes waits here, not in memory
+                await _send_parts(conn.transport, receiver, parts)
                 answer = parse_head(await receiver.read_head(MAX_HEAD_BYTES))
                 if answer.content_length > (limit if answer.status == 200 else MAX_ERROR_BODY_BYTES):
                     raise StoreError(path, f"answered {answer.status} with a {answer.content_length}-byte body, "

@@ -110,6 +110,28 @@ async def test_the_store_answers_a_get_in_the_form_it_was_asked_in(big_store: Ru
             assert at == len(body) and [g for g, w in zip(got, want) if w is not None] == [w for w in want if w]
 
 
+async def test_put_of_typed_payloads_sent_from_their_own_memory(big_store: RunningStore) -> None:
+    """A put's large parts go straight from the caller's buffers to the socket (protocol/sockets.py):
+    payloads given as 2-D float16 arrays arrive whole, byte for byte (tests/protocol/test_sockets.py
+    pins the byte counting itself)."""
+    from prefixstore.client.prompt import with_payload
+
+    ns = big_namespace()
+    rng = np.random.default_rng(7)
+    async with big_store.client(ns, data_path="http") as c:
+        prompt = c.prompt(rng.integers(0, 1 << 31, 4 * 16, dtype=np.uint32))
+        specs = [spec for spec, _, _ in prompt.kv_items(prompt.num_tokens)]
+        arrays = [rng.standard_normal((spec.size // 256, 128)).astype(np.float16) for spec in specs]
+        assert all(a.nbytes == spec.size and memoryview(a).itemsize == 2 for a, spec in zip(arrays, specs))
+        results = await c.put([(with_payload(spec, a), memoryview(a)) for spec, a in zip(specs, arrays)])
+        assert [r.status for r in results] == ["ok"] * len(specs), results
+        outs = [bytearray(spec.size) for spec in specs]
+        got = await c.read([GetItem(key=make_entry_key(spec.kind, spec.hash)) for spec in specs], outs)
+        assert got == [spec.size for spec in specs]
+        assert [bytes(o) for o in outs] == [a.tobytes() for a in arrays]
+        assert c.failures == {}
+
+
 async def test_small_payloads_many_per_receive(running: RunningStore) -> None:
     """256-byte blocks: many payloads arrive in one receive and are copied out of the scratch."""
     ns = make_namespace(with_state=False)
