@@ -109,6 +109,17 @@ class AttentionLayer:
             k = self._k[blocks, :, slots, :]
         return torch.stack((k, self._v[blocks, :, slots, :]))
 
+    def zero(self, block_ids: Tensor, start: int, end: int) -> None:
+        """Zero the K and V of token slots [start, end): one index op for K, one for V."""
+        if end <= start:
+            return
+        blocks, slots = self._index(block_ids, start, end)
+        if self.token_layout == "cpu_attn":
+            self._k[blocks, :, :, slots] = 0
+        else:
+            self._k[blocks, :, slots, :] = 0
+        self._v[blocks, :, slots, :] = 0
+
     def scatter(self, block_ids: Tensor, start: int, kv: Tensor) -> None:
         """Write ``kv`` ``(2, n, heads, head_dim)`` at tokens [start, start + n)."""
         blocks, slots = self._index(block_ids, start, start + kv.shape[1])
@@ -194,6 +205,19 @@ class VllmKV:
             dst = out[i * per_layer : (i + 1) * per_layer].view(self.dtype).view(2, n, layer.num_heads,
                                                                                   layer.head_dim)
             dst.copy_(layer.gather(block_ids[layer.group], start, end))
+
+    def zero_block_rest(self, block_ids: Sequence[Tensor], end: int) -> None:
+        """Zero, in every attention layer, the slots of the block holding token ``end - 1`` that
+        come after it: tokens [end, the block's end). vLLM zeroes the attention blocks it
+        allocates, but not those a connector's asynchronous load fills
+        (``skip_zeroing_group_ids``, v1/core/sched/scheduler.py), so a load that ends mid-block
+        leaves the rest of its last block holding whatever the page held before: on a hybrid
+        model, possibly a freed state's bytes, which read as attention KV can be NaN, and vLLM's
+        CPU attention lets NaN in unused slots reach the output. Blocks the load covers whole
+        are overwritten by it; blocks after the last are not the load's (vLLM zeroes them)."""
+        for layer in self.attention:
+            bs = layer.block_size
+            layer.zero(block_ids[layer.group], end, -(-end // bs) * bs)
 
     def scatter_layer(self, layer: int, src: Tensor, block_ids: Sequence[Tensor], payload_start: int,
                       payload_tokens: int,

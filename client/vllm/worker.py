@@ -222,6 +222,8 @@ class PrefixStoreWorker:
         try:
             async with self._load_lock:  # one staging region: loads of different steps take turns
                 tables = {p.req_id: [torch.tensor(ids, dtype=torch.long) for ids in p.block_ids] for p in plans}
+                for plan in plans:  # before any layer is released: the forward pass writes after it
+                    await self._guarded(plan, failures, self._zero_block_rest(plan, tables[plan.req_id]))
                 plans = [await self._relookup(plan, failures) for plan in plans]
                 for plan in plans:
                     if plan.state_index is not None and plan.req_id not in failures:
@@ -269,6 +271,14 @@ class PrefixStoreWorker:
         except Exception as err:  # noqa: BLE001 -- any failure is a miss that vLLM recomputes
             failures[plan.req_id] = f"{type(err).__name__}: {err}"
             log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id, failures[plan.req_id])
+
+    async def _zero_block_rest(self, plan: LoadPlan, tables: list[torch.Tensor]) -> None:
+        """The slots of the load's last attention block past its last token: vLLM leaves zeroing
+        a block an asynchronous load fills to the connector (layout.VllmKV.zero_block_rest). Done
+        whether the load then succeeds or not; a failed load's blocks vLLM zeroes itself beyond
+        the valid prefix (scheduler.py ``_update_waiting_for_remote_kv``)."""
+        assert self._kv is not None
+        self._kv.zero_block_rest(tables, plan.end)
 
     async def _load_layer(self, plan: LoadPlan, tables: list[torch.Tensor], layer: int) -> None:
         assert self._kv is not None and self.staging is not None and self.client is not None

@@ -294,6 +294,27 @@ def test_hybrid_loads_kv_and_state_at_any_token(engine_factory) -> None:  # type
     assert s.get_kv_connector_stats().data["state_hit_tokens"] == 40  # type: ignore[union-attr]
 
 
+def test_a_load_zeroes_the_rest_of_its_last_block(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """vLLM zeroes the attention blocks it allocates but not those a connector's asynchronous
+    load fills (``skip_zeroing_group_ids``); on a hybrid model such a page may last have held a
+    state, whose bytes read as KV can be NaN. The load's last block must hold the loaded tokens
+    and zeros after them, never the page's earlier bytes; a local hit before the load stays."""
+    e = engine_factory("hybrid-zero", hybrid=True)
+    kv, states = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=45)
+    target = [40, 41, 42]
+    e.write(target, kv, 0, 16)  # the engine's local hit: one whole block
+    for name in ATTN:  # the load's blocks as a freed state left them: NaN everywhere
+        e.views[name][target[1:]] = float("nan")
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 16) == (24, True)
+    e.load(r, 16, 24, (target, [0, 0, 52]))  # tokens [16, 40): block 42 holds 8 of its 16 slots
+    results = e.worker.get_transfer_results(set())
+    assert results.finished_recving == {"a"} and results.failed_recving == set()
+    assert same_bytes(e.blocks(target), e.expected(target, kv, 40))  # zeros past token 40
+    for name in MAMBA:
+        assert torch.equal(e.views[name][52], states[2][name])
+
+
 def test_hybrid_grid_state_serves_a_sibling(engine_factory) -> None:  # type: ignore[no-untyped-def]
     e = engine_factory("hybrid-grid", hybrid=True)
     _, states = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=15)
