@@ -315,6 +315,28 @@ def test_a_load_zeroes_the_rest_of_its_last_block(engine_factory) -> None:  # ty
         assert torch.equal(e.views[name][52], states[2][name])
 
 
+@pytest.mark.parametrize("staging_bytes", [2048, 6000, 64 << 20])
+def test_a_load_in_rounds_from_inside_a_payload(engine_factory, staging_bytes: int) -> None:  # type: ignore[no-untyped-def]
+    """A hybrid load reads every layer's KV and the state in one batched read when the staging
+    region holds them (64 MiB), in several rounds when it does not (6,000 bytes: two 5-token
+    payloads of both layers, 2,560 bytes each, per round, the state in the last), and a layer at a
+    time when one payload of every layer is larger than the region (2,048 bytes). The store's
+    blocks are 5 tokens, vLLM's 16, and the engine's local hit of 16 ends inside the payload of
+    tokens [15, 20): the blocks end up byte for byte as if the kernel had computed all 40."""
+    e = engine_factory(f"hybrid-rounds-{staging_bytes}", hybrid=True, block_tokens=5, staging_bytes=staging_bytes)
+    kv, states = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=55)
+    target = [40, 41, 42]
+    e.write(target, kv, 0, 16)
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 16) == (24, True)
+    e.load(r, 16, 24, (target, [0, 0, 52]))
+    results = e.worker.get_transfer_results(set())
+    assert results.finished_recving == {"a"} and results.failed_recving == set()
+    assert same_bytes(e.blocks(target), e.expected(target, kv, 40))
+    for name in MAMBA:
+        assert torch.equal(e.views[name][52], states[2][name])
+
+
 def test_hybrid_grid_state_serves_a_sibling(engine_factory) -> None:  # type: ignore[no-untyped-def]
     e = engine_factory("hybrid-grid", hybrid=True)
     _, states = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=15)
