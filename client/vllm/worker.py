@@ -195,7 +195,17 @@ class PrefixStoreWorker:
             out.update(plan.block_ids[gid][plan.start // bs : -(-plan.end // bs)])
         return out
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str], meta: PrefixStoreMetadata | None = None
+                             ) -> KVConnectorTransferResults:
+        """Saves whose blocks were copied, asynchronous loads that ended. In a step that computes
+        nothing (``meta.idle``), first wait up to ``idle_wait_s`` for a load or save in flight to
+        end: the engine loop would otherwise spin against them for the GIL."""
+        if meta is not None and meta.idle and self.settings.idle_wait_s > 0:
+            self._saves_in_flight = [f for f in self._saves_in_flight if not f.done()]
+            pending = [*(fut for _, fut in self._async_loads), *self._saves_in_flight]
+            if pending:
+                concurrent.futures.wait(pending, timeout=self.settings.idle_wait_s,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
         sending, self._done_sending = self._done_sending, set()
         recving: set[str] = set()
         failed: set[str] = set()

@@ -337,6 +337,26 @@ def test_a_load_in_rounds_from_inside_a_payload(engine_factory, staging_bytes: i
         assert torch.equal(e.views[name][52], states[2][name])
 
 
+def test_an_idle_step_waits_for_the_load_in_flight(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """A step that computes nothing (vLLM's loop stepping while a request waits for its remote
+    KV) waits for the load in flight, up to idle_wait_s, and reports it in that same step,
+    rather than return at once and let the loop spin against the load for the GIL."""
+    e = engine_factory("idle-wait", hybrid=True, idle_wait_s=1.0)
+    hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=65)
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, True)
+    e.scheduler.update_state_after_alloc(r, KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in [40, 41, 42]],
+                                                                  [KVCacheBlock(block_id=b) for b in [0, 0, 52]])), 40)
+    meta = e.scheduler.build_connector_meta(SchedulerOutput.make_empty())  # no token scheduled
+    assert meta.idle and len(meta.loads) == 1
+    e.worker.bind_connector_metadata(meta)
+    e.worker.start_load_kv(None)  # type: ignore[arg-type]
+    e.worker.wait_for_save()
+    results = e.worker.get_transfer_results(set())
+    e.worker.clear_connector_metadata()
+    assert results.finished_recving == {"a"} and results.failed_recving == set()
+
+
 def test_hybrid_grid_state_serves_a_sibling(engine_factory) -> None:  # type: ignore[no-untyped-def]
     e = engine_factory("hybrid-grid", hybrid=True)
     _, states = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=15)
