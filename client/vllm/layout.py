@@ -111,12 +111,19 @@ class AttentionLayer:
 
     def gather(self, block_ids: BlockTable, start: int, end: int) -> Tensor:
         """K and V of tokens [start, end): ``(2, n, heads, head_dim)``, a contiguous copy."""
-        blocks, slots = self.token_index(block_ids, start, end)
+        out = torch.empty((2, end - start, self.num_heads, self.head_dim), dtype=self.view.dtype,
+                          device=self.view.device)
+        self.take(*self.token_index(block_ids, start, end), out)
+        return out
+
+    def take(self, blocks: Tensor, slots: Tensor, out: Tensor) -> None:
+        """Copy the K and V of the n token slots ``(blocks, slots)`` (:meth:`token_index`) into
+        ``out`` ``(2, n, heads, head_dim)``."""
         if self.token_layout == "cpu_attn":
-            k = self._k[blocks, :, :, slots]  # (n, heads, d): the advanced indices lead
+            out[0] = self._k[blocks, :, :, slots]  # (n, heads, d): the advanced indices lead
         else:
-            k = self._k[blocks, :, slots, :]
-        return torch.stack((k, self._v[blocks, :, slots, :]))
+            out[0] = self._k[blocks, :, slots, :]
+        out[1] = self._v[blocks, :, slots, :]
 
     def zero(self, block_ids: BlockTable, start: int, end: int) -> None:
         """Zero the K and V of token slots [start, end): one index op for K, one for V."""
@@ -215,16 +222,6 @@ class VllmKV:
 
     # ------------------------------------------------------------ KV payloads
 
-    def gather(self, out: Tensor, block_ids: Sequence[BlockTable], start: int, end: int) -> None:
-        """Write the payload of tokens [start, end), all layers, into ``out`` (uint8, its exact size).
-        ``block_ids``: the request's block table of every KV cache group."""
-        n = end - start
-        per_layer = n * self.layer_token_bytes
-        for i, layer in enumerate(self.attention):
-            dst = out[i * per_layer : (i + 1) * per_layer].view(self.dtype).view(2, n, layer.num_heads,
-                                                                                  layer.head_dim)
-            dst.copy_(layer.gather(block_ids[layer.group], start, end))
-
     def zero_block_rest(self, block_ids: Sequence[BlockTable], end: int) -> None:
         """Zero, in every attention layer, the slots of the block holding token ``end - 1`` that
         come after it: tokens [end, the block's end). vLLM zeroes the attention blocks it
@@ -238,6 +235,46 @@ class VllmKV:
             bs = layer.block_size
             layer.zero(block_ids[layer.group], end, -(-end // bs) * bs)
 
+    def _payload_rows(self, payloads: Sequence[Payload], num_layers: int, start: int
+                      ) -> tuple[np.ndarray, int, int, int] | None:
+        """Where each token's K and V rows sit in a region of back-to-back payloads of
+        ``num_layers`` layers each (layer-major: per layer K[n] then V[n], a row being one token's
+        ``heads * head_dim`` elements), for the tokens from ``start`` on. Returns (rows
+        ``[layers, K|V, tokens]``, first token, number of tokens, rows the region spans), or None
+        when no token is used. Computed with numpy, which keeps the GIL (scatter_payloads)::
+
+            region:   | payload 0: layer a: K[n0] V[n0] | layer a+1: K V | ... | payload 1: ... |
+        """
+        if not payloads:
+            return None
+        first = self.attention[0]
+        row_bytes = first.num_heads * first.head_dim * first.view.element_size()
+        for prev, nxt in zip(payloads, payloads[1:]):
+            if prev.token_end != nxt.token_start:
+                raise ValueError(f"payloads: tokens {prev.token_end} and {nxt.token_start} are not adjacent")
+        offset = np.array([p.offset for p in payloads], dtype=np.int64)
+        if (offset % row_bytes).any():
+            raise ValueError("payloads: a payload not aligned to a token row")
+        n = np.array([p.num_tokens for p in payloads], dtype=np.int64)
+        s = np.array([p.token_start for p in payloads], dtype=np.int64)
+        a = np.maximum(s, start)
+        m = np.maximum(np.array([p.token_end for p in payloads], dtype=np.int64) - a, 0)
+        total = int(m.sum())
+        if total == 0:
+            return None
+        # Row of token a_i + k's K in the first layer, for every used token, payload after payload.
+        k_rows = np.repeat(offset // row_bytes + (a - s) - (np.cumsum(m) - m), m) + np.arange(total)
+        per = np.repeat(n, m)
+        planes = (2 * np.arange(num_layers)[:, None] + np.arange(2)[None, :]).reshape(num_layers, 2, 1)
+        rows = k_rows[None, None, :] + planes * per[None, None, :]
+        rows_end = int((offset // row_bytes + 2 * num_layers * n).max())
+        return rows, int(max(payloads[0].token_start, start)), total, rows_end
+
+    def _rows_view(self, region: Tensor, rows_end: int) -> Tensor:
+        first = self.attention[0]
+        nbytes = rows_end * first.num_heads * first.head_dim * first.view.element_size()
+        return region[:nbytes].view(self.dtype).view(rows_end, first.num_heads, first.head_dim)
+
     def scatter_payloads(self, region: Tensor, payloads: Sequence[Payload], layer_start: int, layer_end: int,
                          block_ids: Sequence[BlockTable], start: int) -> None:
         """Write into the blocks the KV of payloads that sit in ``region`` (uint8): each holds
@@ -246,48 +283,46 @@ class VllmKV:
         first payload).
 
         A load of 2,239 tokens is 140 payloads of 16 tokens; written one by one that was a dozen
-        torch ops each, per layer, and every torch op lets go of the GIL, which the engine loop
-        then holds until the switch interval (5 ms) takes it back (client/vllm/worker.py, docs/vllm.md).
-        Here the rows' positions are computed with numpy (which keeps the GIL) and the write is
-        one gather out of the region for every layer at once, then one index op for K and one
-        for V per layer::
-
-            region:   | payload 0: layer a: K[n0] V[n0] | layer a+1: K V | ... | payload 1: ... |
-            rows:     [layers, K|V, tokens] -> row of ``heads * head_dim`` elements in the region
-        """
-        if not payloads:
+        torch ops each, per layer, and every torch op lets go of the GIL, which vLLM's engine
+        loop may then hold until the switch interval (5 ms) takes it back (client/vllm/worker.py,
+        docs/vllm.md). Here it is one gather out of the region for every layer at once, then one
+        index op for K and one for V per layer."""
+        where = self._payload_rows(payloads, layer_end - layer_start, start)
+        if where is None:
             return
-        first = self.attention[layer_start]
-        row_bytes = first.num_heads * first.head_dim * first.view.element_size()
-        for prev, nxt in zip(payloads, payloads[1:]):
-            if prev.token_end != nxt.token_start:
-                raise ValueError(f"scatter_payloads: tokens {prev.token_end} and {nxt.token_start} are not adjacent")
-        offset = np.array([p.offset for p in payloads], dtype=np.int64)
-        if (offset % row_bytes).any():
-            raise ValueError("scatter_payloads: a payload not aligned to a token row")
-        n = np.array([p.num_tokens for p in payloads], dtype=np.int64)
-        s = np.array([p.token_start for p in payloads], dtype=np.int64)
-        a = np.maximum(s, start)
-        m = np.maximum(np.array([p.token_end for p in payloads], dtype=np.int64) - a, 0)
-        total = int(m.sum())
-        if total == 0:
-            return
-        num_layers = layer_end - layer_start
-        # Row of token a_i + k's K in layer layer_start, for every used token, payload after payload.
-        k_rows = np.repeat(offset // row_bytes + (a - s) - (np.cumsum(m) - m), m) + np.arange(total)
-        per = np.repeat(n, m)
-        planes = (2 * np.arange(num_layers)[:, None] + np.arange(2)[None, :]).reshape(num_layers, 2, 1)
-        rows = k_rows[None, None, :] + planes * per[None, None, :]  # [layers, 2, tokens]
-        rows_end = int((offset // row_bytes + 2 * num_layers * n).max())
-        src = region[: rows_end * row_bytes].view(self.dtype).view(rows_end, first.num_heads, first.head_dim)
+        rows, token_from, total, rows_end = where
+        src = self._rows_view(region, rows_end)
         kv = src[torch.from_numpy(rows).to(src.device)]  # [layers, 2, tokens, heads, head_dim]
-        token_from = int(max(payloads[0].token_start, start))
-        where: dict[int, tuple[Tensor, Tensor]] = {}
-        for i in range(num_layers):
+        slots: dict[int, tuple[Tensor, Tensor]] = {}
+        for i in range(layer_end - layer_start):
             att = self.attention[layer_start + i]
-            if att.group not in where:
-                where[att.group] = att.token_index(block_ids[att.group], token_from, token_from + total)
-            att.put(*where[att.group], kv[i])
+            if att.group not in slots:
+                slots[att.group] = att.token_index(block_ids[att.group], token_from, token_from + total)
+            att.put(*slots[att.group], kv[i])
+
+    def gather_payloads(self, out: Tensor, payloads: Sequence[Payload], block_ids: Sequence[BlockTable]) -> None:
+        """The reverse, for saves: write into ``out`` (uint8) the payloads, every layer, of tokens
+        that follow one another; each payload carries all its tokens (``num_tokens`` equals
+        ``token_end - token_start``). Two index ops per layer out of the blocks, then one into
+        ``out``, where a payload at a time took a dozen per payload and layer (a prompt-end save
+        runs in the step that computes the prompt's first token)."""
+        for p in payloads:
+            if p.num_tokens != p.token_end - p.token_start:
+                raise ValueError("gather_payloads: a save's payload carries all its tokens")
+        where = self._payload_rows(payloads, len(self.attention), 0)
+        if where is None:
+            return
+        rows, token_from, total, rows_end = where
+        first = self.attention[0]
+        kv = torch.empty((len(self.attention), 2, total, first.num_heads, first.head_dim), dtype=self.dtype,
+                         device=first.view.device)
+        slots: dict[int, tuple[Tensor, Tensor]] = {}
+        for i, att in enumerate(self.attention):
+            if att.group not in slots:
+                slots[att.group] = att.token_index(block_ids[att.group], token_from, token_from + total)
+            att.take(*slots[att.group], kv[i])
+        dst = self._rows_view(out, rows_end)
+        dst[torch.from_numpy(rows).to(dst.device)] = kv.to(dst.device)
 
     # ------------------------------------------------------------ state snapshots
 

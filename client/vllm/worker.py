@@ -369,17 +369,19 @@ class PrefixStoreWorker:
         B = prompt.block_tokens
         start = plan.start - plan.start % B
         items = prompt.kv_items(T, start)
-        tables = [torch.tensor(ids, dtype=torch.long) for ids in plan.block_ids]
+        tables = [np.asarray(ids, dtype=np.int64) for ids in plan.block_ids]
         device = self._kv.attention[0].view.device
         total = sum(spec.size for spec, _, _ in items)
         S = self._kv.snapshot_bytes
         host = torch.empty(total + S * len(plan.snapshots), dtype=torch.uint8, device=device)
         offsets: dict[tuple[int, int], tuple[int, int]] = {}
+        payloads: list[Payload] = []
         pos = 0
         for spec, a, b in items:
-            self._kv.gather(host[pos : pos + spec.size], tables, a, b)
+            payloads.append(Payload(offset=pos, num_tokens=b - a, token_start=a, token_end=b))
             offsets[(a, b)] = (pos, pos + spec.size)
             pos += spec.size
+        self._kv.gather_payloads(host, payloads, tables)
         assert self.groups is not None
         for i, t in enumerate(plan.snapshots):
             self._kv.gather_state(host[pos + i * S : pos + (i + 1) * S], plan.block_ids, self.groups.state_index(t))
