@@ -1,6 +1,7 @@
-"""The connector's worker side: the engine's KV views and a staging region, loads layer by layer
-on the client's own event loop while the engine computes, saves copied out of the blocks (see
-client/vllm/connector.py for the whole life of a request)."""
+"""The connector's worker side: the engine's KV views and a staging region, loads on the client's
+own event loop while the engine computes (layer by layer on plain models, one batched read on
+hybrid ones), saves copied out of the blocks (see client/vllm/connector.py for the whole life of
+a request)."""
 
 from __future__ import annotations
 
