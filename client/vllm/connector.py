@@ -263,7 +263,7 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.worker_side is None:
             return KVConnectorTransferResults(finished_sending=set(), finished_recving=set(), failed_recving=set())
-        return self.worker_side.get_transfer_results(finished_req_ids)
+        return self.worker_side.get_transfer_results(finished_req_ids, self._meta())
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker_side.build_connector_worker_meta() if self.worker_side is not None else None

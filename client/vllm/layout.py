@@ -29,8 +29,14 @@ run time. The payload format and the staging discipline are the same.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import Tensor
+
+BlockTable = Tensor | np.ndarray
+"""A request's block ids in one KV cache group (integers, on the host)."""
 
 #: torch dtype -> the dtype name a namespace records (protocol.namespace.DTYPE_BYTES).
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -93,26 +99,46 @@ class AttentionLayer:
         """Bytes of one token in this layer's payload (K and V)."""
         return 2 * self.num_heads * self.head_dim * self.view.element_size()
 
-    def _index(self, block_ids: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
-        pos = torch.arange(start, end, device=block_ids.device)
+    def token_index(self, block_ids: BlockTable, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """(kernel block, slot) of tokens [start, end), as index tensors on the view's device.
+        Computed with numpy: no torch op, so no hand-off of the GIL (client/vllm/worker.py)."""
+        pos = np.arange(start, end)
         within = pos % self.block_size
         ratio = self.block_size // self.kernel_tokens
-        kernel_block = block_ids[pos // self.block_size] * ratio + within // self.kernel_tokens
-        return kernel_block.to(self.view.device), (within % self.kernel_tokens).to(self.view.device)
+        kernel_block = np.asarray(block_ids, dtype=np.int64)[pos // self.block_size] * ratio + within // self.kernel_tokens
+        return (torch.from_numpy(kernel_block).to(self.view.device),
+                torch.from_numpy(within % self.kernel_tokens).to(self.view.device))
 
-    def gather(self, block_ids: Tensor, start: int, end: int) -> Tensor:
+    def gather(self, block_ids: BlockTable, start: int, end: int) -> Tensor:
         """K and V of tokens [start, end): ``(2, n, heads, head_dim)``, a contiguous copy."""
-        blocks, slots = self._index(block_ids, start, end)
-        if self.token_layout == "cpu_attn":
-            k = self._k[blocks, :, :, slots]  # (n, heads, d): the advanced indices lead
-        else:
-            k = self._k[blocks, :, slots, :]
-        return torch.stack((k, self._v[blocks, :, slots, :]))
+        out = torch.empty((2, end - start, self.num_heads, self.head_dim), dtype=self.view.dtype,
+                          device=self.view.device)
+        self.take(*self.token_index(block_ids, start, end), out)
+        return out
 
-    def scatter(self, block_ids: Tensor, start: int, kv: Tensor) -> None:
-        """Write ``kv`` ``(2, n, heads, head_dim)`` at tokens [start, start + n)."""
-        blocks, slots = self._index(block_ids, start, start + kv.shape[1])
-        kv = kv.to(self.view.device)
+    def take(self, blocks: Tensor, slots: Tensor, out: Tensor) -> None:
+        """Copy the K and V of the n token slots ``(blocks, slots)`` (:meth:`token_index`) into
+        ``out`` ``(2, n, heads, head_dim)``."""
+        if self.token_layout == "cpu_attn":
+            out[0] = self._k[blocks, :, :, slots]  # (n, heads, d): the advanced indices lead
+        else:
+            out[0] = self._k[blocks, :, slots, :]
+        out[1] = self._v[blocks, :, slots, :]
+
+    def zero(self, block_ids: BlockTable, start: int, end: int) -> None:
+        """Zero the K and V of token slots [start, end): one index op for K, one for V."""
+        if end <= start:
+            return
+        blocks, slots = self.token_index(block_ids, start, end)
+        if self.token_layout == "cpu_attn":
+            self._k[blocks, :, :, slots] = 0
+        else:
+            self._k[blocks, :, slots, :] = 0
+        self._v[blocks, :, slots, :] = 0
+
+    def put(self, blocks: Tensor, slots: Tensor, kv: Tensor) -> None:
+        """Write ``kv`` ``(2, n, heads, head_dim)`` at the n token slots ``(blocks, slots)``
+        (:meth:`token_index`): one index op for K, one for V."""
         if self.token_layout == "cpu_attn":
             self._k[blocks, :, :, slots] = kv[0]
         else:
@@ -144,6 +170,17 @@ def check_cpu_layout(layer: AttentionLayer) -> None:
     table = torch.tensor([0, 1])
     if not torch.equal(probe.gather(table, n - 3, 2 * n), kv):
         raise LayoutUnsupported("vLLM's CPU attention kernel lays out KV differently from 'cpu_attn'")
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """One KV payload in a staging region: where it sits, how many tokens it holds, and the
+    request's tokens [token_start, token_end) it carries (its first ``token_end - token_start``)."""
+
+    offset: int
+    num_tokens: int
+    token_start: int
+    token_end: int
 
 
 class VllmKV:
@@ -185,25 +222,107 @@ class VllmKV:
 
     # ------------------------------------------------------------ KV payloads
 
-    def gather(self, out: Tensor, block_ids: Sequence[Tensor], start: int, end: int) -> None:
-        """Write the payload of tokens [start, end), all layers, into ``out`` (uint8, its exact size).
-        ``block_ids``: the request's block table of every KV cache group."""
-        n = end - start
-        per_layer = n * self.layer_token_bytes
-        for i, layer in enumerate(self.attention):
-            dst = out[i * per_layer : (i + 1) * per_layer].view(self.dtype).view(2, n, layer.num_heads,
-                                                                                  layer.head_dim)
-            dst.copy_(layer.gather(block_ids[layer.group], start, end))
+    def zero_block_rest(self, block_ids: Sequence[BlockTable], end: int) -> None:
+        """Zero, in every attention layer, the slots of the block holding token ``end - 1`` that
+        come after it: tokens [end, the block's end). vLLM zeroes the attention blocks it
+        allocates, but not those a connector's asynchronous load fills
+        (``skip_zeroing_group_ids``, v1/core/sched/scheduler.py), so a load that ends mid-block
+        leaves the rest of its last block holding whatever the page held before: on a hybrid
+        model, possibly a freed state's bytes, which read as attention KV can be NaN, and vLLM's
+        CPU attention lets NaN in unused slots reach the output. Blocks the load covers whole
+        are overwritten by it; blocks after the last are not the load's (vLLM zeroes them)."""
+        for layer in self.attention:
+            bs = layer.block_size
+            layer.zero(block_ids[layer.group], end, -(-end // bs) * bs)
 
-    def scatter_layer(self, layer: int, src: Tensor, block_ids: Sequence[Tensor], payload_start: int,
-                      payload_tokens: int,
-                      write_from: int, write_to: int) -> None:
-        """From one layer's payload ``src`` (uint8) of ``payload_tokens`` tokens starting at token
-        ``payload_start``, write tokens [write_from, write_to) (a sub-range of the payload's)."""
-        att = self.attention[layer]
-        kv = src.view(self.dtype).view(2, payload_tokens, att.num_heads, att.head_dim)
-        a, b = write_from - payload_start, write_to - payload_start
-        att.scatter(block_ids[att.group], write_from, kv[:, a:b])
+    def _payload_rows(self, payloads: Sequence[Payload], num_layers: int, start: int
+                      ) -> tuple[np.ndarray, int, int, int] | None:
+        """Where each token's K and V rows sit in a region of back-to-back payloads of
+        ``num_layers`` layers each (layer-major: per layer K[n] then V[n], a row being one token's
+        ``heads * head_dim`` elements), for the tokens from ``start`` on. Returns (rows
+        ``[layers, K|V, tokens]``, first token, number of tokens, rows the region spans), or None
+        when no token is used. Computed with numpy, which keeps the GIL (scatter_payloads)::
+
+            region:   | payload 0: layer a: K[n0] V[n0] | layer a+1: K V | ... | payload 1: ... |
+        """
+        if not payloads:
+            return None
+        first = self.attention[0]
+        row_bytes = first.num_heads * first.head_dim * first.view.element_size()
+        for prev, nxt in zip(payloads, payloads[1:]):
+            if prev.token_end != nxt.token_start:
+                raise ValueError(f"payloads: tokens {prev.token_end} and {nxt.token_start} are not adjacent")
+        offset = np.array([p.offset for p in payloads], dtype=np.int64)
+        if (offset % row_bytes).any():
+            raise ValueError("payloads: a payload not aligned to a token row")
+        n = np.array([p.num_tokens for p in payloads], dtype=np.int64)
+        s = np.array([p.token_start for p in payloads], dtype=np.int64)
+        a = np.maximum(s, start)
+        m = np.maximum(np.array([p.token_end for p in payloads], dtype=np.int64) - a, 0)
+        total = int(m.sum())
+        if total == 0:
+            return None
+        # Row of token a_i + k's K in the first layer, for every used token, payload after payload.
+        k_rows = np.repeat(offset // row_bytes + (a - s) - (np.cumsum(m) - m), m) + np.arange(total)
+        per = np.repeat(n, m)
+        planes = (2 * np.arange(num_layers)[:, None] + np.arange(2)[None, :]).reshape(num_layers, 2, 1)
+        rows = k_rows[None, None, :] + planes * per[None, None, :]
+        rows_end = int((offset // row_bytes + 2 * num_layers * n).max())
+        return rows, int(max(payloads[0].token_start, start)), total, rows_end
+
+    def _rows_view(self, region: Tensor, rows_end: int) -> Tensor:
+        first = self.attention[0]
+        nbytes = rows_end * first.num_heads * first.head_dim * first.view.element_size()
+        return region[:nbytes].view(self.dtype).view(rows_end, first.num_heads, first.head_dim)
+
+    def scatter_payloads(self, region: Tensor, payloads: Sequence[Payload], layer_start: int, layer_end: int,
+                         block_ids: Sequence[BlockTable], start: int) -> None:
+        """Write into the blocks the KV of payloads that sit in ``region`` (uint8): each holds
+        layers [layer_start, layer_end) of its tokens, layer-major, and the payloads' token ranges
+        follow one another. Tokens from ``start`` on are written (a local hit may end inside the
+        first payload).
+
+        A load of 2,239 tokens is 140 payloads of 16 tokens; written one by one that was a dozen
+        torch ops each, per layer, and every torch op lets go of the GIL, which vLLM's engine
+        loop may then hold until the switch interval (5 ms) takes it back (client/vllm/worker.py,
+        docs/vllm.md). Here it is one gather out of the region for every layer at once, then one
+        index op for K and one for V per layer."""
+        where = self._payload_rows(payloads, layer_end - layer_start, start)
+        if where is None:
+            return
+        rows, token_from, total, rows_end = where
+        src = self._rows_view(region, rows_end)
+        kv = src[torch.from_numpy(rows).to(src.device)]  # [layers, 2, tokens, heads, head_dim]
+        slots: dict[int, tuple[Tensor, Tensor]] = {}
+        for i in range(layer_end - layer_start):
+            att = self.attention[layer_start + i]
+            if att.group not in slots:
+                slots[att.group] = att.token_index(block_ids[att.group], token_from, token_from + total)
+            att.put(*slots[att.group], kv[i])
+
+    def gather_payloads(self, out: Tensor, payloads: Sequence[Payload], block_ids: Sequence[BlockTable]) -> None:
+        """The reverse, for saves: write into ``out`` (uint8) the payloads, every layer, of tokens
+        that follow one another; each payload carries all its tokens (``num_tokens`` equals
+        ``token_end - token_start``). Two index ops per layer out of the blocks, then one into
+        ``out``, where a payload at a time took a dozen per payload and layer (a prompt-end save
+        runs in the step that computes the prompt's first token)."""
+        for p in payloads:
+            if p.num_tokens != p.token_end - p.token_start:
+                raise ValueError("gather_payloads: a save's payload carries all its tokens")
+        where = self._payload_rows(payloads, len(self.attention), 0)
+        if where is None:
+            return
+        rows, token_from, total, rows_end = where
+        first = self.attention[0]
+        kv = torch.empty((len(self.attention), 2, total, first.num_heads, first.head_dim), dtype=self.dtype,
+                         device=first.view.device)
+        slots: dict[int, tuple[Tensor, Tensor]] = {}
+        for i, att in enumerate(self.attention):
+            if att.group not in slots:
+                slots[att.group] = att.token_index(block_ids[att.group], token_from, token_from + total)
+            att.take(*slots[att.group], kv[i])
+        dst = self._rows_view(out, rows_end)
+        dst[torch.from_numpy(rows).to(dst.device)] = kv.to(dst.device)
 
     # ------------------------------------------------------------ state snapshots
 
@@ -221,4 +340,5 @@ class VllmKV:
             block.copy_(src[i * n : (i + 1) * n].view(view.dtype).view(block.shape))
 
 
-__all__ = ["DTYPE_NAMES", "TOKEN_LAYOUTS", "AttentionLayer", "LayoutUnsupported", "VllmKV", "check_cpu_layout"]
+__all__ = ["DTYPE_NAMES", "TOKEN_LAYOUTS", "AttentionLayer", "BlockTable", "LayoutUnsupported", "Payload", "VllmKV",
+           "check_cpu_layout"]

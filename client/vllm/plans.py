@@ -154,6 +154,10 @@ class SavePlan:
 class PrefixStoreMetadata(KVConnectorMetadata):
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
+    idle: bool = False
+    """The step computes no token: the engine only waits (for transfers, for new requests). The
+    worker then waits for its loads and saves in flight rather than let the loop spin against
+    them (ConnectorSettings.idle_wait_s)."""
 
 
 @dataclass

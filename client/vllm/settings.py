@@ -52,6 +52,15 @@ class ConnectorSettings:
     """Longest a new request's lookup is held back (vLLM asks again next step) while a save of this
     engine that shares more of its prompt than vLLM holds locally is still being offered: the next
     turn of a conversation arrives as the previous turn's save leaves. 0: never wait."""
+    idle_wait_s: float = 0.005
+    """Longest an engine step that computes nothing waits for a load or save of the worker's in
+    flight to end. Such a step is vLLM's engine loop spinning while a request waits for its remote
+    KV; the connector's loads and saves run on its own thread in the same process, and every
+    hand-off of the GIL between the two can wait up to Python's switch interval (5 ms), so a
+    spinning loop slows a load several times over (docs/vllm.md, "Loads and the engine loop").
+    Waiting lets the transfer run uncontended, and a load that ends within the wait is reported
+    in that same step. The cost: a request arriving at an otherwise idle engine is scheduled up
+    to this much later. 0: never wait."""
 
     def __post_init__(self) -> None:
         if self.mode not in REUSE_MODES:
@@ -63,6 +72,9 @@ class ConnectorSettings:
         if (not isinstance(self.save_wait_s, (int, float)) or isinstance(self.save_wait_s, bool)
                 or not 0 <= self.save_wait_s <= 600):
             raise ValueError(f"save_wait_s: must be a number of seconds in [0, 600], got {self.save_wait_s!r}")
+        if (not isinstance(self.idle_wait_s, (int, float)) or isinstance(self.idle_wait_s, bool)
+                or not 0 <= self.idle_wait_s <= 1):
+            raise ValueError(f"idle_wait_s: must be a number of seconds in [0, 1], got {self.idle_wait_s!r}")
         for name in ("load", "save"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")

@@ -1,6 +1,7 @@
-"""The connector's worker side: the engine's KV views and a staging region, loads layer by layer
-on the client's own event loop while the engine computes, saves copied out of the blocks (see
-client/vllm/connector.py for the whole life of a request)."""
+"""The connector's worker side: the engine's KV views and a staging region, loads on the client's
+own event loop while the engine computes (layer by layer on plain models, one batched read on
+hybrid ones), saves copied out of the blocks (see client/vllm/connector.py for the whole life of
+a request)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ..client import PrefixClient
 from .loop import ClientLoop
-from .layout import AttentionLayer, LayoutUnsupported, VllmKV, check_cpu_layout
+from .layout import AttentionLayer, LayoutUnsupported, Payload, VllmKV, check_cpu_layout
 from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for
 from .settings import ConnectorSettings
 from .stats import StatsBox
@@ -60,13 +62,15 @@ class PrefixStoreWorker:
         self._async_loads: list[tuple[LoadPlan, concurrent.futures.Future[dict[str, str]]]] = []
         self._done_sending: set[str] = set()
         self._saves_in_flight: list[concurrent.futures.Future[Any]] = []
+        self._releases: list[concurrent.futures.Future[Any]] = []
+        """Lease releases of finished loads (a load ends without waiting for them)."""
         self._ended_lock = threading.Lock()
         self._saves_ended: list[str] = []
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for saves and asynchronous loads in flight (shutdown; tests). Their outcomes are
         reported as usual: loads through get_transfer_results, saves in the stats."""
-        pending = [*self._saves_in_flight, *(fut for _, fut in self._async_loads)]
+        pending = [*self._saves_in_flight, *(fut for _, fut in self._async_loads), *self._releases]
         concurrent.futures.wait(pending, timeout=timeout_s if timeout_s is not None
                                 else 4 * self.settings.client.timeout_s)
 
@@ -192,7 +196,17 @@ class PrefixStoreWorker:
             out.update(plan.block_ids[gid][plan.start // bs : -(-plan.end // bs)])
         return out
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str], meta: PrefixStoreMetadata | None = None
+                             ) -> KVConnectorTransferResults:
+        """Saves whose blocks were copied, asynchronous loads that ended. In a step that computes
+        nothing (``meta.idle``), first wait up to ``idle_wait_s`` for a load or save in flight to
+        end: the engine loop would otherwise spin against them for the GIL."""
+        if meta is not None and meta.idle and self.settings.idle_wait_s > 0:
+            self._saves_in_flight = [f for f in self._saves_in_flight if not f.done()]
+            pending = [*(fut for _, fut in self._async_loads), *self._saves_in_flight]
+            if pending:
+                concurrent.futures.wait(pending, timeout=self.settings.idle_wait_s,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
         sending, self._done_sending = self._done_sending, set()
         recving: set[str] = set()
         failed: set[str] = set()
@@ -215,25 +229,45 @@ class PrefixStoreWorker:
     # ------------------------------------------------------------ loads (client loop)
 
     async def _load(self, plans: Sequence[LoadPlan], events: list[threading.Event] | None) -> dict[str, str]:
-        """Load every plan, layer by layer; returns req -> why its load failed. Never raises, and
-        always releases every layer event."""
-        assert self._kv is not None and self._load_lock is not None
+        """Load every plan; returns req -> why its load failed. Never raises, and always releases
+        every layer event.
+
+        Synchronous loads (``events``: plain models, whose attention layers wait for their layer)
+        read and write layer by layer, so layer 0 computes while layer 1 loads. An asynchronous
+        load (hybrid models: the request waits for the whole load) reads every layer's KV and the
+        state in one batched read into the staging region, then writes each layer with a few index
+        ops (VllmKV.scatter_payloads). It runs on the client's thread beside vLLM's engine loop,
+        which keeps stepping meanwhile, and each hand-off between them (an await that waits, a
+        torch op, which lets go of the GIL) can wait up to Python's switch interval for the loop's
+        thread to let go: so few hand-offs, not few bytes, is what makes it fast (docs/vllm.md,
+        "Loads and the engine loop"): one read instead of one per layer, 2 index ops per layer
+        instead of a dozen per 16-token payload and layer, and the lease released after the
+        load's result is out."""
+        assert self._kv is not None and self._load_lock is not None and self._loop is not None
         failures: dict[str, str] = {}
+        num_layers = len(self._kv.attention)
         try:
             async with self._load_lock:  # one staging region: loads of different steps take turns
-                tables = {p.req_id: [torch.tensor(ids, dtype=torch.long) for ids in p.block_ids] for p in plans}
+                tables = {p.req_id: [np.asarray(ids, dtype=np.int64) for ids in p.block_ids] for p in plans}
+                for plan in plans:  # before any layer is released: the forward pass writes after it
+                    await self._guarded(plan, failures, self._zero_block_rest(plan, tables[plan.req_id]))
                 plans = [await self._relookup(plan, failures) for plan in plans]
-                for plan in plans:
-                    if plan.state_index is not None and plan.req_id not in failures:
-                        await self._guarded(plan, failures, self._load_state(plan))
-                for layer in range(len(self._kv.attention)):
+                if events is None:
                     for plan in plans:
                         if plan.req_id not in failures:
-                            await self._guarded(plan, failures, self._load_layer(plan, tables[plan.req_id], layer))
-                    if events is not None:
+                            await self._guarded(plan, failures, self._load_kv(plan, tables[plan.req_id], 0, num_layers,
+                                                                              plan.state_index is not None))
+                else:
+                    for layer in range(num_layers):
+                        for plan in plans:
+                            if plan.req_id not in failures:
+                                await self._guarded(plan, failures, self._load_kv(
+                                    plan, tables[plan.req_id], layer, layer + 1,
+                                    layer == 0 and plan.state_index is not None))
                         events[layer].set()
-                for plan in plans:
-                    await self.client.release(plan.lookup.lease_id)  # type: ignore[union-attr]
+                for plan in plans:  # the load's result does not wait for the lease's release
+                    self._releases = [f for f in self._releases if not f.done()]
+                    self._releases.append(self._loop.submit(self.client.release(plan.lookup.lease_id)))  # type: ignore[union-attr]
         finally:
             if events is not None:
                 for event in events:
@@ -270,40 +304,60 @@ class PrefixStoreWorker:
             failures[plan.req_id] = f"{type(err).__name__}: {err}"
             log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id, failures[plan.req_id])
 
-    async def _load_layer(self, plan: LoadPlan, tables: list[torch.Tensor], layer: int) -> None:
+    async def _zero_block_rest(self, plan: LoadPlan, tables: list[np.ndarray]) -> None:
+        """The slots of the load's last attention block past its last token: vLLM leaves zeroing
+        a block an asynchronous load fills to the connector (layout.VllmKV.zero_block_rest). Done
+        whether the load then succeeds or not; a failed load's blocks vLLM zeroes itself beyond
+        the valid prefix (scheduler.py ``_update_waiting_for_remote_kv``)."""
+        assert self._kv is not None
+        self._kv.zero_block_rest(tables, plan.end)
+
+    async def _load_kv(self, plan: LoadPlan, tables: list[np.ndarray], layer_start: int, layer_end: int,
+                       with_state: bool) -> None:
+        """Read the KV of layers [layer_start, layer_end) of tokens [plan.start, plan.end) (and, with
+        ``with_state``, the snapshot at plan.end) into the staging region in as few reads as it
+        holds (one, unless the load is larger than the region), verify, then write them into the
+        blocks. Nothing of a read that did not deliver every payload whole is written."""
         assert self._kv is not None and self.staging is not None and self.client is not None
         lookup = plan.lookup
         B = lookup.prompt.block_tokens
         child = lookup.child
-        reads = [(item, s, e) for item, s, e in lookup.kv_reads(plan.end, layer, layer + 1) if e > plan.start]
+        reads = [(item, s, e) for item, s, e in lookup.kv_reads(plan.end, layer_start, layer_end) if e > plan.start]
         payload_tokens = [child.num_tokens if child is not None and item.key == child.key else B
                           for item, _, _ in reads]
-        sizes = [n * self._kv.layer_token_bytes for n in payload_tokens]
+        num_layers = layer_end - layer_start
+        if reads and max(payload_tokens) * num_layers * self._kv.layer_token_bytes > self.staging.capacity_bytes:
+            # One payload of every layer is larger than the region: a layer at a time.
+            for layer in range(layer_start, layer_end):
+                await self._load_kv(plan, tables, layer, layer + 1, with_state and layer == layer_start)
+            return
+        items = [item for item, _, _ in reads]
+        sizes = [n * num_layers * self._kv.layer_token_bytes for n in payload_tokens]
+        if with_state:
+            assert self.groups is not None and plan.state_index is not None
+            state = lookup.state_read()
+            if state is None or lookup.state_tokens != plan.end:
+                raise LoadFailed(f"no snapshot at {plan.end}")
+            if plan.state_index < 0 or any(plan.block_ids[g][plan.state_index] == 0 for g, _, _ in self.groups.mamba):
+                raise LoadFailed("no state block allocated at the boundary")
+            items.append(state)
+            sizes.append(self._kv.snapshot_bytes)
         for batch in self.staging.rounds(sizes):
             slots = self.staging.carve([sizes[i] for i in batch])
             # NIXL READs land in the device slots; the rest through the host. Zeroes what nothing covered.
-            filled = await self.staging.receive(self.client, [reads[i][0] for i in batch], slots)
+            filled = await self.staging.receive(self.client, [items[i] for i in batch], slots)
             if not all(filled):
-                raise LoadFailed(f"KV layer {layer}: {filled.count(False)} of {len(filled)} payloads missing")
-            for i, slot in zip(batch, slots):
-                _, s, e = reads[i]
-                self._kv.scatter_layer(layer, self.staging.region[slot.offset : slot.end], tables, s,
-                                       payload_tokens[i], max(s, plan.start), e)
+                raise LoadFailed(f"KV layers [{layer_start}, {layer_end}): {filled.count(False)} of {len(filled)} "
+                                 "payloads missing")
+            region = self.staging.region
+            self._kv.scatter_payloads(region, [Payload(offset=slot.offset, num_tokens=payload_tokens[i],
+                                                       token_start=reads[i][1], token_end=reads[i][2])
+                                               for i, slot in zip(batch, slots) if i < len(reads)],
+                                      layer_start, layer_end, tables, plan.start)
+            if with_state and batch[-1] == len(reads):
+                assert plan.state_index is not None
+                self._kv.scatter_state(region[slots[-1].offset : slots[-1].end], plan.block_ids, plan.state_index)
             self._stats.count("loaded_bytes", sum(s.nbytes for s in slots))
-
-    async def _load_state(self, plan: LoadPlan) -> None:
-        assert self._kv is not None and self.staging is not None and self.client is not None
-        assert self.groups is not None and plan.state_index is not None
-        item = plan.lookup.state_read()
-        if item is None or plan.lookup.state_tokens != plan.end:
-            raise LoadFailed(f"no snapshot at {plan.end}")
-        if plan.state_index < 0 or any(plan.block_ids[g][plan.state_index] == 0 for g, _, _ in self.groups.mamba):
-            raise LoadFailed("no state block allocated at the boundary")
-        [slot] = self.staging.carve([self._kv.snapshot_bytes])
-        if not (await self.staging.receive(self.client, [item], [slot]))[0]:
-            raise LoadFailed(f"snapshot at {plan.end} could not be read")
-        self._kv.scatter_state(self.staging.region[slot.offset : slot.end], plan.block_ids, plan.state_index)
-        self._stats.count("loaded_bytes", slot.nbytes)
 
     # ------------------------------------------------------------ saves
 
@@ -316,17 +370,19 @@ class PrefixStoreWorker:
         B = prompt.block_tokens
         start = plan.start - plan.start % B
         items = prompt.kv_items(T, start)
-        tables = [torch.tensor(ids, dtype=torch.long) for ids in plan.block_ids]
+        tables = [np.asarray(ids, dtype=np.int64) for ids in plan.block_ids]
         device = self._kv.attention[0].view.device
         total = sum(spec.size for spec, _, _ in items)
         S = self._kv.snapshot_bytes
         host = torch.empty(total + S * len(plan.snapshots), dtype=torch.uint8, device=device)
         offsets: dict[tuple[int, int], tuple[int, int]] = {}
+        payloads: list[Payload] = []
         pos = 0
         for spec, a, b in items:
-            self._kv.gather(host[pos : pos + spec.size], tables, a, b)
+            payloads.append(Payload(offset=pos, num_tokens=b - a, token_start=a, token_end=b))
             offsets[(a, b)] = (pos, pos + spec.size)
             pos += spec.size
+        self._kv.gather_payloads(host, payloads, tables)
         assert self.groups is not None
         for i, t in enumerate(plan.snapshots):
             self._kv.gather_state(host[pos + i * S : pos + (i + 1) * S], plan.block_ids, self.groups.state_index(t))

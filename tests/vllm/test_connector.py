@@ -294,6 +294,69 @@ def test_hybrid_loads_kv_and_state_at_any_token(engine_factory) -> None:  # type
     assert s.get_kv_connector_stats().data["state_hit_tokens"] == 40  # type: ignore[union-attr]
 
 
+def test_a_load_zeroes_the_rest_of_its_last_block(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """vLLM zeroes the attention blocks it allocates but not those a connector's asynchronous
+    load fills (``skip_zeroing_group_ids``); on a hybrid model such a page may last have held a
+    state, whose bytes read as KV can be NaN. The load's last block must hold the loaded tokens
+    and zeros after them, never the page's earlier bytes; a local hit before the load stays."""
+    e = engine_factory("hybrid-zero", hybrid=True)
+    kv, states = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=45)
+    target = [40, 41, 42]
+    e.write(target, kv, 0, 16)  # the engine's local hit: one whole block
+    for name in ATTN:  # the load's blocks as a freed state left them: NaN everywhere
+        e.views[name][target[1:]] = float("nan")
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 16) == (24, True)
+    e.load(r, 16, 24, (target, [0, 0, 52]))  # tokens [16, 40): block 42 holds 8 of its 16 slots
+    results = e.worker.get_transfer_results(set())
+    assert results.finished_recving == {"a"} and results.failed_recving == set()
+    assert same_bytes(e.blocks(target), e.expected(target, kv, 40))  # zeros past token 40
+    for name in MAMBA:
+        assert torch.equal(e.views[name][52], states[2][name])
+
+
+@pytest.mark.parametrize("staging_bytes", [2048, 6000, 64 << 20])
+def test_a_load_in_rounds_from_inside_a_payload(engine_factory, staging_bytes: int) -> None:  # type: ignore[no-untyped-def]
+    """A hybrid load reads every layer's KV and the state in one batched read when the staging
+    region holds them (64 MiB), in several rounds when it does not (6,000 bytes: two 5-token
+    payloads of both layers, 2,560 bytes each, per round, the state in the last), and a layer at a
+    time when one payload of every layer is larger than the region (2,048 bytes). The store's
+    blocks are 5 tokens, vLLM's 16, and the engine's local hit of 16 ends inside the payload of
+    tokens [15, 20): the blocks end up byte for byte as if the kernel had computed all 40."""
+    e = engine_factory(f"hybrid-rounds-{staging_bytes}", hybrid=True, block_tokens=5, staging_bytes=staging_bytes)
+    kv, states = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=55)
+    target = [40, 41, 42]
+    e.write(target, kv, 0, 16)
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 16) == (24, True)
+    e.load(r, 16, 24, (target, [0, 0, 52]))
+    results = e.worker.get_transfer_results(set())
+    assert results.finished_recving == {"a"} and results.failed_recving == set()
+    assert same_bytes(e.blocks(target), e.expected(target, kv, 40))
+    for name in MAMBA:
+        assert torch.equal(e.views[name][52], states[2][name])
+
+
+def test_an_idle_step_waits_for_the_load_in_flight(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """A step that computes nothing (vLLM's loop stepping while a request waits for its remote
+    KV) waits for the load in flight, up to idle_wait_s, and reports it in that same step,
+    rather than return at once and let the loop spin against the load for the GIL."""
+    e = engine_factory("idle-wait", hybrid=True, idle_wait_s=1.0)
+    hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=65)
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, True)
+    e.scheduler.update_state_after_alloc(r, KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in [40, 41, 42]],
+                                                                  [KVCacheBlock(block_id=b) for b in [0, 0, 52]])), 40)
+    meta = e.scheduler.build_connector_meta(SchedulerOutput.make_empty())  # no token scheduled
+    assert meta.idle and len(meta.loads) == 1
+    e.worker.bind_connector_metadata(meta)
+    e.worker.start_load_kv(None)  # type: ignore[arg-type]
+    e.worker.wait_for_save()
+    results = e.worker.get_transfer_results(set())
+    e.worker.clear_connector_metadata()
+    assert results.finished_recving == {"a"} and results.failed_recving == set()
+
+
 def test_hybrid_grid_state_serves_a_sibling(engine_factory) -> None:  # type: ignore[no-untyped-def]
     e = engine_factory("hybrid-grid", hybrid=True)
     _, states = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=15)

@@ -31,6 +31,8 @@ def test_every_client_field_is_accepted() -> None:
     ({"url": "ftp://x"}, "url"),
     ({"timeout_s": -1}, "timeout_s"),
     ({"save": "yes"}, "save"),
+    ({"idle_wait_s": -0.001}, "idle_wait_s"),
+    ({"idle_wait_s": "5ms"}, "idle_wait_s"),
     ({"url": []}, "url"),
 ])
 def test_bad_values_name_their_knob(extra: dict[str, object], knob: str) -> None:
