@@ -25,8 +25,8 @@ Per payload size (default 1 MiB and 64 KiB), one call moves ``--batch-bytes`` (6
 fresh keys every rep (nothing already stored), GET of one stored set into preallocated buffers,
 checked byte for byte once before timing. Reps are interleaved, peer by peer, the order rotated
 each rep; every figure is the median. After each prefixstore PUT the benchmark waits, untimed,
-for its write-behind to have written that PUT to LMDB (the store's
-``prefixstore_write_behind_entries`` gauge at 0), so that deferred work is charged to no other
+for its write-behind to have written that PUT to LMDB (``/v1/stats``: no entry behind), so that
+deferred work is charged to no other
 timed call; how long that took is reported as the write-behind drain. Then lookup: a ``--lookup-tokens`` (131,072) prompt stored
 as 8,192 blocks of 16 tokens; prefixstore's ``client.lookup(tokens)`` end to end (hashing the
 prompt included) against Mooncake's ``batch_is_exist`` of the same 8,192 block keys and a
@@ -179,7 +179,7 @@ class PrefixPeer:
         self.client, self.chains, self.batch = client, chains, batch
         self.items = [GetItem(key=make_entry_key(Kind.BLOCK, spec.hash)) for spec, _ in get_set]
         self._next = chains.fresh()
-        self._metrics_url = url + "/metrics"
+        self._stats_url = url + "/v1/stats"  # cheap beside /metrics, whose process collector costs ms
 
     async def settle(self) -> float:
         """Wait (untimed) until the write-behind has written every committed entry to LMDB;
@@ -190,13 +190,11 @@ class PrefixPeer:
         delay = 0.002
         async with aiohttp.ClientSession() as session:
             while True:
-                async with session.get(self._metrics_url) as resp:
-                    text = await resp.text()
-                behind = next((float(line.split()[-1]) for line in text.splitlines()
-                               if line.startswith("prefixstore_write_behind_entries ")), 0.0)
-                if behind == 0:
+                async with session.get(self._stats_url) as resp:
+                    stats = await resp.json()
+                if stats["disk"]["behind"]["entries"] == 0:
                     return time.perf_counter() - started
-                await asyncio.sleep(delay)  # polling a gauge, bounded by the store's own write_behind_s
+                await asyncio.sleep(delay)  # polling, bounded by the store's own write_behind_s
                 delay = min(2 * delay, 0.02)
 
     async def put(self, rep: int) -> None:

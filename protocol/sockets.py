@@ -39,7 +39,11 @@ def duplicate_socket(transport: asyncio.BaseTransport) -> socket.socket | None:
     raw = transport.get_extra_info("socket")
     if raw is None or raw.type != socket.SOCK_STREAM:
         return None
-    sock = socket.socket(raw.family, raw.type, raw.proto, fileno=os.dup(raw.fileno()))
+    try:
+        fd = os.dup(raw.fileno())
+    except OSError:  # out of descriptors (EMFILE): the caller writes through the transport, which needs none
+        return None
+    sock = socket.socket(raw.family, raw.type, raw.proto, fileno=fd)
     sock.setblocking(False)
     return sock
 

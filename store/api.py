@@ -40,8 +40,8 @@ from ..protocol.wire import (
     req_bool,
     req_entry_keys,
 )
-from .http import (LOOKUP_NIXL, PEER, STORE, TENANT, control_header, frame_response, owned, single_node_only,
-                   stalled)
+from .http import (BODY_SENT, LOOKUP_NIXL, PEER, STORE, TENANT, control_header, frame_response, owned,
+                   single_node_only, stalled)
 from .sendbody import write_body
 
 log = logging.getLogger(__name__)
@@ -180,13 +180,16 @@ async def get(request: web.Request) -> web.StreamResponse:
     ns_id = req_bin(header, "ns", size=8)
     owned(request, ns_id)
     items = parse_get_items(header, store.limits)
-    plan = await store.prepare_get(ns_id, items)
+    packed = "keys" in header  # answered in the request's form; refusals name the request's fields
+    plan = await store.prepare_get(ns_id, items, field="layers" if packed else "items")
     try:
-        head = encode_header(plan.answer().to_header(packed="keys" in header))  # answered in the request's form
+        head = encode_header(plan.answer().to_header(packed=packed))
         payload = plan.payload_bytes
         response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
         response.content_length = len(head) + payload
         await response.prepare(request)
+        # From here the answer is on the wire: a failure can no longer be answered, only cut off
+        # (an error response written now would land inside this one's body).
         try:
             # A client that stops reading would otherwise keep these entries
             # pinned (never evicted) for as long as it holds the connection.
@@ -194,18 +197,32 @@ async def get(request: web.Request) -> web.StreamResponse:
                 await response.write(head)
                 # Adjacent payloads merged (ReadPath.body_views), sent from the arena's pages
                 # without the transport's copy where the connection allows (store/sendbody.py).
-                await write_body(request, response, store.body_views(plan))
+                request[BODY_SENT] = await write_body(request, response, store.body_views(plan))
                 await response.write_eof()
         except TimeoutError:
             log.warning("get: client took the answer off the wire slower than request_timeout_s=%g; disconnected",
                         store.config.request_timeout_s)
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("get answer not read within request_timeout_s") from None
+            cut_off(request)
+            return response
+        except OSError as err:  # the client went away mid-answer (reset, broken pipe): nothing left to say
+            log.debug("get: the client closed the connection mid-answer (%s: %s)", type(err).__name__, err)
+            cut_off(request)
+            return response
+        except BaseException:
+            cut_off(request)
+            raise
         store.metrics.transfer_bytes.labels("out", "http").inc(payload)
         return response
     finally:
         store.finish_get(plan)
+
+
+def cut_off(request: web.Request) -> None:
+    """End a connection whose answer was started and cannot be finished: the client sees a
+    truncated body (its Content-Length unmet), never another response spliced into it; aiohttp
+    then takes the response it is handed as a client that went away."""
+    if request.transport is not None:
+        request.transport.abort()
 
 
 async def release(request: web.Request) -> web.Response:

@@ -295,8 +295,9 @@ class Store:
     async def commit(self, ns_id: bytes, keys: Sequence[bytes]) -> list[ItemResult]:
         return await self.writes.commit(ns_id, keys)
 
-    async def prepare_get(self, ns_id: bytes, items: Sequence[GetItem], map_disk: MapDisk | None = None) -> GetPlan:
-        return await self.reads.prepare_get(self.namespaces.get(ns_id), items, map_disk)
+    async def prepare_get(self, ns_id: bytes, items: Sequence[GetItem], map_disk: MapDisk | None = None,
+                          field: str = "items") -> GetPlan:
+        return await self.reads.prepare_get(self.namespaces.get(ns_id), items, map_disk, field)
 
     def payload_views(self, slot: GetSlot) -> list[memoryview]:
         return self.reads.payload_views(slot)

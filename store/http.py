@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 STORE = web.AppKey("store", Store)
 TENANT = web.RequestKey("tenant", str)  # the authenticated tenant (OPEN_TENANT on an open store)
 ADMIN = web.RequestKey("admin", bool)  # set (True) where the admin token was presented
+BODY_SENT = web.RequestKey("body_sent", int)
+"""Answer bytes a handler sent past the response (store/sendbody.py): counted in the access log."""
 
 LookupExtension = Callable[[LookupRequest, LookupAnswer], "NixlPlacements | None"]
 LOOKUP_NIXL: web.AppKey[LookupExtension] = web.AppKey("lookup_nixl")
@@ -119,7 +121,7 @@ def log_access(request: web.Request, response: web.StreamResponse, endpoint: str
     dumped: the route (never the path's query string, which may carry a key), the tenant's name (never
     its token), sizes (never payloads)."""
     tenant = "(admin)" if request.get(ADMIN) else request.get(TENANT)
-    sent = response.body_length if response.prepared else 0
+    sent = response.body_length + request.get(BODY_SENT, 0) if response.prepared else 0
     fields = {"method": request.method, "endpoint": endpoint,
               "tenant": "(peer)" if tenant == PEER else tenant or "-", "status": response.status,
               "bytes_in": request.content_length or 0, "bytes_out": sent or response.content_length or 0,
@@ -238,5 +240,5 @@ def frame_response(header: dict[str, object]) -> web.Response:
     return web.Response(body=encode_frame(header), content_type=CONTENT_TYPE)
 
 
-__all__ = ["ADMIN_PATHS", "LOOKUP_NIXL", "READINESS", "MIDDLEWARES", "OPEN_TENANT", "PEER", "PEER_PATHS", "PROBE_NIXL", "STORE",
+__all__ = ["ADMIN_PATHS", "BODY_SENT", "LOOKUP_NIXL", "READINESS", "MIDDLEWARES", "OPEN_TENANT", "PEER", "PEER_PATHS", "PROBE_NIXL", "STORE",
            "TENANT", "control_header", "error_response", "frame_response", "owned", "read_body", "stalled"]

@@ -383,7 +383,7 @@ async def nixl_get(request: web.Request) -> web.Response:
 
     lease = None
     try:
-        plan = await store.prepare_get(ns_id, items, map_disk)
+        plan = await store.prepare_get(ns_id, items, map_disk, field="layers" if "keys" in header else "items")
         pin = pins[0] if pins else None
         try:
             out: list[NixlItem] = []

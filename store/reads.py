@@ -88,27 +88,32 @@ class ReadPath:
         except ValueError as err:
             raise WireError(f"{ctx}.layer_end", str(err)) from None
 
-    async def prepare_get(self, ns: Namespace, items: Sequence[GetItem], map_disk: MapDisk | None = None) -> GetPlan:
+    async def prepare_get(self, ns: Namespace, items: Sequence[GetItem], map_disk: MapDisk | None = None,
+                          field: str = "items") -> GetPlan:
         """Pin every requested entry and bring disk-only ones into RAM (checksum verified).
 
         ``map_disk`` (the NIXL map READ, store/nixl_target.py) is first offered the disk-only
         slots; per slot it answers a ReadOutcome (OK: it set ``slot.address`` and
         ``slot.checksum`` and keeps the value readable in place; MISSING / CORRUPT: handled like
-        a failed promotion) or None (promote it as usual).
+        a failed promotion) or None (promote it as usual). ``field``: what a refusal names (the
+        request's ``items``, or ``layers`` of a packed one, protocol/wire.py).
 
-        The caller streams the plan and must call :meth:`finish_get`.
+        The caller streams the plan and must call :meth:`finish_get` (also after a refusal or a
+        failure here, which release the pins themselves: the plan is not returned).
 
-        Batch-shaped: one pass over the items pins, sizes and checksums what is in RAM (a whole
-        entry's checksum is the one it was committed with), a second only over what must come
-        from disk, and the read hooks hear the whole batch once. A 1,024-item get of 64 KiB
-        blocks is on the critical path before its first payload byte leaves, so every per-item
-        step here shows in GET throughput (docs/benchmarks.md, "GET at the raw socket's speed")."""
+        Batch-shaped: one pass over the items pins and sizes them, and checks the byte budget
+        before anything is hashed; then the partial ranges in RAM are hashed (a whole entry's
+        checksum is the one it was committed with), disk-only entries are read, and the read
+        hooks hear the whole batch once. A 1,024-item get of 64 KiB blocks is on the critical
+        path before its first payload byte leaves, so every per-item step here shows in GET
+        throughput (docs/benchmarks.md, "GET at the raw socket's speed")."""
         plan = GetPlan()
         slots = plan.slots
         entries = self._index.entries
         ns_id = ns.id
         budget = self._config.max_get_bytes
         total = 0
+        ranged: list[GetSlot] = []  # partial ranges of entries in RAM: hashed once the budget holds
         disk: list[GetSlot] = []
         try:
             for i, item in enumerate(items):
@@ -120,11 +125,11 @@ class ReadPath:
                 if item.layer_start == 0 and item.layer_end is None:
                     offset, length = 0, e.size
                 else:
-                    offset, length = self._byte_range(ns, e, item, f"items[{i}]")
+                    offset, length = self._byte_range(ns, e, item, f"{field}[{i}]")
                 total += length
                 if total > budget:
-                    raise WireError("items", f"asks for more than max_get_bytes={budget}; split the batch",
-                                    Problem.TOO_LARGE)
+                    raise WireError("keys" if field == "layers" else "items",
+                                    f"asks for more than max_get_bytes={budget}; split the batch", Problem.TOO_LARGE)
                 e.pins += 1
                 slot = GetSlot(ItemStatus.OK, e, offset, length)
                 slots.append(slot)
@@ -136,12 +141,15 @@ class ReadPath:
                 elif length == e.size:
                     slot.checksum = e.checksum
                 else:
-                    slot.checksum = self._arena.checksum(e.pages, offset, length)
+                    ranged.append(slot)
+            for slot in ranged:
+                assert slot.entry is not None and slot.entry.pages is not None  # pinned: never demoted
+                slot.checksum = self._arena.checksum(slot.entry.pages, slot.offset, slot.length)
+            if disk:
+                await self._from_disk(disk, map_disk)
         except BaseException:
             self.finish_get(plan)
             raise
-        if disk:
-            await self._from_disk(disk, map_disk)
         now = self._clock()
         served: list[Entry] = []
         requeue = self._space.requeue
@@ -235,7 +243,12 @@ class ReadPath:
         else:
             buffer = bytearray(e.size)
             dest = [memoryview(buffer)]
-        outcome = await tier.read_into(e.key, e.size, e.checksum, dest)
+        try:
+            outcome = await tier.read_into(e.key, e.size, e.checksum, dest)
+        except BaseException:  # cancelled (the client went away) or the tier failed: the pages go back
+            if pages is not None:
+                self._arena.free(pages)
+            raise
         if outcome != ReadOutcome.OK:
             if pages is not None:
                 self._arena.free(pages)

@@ -28,16 +28,21 @@ from aiohttp import web
 from ..protocol.sockets import duplicate_socket, send_views
 
 
-async def write_body(request: web.Request, response: web.StreamResponse, views: Iterable[memoryview]) -> None:
-    """Write ``views`` as the rest of a started response's body (its header already written)."""
+async def write_body(request: web.Request, response: web.StreamResponse, views: Iterable[memoryview]) -> int:
+    """Write ``views`` as the rest of a started response's body (its header already written).
+    Returns the bytes sent past the response (``response.body_length`` counts the others)."""
     transport = request.transport
     sock = duplicate_socket(transport) if transport is not None and not transport.get_write_buffer_size() else None
     if sock is None:
         for view in views:
             await response.write(view)
-        return
+        return 0
+    sent = 0
     with sock:
-        await send_views(sock, views)
+        for view in views:
+            await send_views(sock, (view,))
+            sent += view.nbytes
+    return sent
 
 
 __all__ = ["write_body"]

@@ -235,6 +235,26 @@ def test_packed_get_items_name_the_field(header: dict[str, object], field: str, 
     assert info.value.field == field and HTTP_STATUS[info.value.problem] == status
 
 
+@pytest.mark.parametrize("item", [
+    GetItem(key=KEY, layer_end=0),
+    GetItem(key=KEY, layer_start=3, layer_end=3),
+    GetItem(key=KEY, layer_start=4, layer_end=2),
+    GetItem(key=KEY, layer_start=1 << 32),
+    GetItem(key=KEY, layer_end=1 << 32),
+    GetItem(key=KEY, layer_start=-1),
+    GetItem(key=KEY[:-1]),
+], ids=["end-0", "empty", "reversed", "start-u32", "end-u32", "negative", "short-key"])
+def test_encoding_refuses_what_no_store_takes(item: GetItem) -> None:
+    """A caller's malformed item is named before anything is sent (``layer_end=0`` would otherwise
+    read as "to the last layer" in the packed form, where the older form was refused)."""
+    with pytest.raises(ValueError, match=r"items\[1\]"):
+        encode_get_items([GetItem(key=KEY), item])
+
+
+def test_get_items_hash_by_value() -> None:
+    assert len({GetItem(key=KEY, layer_start=1), GetItem(key=KEY, layer_start=1), GetItem(key=KEY)}) == 2
+
+
 get_answers = st.lists(st.tuples(st.sampled_from(GET_STATUSES), st.integers(0, 2**40),
                                  st.integers(0, 2**64 - 1)), max_size=64).map(
     lambda rows: GetAnswer([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]))

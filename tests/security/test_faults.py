@@ -10,10 +10,12 @@ assertion.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
 import socket
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,12 +23,13 @@ import aiohttp
 import numpy as np
 import pytest
 import xxhash
+from aiohttp import web
 
 from prefixstore.client import ClientConfig, PrefixClient, Prompt
 from prefixstore.client.prompt import with_payload
 from prefixstore.protocol import Namespace, make_entry_key
 from prefixstore.protocol.wire import CONTENT_TYPE, STATUS_OK, GetItem, decode_frame, encode_frame, encode_get_items
-from prefixstore.store import StoreConfig
+from prefixstore.store import STORE, StoreConfig, StoreRunner, create_app
 from prefixstore.store.lmdb_tier import LmdbTier, ReadOutcome, StoredRecord
 
 from ..conftest import RunningStore
@@ -366,6 +369,88 @@ async def test_a_stalled_get_reader_holds_no_copy_of_its_answer(start_store, tmp
         assert max(buffered) <= 64 << 10, f"the transport buffered {max(buffered)} bytes of a stalled answer"
     finally:
         sock.close()
+
+
+async def _serve_runner(config: StoreConfig) -> tuple[web.AppRunner, str]:
+    """The store served as `prefixstore serve` serves it (StoreRunner: the parser log, the limits)."""
+    runner = StoreRunner(create_app(config), config)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def _save_blocks(url: str, ns: Namespace, num_blocks: int) -> tuple[Prompt, list[bytes]]:
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="http")) as c:
+        prompt = c.prompt(list(range(num_blocks * 16)))
+        payloads = [rand_bytes(j, ns.block_bytes) for j in range(num_blocks)]
+        r = await c.save(prompt, num_blocks * 16, lambda a, b: payloads[a // 16])
+        assert r.stored == num_blocks and r.dropped == 0, r
+    return prompt, payloads
+
+
+async def test_a_reader_that_leaves_mid_answer_is_a_disconnect_not_an_error(tmp_path: Path) -> None:
+    """A client that resets its connection partway through a 16 MiB get: the store cuts the answer
+    off, drops its pins and keeps serving; nothing counts it as a malformed request or logs an
+    error (it was neither)."""
+    config = StoreConfig(port=0, data_dir="none", ram_bytes=32 * MiB, page_bytes=64 << 10)
+    runner, url = await _serve_runner(config)
+    try:
+        store = runner.app[STORE]
+        ns = big_namespace()
+        prompt, payloads = await _save_blocks(url, ns, 256)
+        keys = [prompt.block_key(j) for j in range(256)]
+        body = encode_frame({"ns": ns.id, **encode_get_items([GetItem(key=k) for k in keys])})
+        for _ in range(3):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, ("127.0.0.1", runner.addresses[0][1]))
+            await loop.sock_sendall(sock, f"POST /v1/get HTTP/1.1\r\nHost: x\r\nContent-Type: {CONTENT_TYPE}\r\n"
+                                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            got = await loop.sock_recv(sock, 1 << 20)
+            assert got.startswith(b"HTTP/1.1 200"), got[:40]
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+            sock.close()
+        entries = store.index.entries.values()
+        for _ in range(1500):  # polling for a state, bounded (15 s)
+            if not any(e.pins for e in entries):
+                break
+            await asyncio.sleep(0.01)
+        assert not any(e.pins for e in entries), "an abandoned answer kept its entries pinned"
+        assert store.metrics.malformed_requests._value.get() == 0  # type: ignore[attr-defined]
+        async with PrefixClient(ns, ClientConfig(url=url, data_path="http")) as c:  # and it keeps serving
+            outs = [bytearray(ns.block_bytes) for _ in keys]
+            assert await c.read([GetItem(key=k) for k in keys], outs) == [ns.block_bytes] * 256
+            assert [bytes(o) for o in outs] == payloads
+        store.check()
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_get_goes_through_the_transport_when_no_descriptor_is_left(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of file descriptors (EMFILE), the direct send cannot duplicate the socket: the answer goes
+    through aiohttp's transport instead, whole and checked, never a 500 spliced into a started 200."""
+    config = StoreConfig(port=0, data_dir="none", ram_bytes=32 * MiB, page_bytes=64 << 10)
+    runner, url = await _serve_runner(config)
+    try:
+        ns = big_namespace()
+        prompt, payloads = await _save_blocks(url, ns, 64)
+        import prefixstore.protocol.sockets as sockets
+
+        def no_descriptors(fd: int) -> int:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(sockets.os, "dup", no_descriptors)
+        async with PrefixClient(ns, ClientConfig(url=url, data_path="http")) as c:
+            outs = [bytearray(ns.block_bytes) for _ in payloads]
+            got = await c.read([GetItem(key=prompt.block_key(j)) for j in range(64)], outs)
+            assert got == [ns.block_bytes] * 64 and c.failures == {}
+            assert [bytes(o) for o in outs] == payloads
+    finally:
+        await runner.cleanup()
 
 
 def test_request_timeout_must_be_positive() -> None:

@@ -84,6 +84,25 @@ async def test_tls_round_trip_verifies_the_store(serve_tls: Serve, pki: Pki, tmp
     assert kv_tokens == 0 and c.failures["lookup"] >= 1
 
 
+async def test_tls_bulk_put_and_get_over_http(serve_tls: Serve, pki: Pki, tmp_path: Path) -> None:
+    """Payloads large enough for the direct socket sends (protocol/sockets.py) both ways, over TLS:
+    those must go through the TLS transports (the sockets carry ciphertext), byte for byte."""
+    config = StoreConfig(port=0, data_dir="none", ram_bytes=64 << 20, page_bytes=64 << 10,
+                         tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.server_key), nixl="off")
+    url = await serve_tls(config)
+    ns = make_namespace(block_tokens=16, num_layers=256, with_state=False, model="tls-bulk")  # 64 KiB blocks
+    tokens = list(range(64 * 16))
+    async with PrefixClient(ns, ClientConfig(url=url, tls_ca_file=str(pki.ca), data_path="http")) as c:
+        saved = await c.save(c.prompt(tokens), len(tokens), lambda a, b: kv_payload(ns, tokens, a, b))
+        assert saved.stored == 64 and c.failures == {}
+        found = await c.lookup(tokens)
+        reads = found.kv_reads(found.kv_tokens)
+        outs = [bytearray(ns.block_bytes) for _ in reads]
+        assert await c.read([item for item, _, _ in reads], outs) == [ns.block_bytes] * 64
+        assert [bytes(o) for o in outs] == [kv_payload(ns, tokens, a, b) for _, a, b in reads]
+        assert c.failures == {}
+
+
 async def test_tls_with_tenants_sends_the_token_on_every_path(serve_tls: Serve, pki: Pki, tmp_path: Path) -> None:
     tenants = write_tenants(tmp_path / "tenants.toml")
     url = await serve_tls(tls_config(tmp_path, pki, tenants_file=str(tenants)))

@@ -405,7 +405,7 @@ FIELD_CASES: list[tuple[str, str, Callable[[Ctx], bytes], int, str]] = [
      lambda c: encode_frame({"ns": c.ns.id, "keys": _block_key(c), "layers": b"\x00" * 4}), 400, "layers"),
     ("get-packed-layer-end-beyond", "/v1/get",
      lambda c: encode_frame({"ns": c.ns.id, "keys": _block_key(c), "layers": struct.pack("<II", 0, 3)}), 400,
-     "items[0].layer_end"),
+     "layers[0].layer_end"),
     ("commit-keys-str", "/v1/commit", lambda c: encode_frame({"ns": c.ns.id, "keys": "k"}), 400, "keys"),
     ("commit-key-short", "/v1/commit",
      lambda c: encode_frame({"ns": c.ns.id, "keys": [_block_key(c), _block_key(c)[:5]]}), 400, "keys[1]"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,8 @@ import pytest
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import Kind
 from prefixstore.protocol.probe import ProbeRequest
-from prefixstore.protocol.wire import STATUS_OK, WANT, GetItem
+from prefixstore.protocol.errors import Problem
+from prefixstore.protocol.wire import STATUS_OK, WANT, GetItem, WireError
 from prefixstore.store import StoreConfig
 
 from ..factories import kv_payload, make_namespace, state_payload
@@ -180,6 +183,43 @@ def test_ram_eviction_with_lmdb_demotes_and_reads_promote(ns, harness, tmp_path:
     h.store.check()
 
 
+@pytest.mark.parametrize("failure", [RuntimeError("the tier failed"), asyncio.CancelledError()],
+                         ids=["tier-error", "cancelled"])
+def test_a_get_that_fails_reading_disk_leaves_no_pins_and_no_pages(ns, harness, tmp_path: Path,
+                                                                   failure: BaseException) -> None:  # type: ignore[no-untyped-def]
+    """A get whose promotion from LMDB fails (the tier raises, or the request is cancelled while it
+    waits on the read) releases every pin it took and the pages it allocated for the promotion:
+    nothing stays unevictable and the arena's accounting holds (Store.check)."""
+    cfg = StoreConfig(port=0, data_dir=str(tmp_path), ram_bytes=16 * 256, page_bytes=256)
+    h = harness(cfg, ns)
+    seqs = [[i] * 8 for i in range(20)]
+    for sq in seqs:
+        assert h.save(sq, 8)["committed"] == 2
+    h.drain()
+    h.save([99] * 8, 8)  # pushes the oldest out of RAM once they are in LMDB
+    h.drain()
+    cold = [e for e in h.store.index.entries.values() if e.pages is None and e.on_disk]
+    assert cold, "nothing was demoted: the test needs disk-only entries"
+    tier = h.store.disk.tier
+    assert tier is not None
+
+    async def broken(*args: object, **kwargs: object) -> str:
+        raise failure
+
+    real, tier.read_into = tier.read_into, broken  # type: ignore[method-assign]
+    try:
+        items = [GetItem(key=e.wire_key) for e in h.store.index.entries.values() if e.pages is not None][:2]
+        items.append(GetItem(key=cold[0].wire_key))
+        with pytest.raises(type(failure)):
+            h.run(h.store.prepare_get(ns.id, items))
+    finally:
+        tier.read_into = real  # type: ignore[method-assign]
+    assert not any(e.pins for e in h.store.index.entries.values())
+    held = sum(len(e.pages) for e in h.store.index.entries.values() if e.pages is not None)
+    assert held + h.store.arena.num_free == h.store.arena.num_pages, "pages neither held nor free: leaked"
+    h.store.check()
+
+
 def test_snapshot_goes_before_its_block_under_pressure(ns, harness) -> None:  # type: ignore[no-untyped-def]
     h = harness(ram_only(), ns)
     toks = [5, 5, 5, 5]
@@ -207,6 +247,30 @@ def test_layer_range_reads(ns, harness) -> None:  # type: ignore[no-untyped-def]
 
     assert plan.slots[0].status == STATUS_OK and plan.slots[0].checksum == xxhash.xxh3_64_intdigest(layer1)
     h.store.finish_get(plan)
+
+
+def test_a_get_over_max_get_bytes_is_refused_before_anything_is_hashed(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """An attacker's get of one layer range repeated past max_get_bytes: 413 naming the field, and
+    not one range hashed first (the budget is checked in the pass that pins, the hashing after it)."""
+    h = harness(ram_only(ram_bytes=1 << 20, max_get_bytes=64 * 1024), ns)
+    toks = [1, 2, 3, 4]
+    h.save(toks, 4)
+    item = GetItem(key=Prompt(ns, toks).block_key(0), layer_start=1, layer_end=2)
+    per_item = 4 * ns.kv.layer_token_bytes
+    hashed: list[int] = []
+    real = h.store.arena.checksum
+
+    def counting(pages: list[int], offset: int, length: int) -> int:
+        hashed.append(length)
+        return real(pages, offset, length)
+
+    h.store.arena.checksum = counting  # type: ignore[method-assign]
+    for field, want in (("items", "items"), ("layers", "keys")):
+        with pytest.raises(WireError) as info:
+            h.run(h.store.prepare_get(ns.id, [item] * (64 * 1024 // per_item + 1), field=field))
+        assert info.value.problem is Problem.TOO_LARGE and info.value.field == want
+    assert hashed == []
+    assert not any(e.pins for e in h.store.index.entries.values())
 
 
 def test_extra_keys_separate_tails_and_snapshots(ns, harness) -> None:  # type: ignore[no-untyped-def]
