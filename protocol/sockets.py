@@ -20,7 +20,9 @@ How, without fighting the transport that owns the socket:
   transport as before.
 
 A send that fails (the peer went away) raises ``OSError`` like a transport write; a cancelled
-one leaves the connection mid-body, so the caller aborts the transport (both callers do).
+one leaves the connection mid-body, so the caller aborts the transport (both callers do). Each
+duplicate holds one more descriptor while it sends; where none is left (EMFILE) there is no
+duplicate and the caller writes through the transport, which needs none.
 """
 
 from __future__ import annotations
