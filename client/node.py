@@ -168,7 +168,7 @@ class NodeClient:
         leased = self.config.lease if lease is None else lease
         # On the NIXL path the answer also places the matched payloads (store/nixl_lookup.py):
         # reads of them then go straight to one READ, without /v1/nixl/get.
-        req = LookupRequest(namespace_id=self.namespace.id, hashes=b"".join(p.hashes), tokens=p.packed,
+        req = LookupRequest(namespace_id=self.namespace.id, hashes=p.hash_bytes, tokens=p.packed,
                             lease=leased, extras=tuple((j, x) for j, x in enumerate(p.extra_keys) if x),
                             nixl=leased and self.data.connected)
         sent_at = time.monotonic()

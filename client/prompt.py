@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import xxhash
 
-from ..protocol.hashing import TOKEN_BYTES, BlockHash, chain_from, pack_tokens, root_hash, tail_hash
+from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, chain_bytes, pack_tokens, root_hash, tail_hash
 from ..protocol.keys import Kind, make_entry_key
 from ..protocol.namespace import Namespace
 from ..protocol.wire import ItemSpec
@@ -26,7 +27,19 @@ class Prompt:
         self.packed = pack_tokens(tokens)
         self.extra_keys = list(extra_keys or ())
         self.root = root_hash(namespace)
-        self.hashes: list[BlockHash] = chain_from(self.root, self.packed, namespace.block_tokens, self.extra_keys)
+        # The chain as a lookup sends it (16 bytes a block, back to back); the list of per-block
+        # hashes only when something asks for it (saves, cluster walks): for a lookup of a
+        # 131,072-token prompt the 8,192 bytes objects cost more than the hashing itself.
+        self.hash_bytes: bytes = chain_bytes(self.root, self.packed, namespace.block_tokens, self.extra_keys)
+        self._hashes: list[BlockHash] | None = None
+
+    @property
+    def hashes(self) -> list[BlockHash]:
+        """h_1..h_n, one per full block (``hash_bytes`` split)."""
+        if self._hashes is None:
+            hb = self.hash_bytes
+            self._hashes = cast(list[BlockHash], [hb[i : i + HASH_BYTES] for i in range(0, len(hb), HASH_BYTES)])
+        return self._hashes
 
     @property
     def num_tokens(self) -> int:

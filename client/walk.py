@@ -78,7 +78,7 @@ class Walk:
 
     def __post_init__(self) -> None:
         p = self.prompt
-        self.hash_bytes = b"".join(p.hashes)
+        self.hash_bytes = p.hash_bytes
         L = self.num_levels
         self.held_at = [None] * L
         self.exact = bytearray(L)

@@ -6,7 +6,10 @@
  * xxhash.xxh3_128_digest returns them); hashing.py falls back to that loop
  * when this module is not built. The Python loop costs ~0.25 us per block in
  * interpreter overhead; this one ~0.03 us, which is what keeps hashing a
- * 131,072-token prompt at B=16 well inside a lookup's budget.
+ * 131,072-token prompt at B=16 well inside a lookup's budget. ``joined``
+ * returns the chain as one bytes, as a lookup sends it: making 8,192 bytes
+ * objects and joining them again cost more than the hashing (0.17 + 0.06 ms
+ * against about 0.03 ms for the digests of a 131,072-token prompt).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,7 +23,8 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     Py_buffer parent, packed;
     Py_ssize_t stride;
     PyObject *extras = Py_None;
-    if (!PyArg_ParseTuple(args, "y*y*n|O", &parent, &packed, &stride, &extras)) return NULL;
+    int joined = 0; /* one bytes of n * 16 (h_1 || h_2 || ...) instead of a list of n bytes */
+    if (!PyArg_ParseTuple(args, "y*y*n|Op", &parent, &packed, &stride, &extras, &joined)) return NULL;
     PyObject *out = NULL;
     unsigned char *buf = NULL;
     if (parent.len != HASH_BYTES || stride <= 0) {
@@ -43,7 +47,7 @@ static PyObject *chain(PyObject *self, PyObject *args) {
         if (PyBytes_GET_SIZE(x) > max_extra) max_extra = PyBytes_GET_SIZE(x);
     }
     buf = PyMem_Malloc(HASH_BYTES + stride + max_extra);
-    out = PyList_New(n);
+    out = joined ? PyBytes_FromStringAndSize(NULL, n * HASH_BYTES) : PyList_New(n);
     if (buf == NULL || out == NULL) {
         Py_CLEAR(out);
         if (buf == NULL) PyErr_NoMemory();
@@ -61,12 +65,16 @@ static PyObject *chain(PyObject *self, PyObject *args) {
         }
         XXH128_canonical_t c;
         XXH128_canonicalFromHash(&c, XXH3_128bits(buf, len));
-        PyObject *h = PyBytes_FromStringAndSize((const char *)c.digest, HASH_BYTES);
-        if (h == NULL) {
-            Py_CLEAR(out);
-            goto done;
+        if (joined) {
+            memcpy(PyBytes_AS_STRING(out) + j * HASH_BYTES, c.digest, HASH_BYTES);
+        } else {
+            PyObject *h = PyBytes_FromStringAndSize((const char *)c.digest, HASH_BYTES);
+            if (h == NULL) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            PyList_SET_ITEM(out, j, h);
         }
-        PyList_SET_ITEM(out, j, h);
         memcpy(buf, c.digest, HASH_BYTES);  /* the next link's parent */
     }
 done:
@@ -78,7 +86,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS,
-     "chain(parent, packed_tokens, stride_bytes, extras=None) -> list of 16-byte hashes h_1..h_n"},
+     "chain(parent, packed_tokens, stride_bytes, extras=None, joined=False) -> list of 16-byte hashes h_1..h_n "
+     "(joined: one bytes, h_1 || ... || h_n)"},
     {NULL, NULL, 0, NULL},
 };
 

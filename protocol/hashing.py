@@ -127,6 +127,20 @@ def chain_from(
     return chain_from_python(parent, packed, block_tokens, extra_keys)
 
 
+def chain_bytes(
+    parent: BlockHash,
+    packed: bytes,
+    block_tokens: int,
+    extra_keys: Sequence[bytes] | None = None,
+) -> bytes:
+    """h_1 || h_2 || ... || h_n as one bytes (16 each): the chain as a lookup or probe sends it,
+    without a bytes object per block (protocol/_chain.c)."""
+    if _native_chain is not None:
+        return cast(bytes, _native_chain(parent, packed, block_tokens * TOKEN_BYTES,
+                                         list(extra_keys) if extra_keys else None, True))
+    return b"".join(chain_from_python(parent, packed, block_tokens, extra_keys))
+
+
 def chain_from_python(
     parent: BlockHash,
     packed: bytes,

@@ -316,3 +316,7 @@ def test_native_chain_equals_the_python_reference(tokens: list[int], block: int,
     packed = pack_tokens(tokens)
     assert hashing.chain_from(parent, packed, block, extras) == hashing.chain_from_python(parent, packed, block, extras)
     assert hashing.chain_from(parent, packed, block) == hashing.chain_from_python(parent, packed, block)
+    # Joined, as a lookup sends it: the same digests back to back.
+    assert hashing.chain_bytes(parent, packed, block, extras) == b"".join(
+        hashing.chain_from_python(parent, packed, block, extras))
+    assert hashing.chain_bytes(parent, packed, block) == b"".join(hashing.chain_from_python(parent, packed, block))
