@@ -46,6 +46,22 @@ so it follows the traffic as it changes:
   use is what w itself decides, so they confirm whatever w is (measured on
   multi-turn chat: w went to 1 and the token hit rate fell).
 
+Renewals are priced. A use of a snapshot at b saves the recompute of b tokens, which the cost
+model prices as the KV bytes of those tokens (retention.py: a byte of KV saves
+1/kv_bytes_per_token tokens a use); holding the snapshot's S bytes costs what they displace,
+S x y, where y is the bytes that lookups later asked for again per byte evicted (the ghosts
+below; 0 while nothing has been evicted, about 1 when every evicted byte comes back). A use
+renews a snapshot's stay, and counts as a reuse of its origin, only by the share of that price
+it pays: min(1, b x kv_bytes_per_token / (S x y)). A snapshot's first stay is judged by its
+origin (V) alone: in chat the generation-end snapshot of turn t is used once, by turn t + 1,
+and pricing its first stay would rank it below its own KV, which is useless without it. Counted
+by hits alone, a snapshot of the first token that every conversation shares (ShareGPT: hit 698
+times, saving 698 tokens, 49.5 MiB held) stayed forever under recency, made the junction origin
+look like the best one, and with it ranked the generation ends that earn the hits below their
+own KV: 0.097 against 0.212 with priced renewals, docs/benchmarks.md. With y in the price and
+not a constant, the same snapshot stays where evicted bytes are never asked for again (90% of
+the footprint), and costs nothing there.
+
 Each vote moves w by a step that shrinks as votes accumulate, as in
 stochastic approximation: ``early_votes`` (K) times ``step`` for the first
 vote, step x K / (1 + n/K) for the n-th, never below ``step`` (reached after
@@ -153,8 +169,10 @@ class OriginValue:
                 for k in d:
                     d[k] /= 2
 
-    def on_first_hit(self, origin: int) -> None:
-        self.reused[origin] = self.reused.get(origin, 0.0) + 1.0
+    def on_first_hit(self, origin: int, share: float = 1.0) -> None:
+        """A snapshot of ``origin`` was used for the first time; ``share``: how much of a reuse
+        that use counts for (FlopAware.use_pays: the share of the snapshot's price it paid)."""
+        self.reused[origin] = self.reused.get(origin, 0.0) + share
 
     def rate(self, origin: int) -> float:
         overall = (sum(self.reused.values()) + 0.5) / (sum(self.stored.values()) + 1.0)
@@ -192,7 +210,7 @@ class FlopAware:
     name = "flop-aware"
 
     def __init__(self, context: PolicyContext | None = None, weight: float = 0.5, step: float = 0.02,
-                 num_ghosts: int = 8192, tune: bool = True, early_votes: int = 10) -> None:
+                 num_ghosts: int = 8192, tune: bool = True, early_votes: int = 10, half_life: int = 1024) -> None:
         self.context = context or PolicyContext()
         self.weight = weight
         self.step = step
@@ -208,6 +226,16 @@ class FlopAware:
         self._ghosts: OrderedDict[bytes, tuple[float, float, int, float, float, float]] = OrderedDict()
         # entry key of a parent -> the best ghost evicted beneath it, until the parent goes too
         self._carry: OrderedDict[bytes, tuple[float, float, int, float, float, float]] = OrderedDict()
+        # The price of space, y (module docstring): evicted bytes and the bytes of those a lookup
+        # asked for again, both halved every ``half_life`` evictions (the origin values' 1,024,
+        # which count stores). A ghost's bytes are its entry's and those evicted beneath it
+        # (handed up like the carry): a lookup that misses a chain's first block wants the chain.
+        # Measured whether or not w is tuned: the price is the traffic's, not the tuner's.
+        self.half_life = half_life
+        self._evicted_bytes = 0.0
+        self._reasked_bytes = 0.0
+        self._ghost_bytes: OrderedDict[bytes, float] = OrderedDict()
+        self._carry_bytes: OrderedDict[bytes, float] = OrderedDict()
         self._ghost_flops = 0.0
         self._num_ghosts = num_ghosts
         self._victim_eff = 0.0
@@ -228,9 +256,30 @@ class FlopAware:
         self._mean_eff += (eff - self._mean_eff) / self._num_eff
         return eff / self._mean_eff if self._mean_eff > 0 else 1.0
 
+    @property
+    def evicted_reuse(self) -> float:
+        """y: the bytes of evicted entries that lookups asked for again, per byte evicted (0 before
+        any eviction; above 1 where what left is asked for more than once)."""
+        return self._reasked_bytes / self._evicted_bytes if self._evicted_bytes > 0 else 0.0
+
+    def use_pays(self, entry: EntryView) -> float:
+        """The share of a snapshot's price one use pays, in [0, 1]: the KV bytes of the tokens a
+        use saves over what the snapshot's bytes displace, min(1, b x kv / (S x y)). 1 for KV (a
+        block's use saves its own tokens: its bytes' worth), for an unknown shape, and while
+        nothing evicted was asked for again (y = 0: space costs nothing)."""
+        y = self.evicted_reuse
+        shape = self._shape(entry.namespace_id)
+        if entry.kind is not Kind.STATE or shape is None or y <= 0 or entry.size <= 0:
+            return 1.0
+        return min(1.0, entry.position * shape.kv_bytes_per_token / (entry.size * y))
+
     def value(self, entry: EntryView) -> float:
-        """V: 1 for KV, the learned reuse value of its origin for a snapshot."""
-        return self.origins.value(entry.origin) if entry.kind is Kind.STATE else 1.0
+        """V: 1 for KV; for a snapshot, the learned reuse value of its origin, and once it has
+        been used, times the share of its price a use pays (a use renews it only that far)."""
+        if entry.kind is not Kind.STATE:
+            return 1.0
+        v = self.origins.value(entry.origin)
+        return v * self.use_pays(entry) if entry.num_hits > 0 else v
 
     def priority(self, entry: EntryView, now: float) -> float:
         return self.inflation + self.value(entry) * ((1.0 - self.weight) + self.weight * self.efficiency(entry))
@@ -267,7 +316,7 @@ class FlopAware:
 
     def on_hit(self, entry: EntryView, now: float) -> None:
         if entry.kind is Kind.STATE and entry.num_hits == 0:
-            self.origins.on_first_hit(entry.origin)
+            self.origins.on_first_hit(entry.origin, self.use_pays(entry))
         # Repeat uses only: which snapshots live to their *first* use is what w itself
         # decides (a high w keeps long ones, whose first hits would then vote for a
         # high w); a snapshot used again and again is the traffic's hot set.
@@ -276,6 +325,7 @@ class FlopAware:
 
     def on_evict(self, entry: EntryView, priority: float, now: float) -> None:
         self.inflation = max(self.inflation, priority)
+        self._count_evicted_bytes(entry)
         if self.tune:
             shape = self._shape(entry.namespace_id)
             eff = flops_saved(shape, entry) / entry.size if shape is not None and entry.size else 0.0
@@ -311,11 +361,29 @@ class FlopAware:
                     if len(self._carry) > self._num_ghosts:
                         self._carry.popitem(last=False)
 
+    def _count_evicted_bytes(self, entry: EntryView) -> None:
+        """y's bookkeeping: the bytes evicted, and the ghost of this entry's chain in bytes."""
+        f = 0.5 ** (1.0 / self.half_life)
+        self._evicted_bytes = self._evicted_bytes * f + entry.size
+        self._reasked_bytes *= f
+        chain = entry.size + self._carry_bytes.pop(entry.key, 0.0)
+        self._ghost_bytes[entry.key] = chain
+        if len(self._ghost_bytes) > self._num_ghosts:
+            self._ghost_bytes.popitem(last=False)
+        up = anchor_key(entry)
+        if up is not None:
+            self._carry_bytes[up] = self._carry_bytes.get(up, 0.0) + chain
+            if len(self._carry_bytes) > self._num_ghosts:
+                self._carry_bytes.popitem(last=False)
+
     def on_miss(self, kind: Kind, key: bytes, now: float) -> None:
         """A lookup wanted an entry we evicted (or one evicted beneath it). Had it been
         more FLOP-efficient than the typical victim, more weight on efficiency would
         have kept it: raise w. Otherwise only recency could have kept it: lower w.
         A miss no w in [0, 1] could have prevented moves nothing."""
+        asked = self._ghost_bytes.pop(bytes((kind,)) + key, None)
+        if asked is not None:
+            self._reasked_bytes += asked
         if not self.tune:
             return
         ghost = self._ghosts.pop(bytes((kind,)) + key, None)

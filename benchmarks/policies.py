@@ -13,6 +13,7 @@ sessions): a few sessions fit, then 16, then 64, then 90% of everything.
     python benchmarks/policies.py                 # the full matrix, ~15-25 min on 2 cores (load-dependent)
     python benchmarks/policies.py --quick         # a smoke run
     python benchmarks/policies.py --workloads sharegpt --policies adaptive,marconi,engine-page
+    python benchmarks/policies.py --workloads sharegpt --rates 32 --sessions 4 --policies adaptive,marconi  # one cell
 
 Checks (issue 18), each printed PASS or FAIL:
 - the default (adaptive) >= every other policy and baseline minus 0.005, in every cell;
@@ -57,11 +58,27 @@ class Capacity:
     fraction: float  # of the footprint
 
 
-def capacities(workload: str, fractions: list[float], num_sessions: int) -> list[Capacity]:
+def parse_sessions(text: str) -> list[int | float]:
+    """``--sessions``: counts of sessions (ints), or shares of the footprint written as percentages."""
+    out: list[int | float] = []
+    for item in text.split(","):
+        try:
+            out.append(float(item[:-1]) / 100 if item.endswith("%") else int(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is neither a session count nor a percentage") from None
+        if out[-1] <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r} must be > 0")
+    return out
+
+
+def capacities(workload: str, fractions: list[float], num_sessions: int,
+               sessions: list[int | float] | None = None) -> list[Capacity]:
     if workload not in RATED_WORKLOADS:
         return [Capacity(f"{f:.0%}", f) for f in fractions]
-    out = [Capacity(f"{k} sessions", k / num_sessions) for k in SESSION_CAPACITIES if k < num_sessions * NEARLY_ALL]
-    return out + [Capacity(f"{NEARLY_ALL:.0%}", NEARLY_ALL)]
+    wanted = [*SESSION_CAPACITIES, NEARLY_ALL] if sessions is None else sessions
+    out = [Capacity(f"{k} sessions", k / num_sessions) for k in wanted
+           if isinstance(k, int) and k < num_sessions * NEARLY_ALL]
+    return out + [Capacity(f"{k:.0%}", k) for k in wanted if isinstance(k, float)]
 
 
 def _run(args: tuple[str, float | None, int, str, str, int, int]) -> dict[str, object]:
@@ -86,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
                              "(ShareGPT capacities are counted in sessions, see above).")
     parser.add_argument("--rates", default=",".join(map(str, SESSION_RATES)),
                         help="Session arrival rates of the ShareGPT workload, sessions per minute.")
+    parser.add_argument("--sessions", type=parse_sessions,
+                        default=",".join([*map(str, SESSION_CAPACITIES), f"{NEARLY_ALL:.0%}"]),
+                        help="Capacities of the ShareGPT workload: sessions' worth of bytes (the footprint over "
+                             "the number of sessions; counts past 90%% of the sessions are skipped), or shares of "
+                             "the footprint written as percentages.")
     parser.add_argument("--jobs", type=int, default=2, help="Worker processes (default 2).")
     parser.add_argument("--seed", type=int, default=0, help="Trace generator seed.")
     a = parser.parse_args(argv)
@@ -105,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         feet = list(pool.map(_run, [(w, r, sizes[w], a.model, "always", 1 << 46, a.seed) for w, r in traces]))
         footprint = {(f["workload"], f["rate"]): int(f["peak_bytes"]) for f in feet}  # type: ignore[call-overload]
         sessions = {(f["workload"], f["rate"]): int(f["num_sessions"]) for f in feet}  # type: ignore[call-overload]
-        caps = {t: capacities(t[0], fractions, sessions[t]) for t in traces}
+        caps = {t: capacities(t[0], fractions, sessions[t], a.sessions) for t in traces}
         if a.quick:  # one capacity per trace: the synthetic ones' middle fraction, ShareGPT's second
             caps = {t: c[1:2] if t[0] in RATED_WORKLOADS and len(c) > 1 else c for t, c in caps.items()}
 

