@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -286,41 +286,51 @@ async def test_stalled_control_request_times_out(start_store, tmp_path: Path) ->
         assert resp.status == 200
 
 
-async def test_stalled_get_reader_is_cut_off_and_unpinned(start_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """A client that asks for 16 MiB and never reads: after request_timeout_s the server drops the
-    connection and the entries it pinned for the answer become evictable again."""
-    running: RunningStore = await start_store(StoreConfig(port=0, data_dir="none", ram_bytes=32 * MiB,
-                                                          page_bytes=64 << 10, request_timeout_s=1.0))
-    ns = big_namespace()
-    c = running.client(ns)
-    try:
-        toks = list(range(256 * 16))  # 256 blocks of 64 KiB: far more than the socket buffers hold
-        r = await c.save(c.prompt(toks), len(toks), lambda a, b: os.urandom((b - a) * ns.kv.token_bytes))
-        assert r.stored == 256 and r.dropped == 0, r
-    finally:
-        await c.close()
-    keys = [make_entry_key(spec.kind, spec.hash) for spec, _, _ in c.prompt(toks).kv_items(len(toks))]
-    body = encode_frame({"ns": ns.id, "items": [[k, 0, None] for k in keys]})
-    host, port = running.url.removeprefix("http://").split(":")
+async def _save_blocks(url: str, ns: Namespace, num_blocks: int) -> tuple[Prompt, list[bytes]]:
+    """Store ``num_blocks`` blocks of random payloads; returns the prompt and the payloads."""
+    async with PrefixClient(ns, ClientConfig(url=url, data_path="http")) as c:
+        prompt = c.prompt(list(range(num_blocks * 16)))
+        payloads = [rand_bytes(j, ns.block_bytes) for j in range(num_blocks)]
+        r = await c.save(prompt, num_blocks * 16, lambda a, b: payloads[a // 16])
+        assert r.stored == num_blocks and r.dropped == 0, r
+    return prompt, payloads
+
+
+async def _raw_get(url: str, body: bytes, rcvbuf: int) -> socket.socket:
+    """A raw connection that POSTs a get frame and reads nothing yet (``rcvbuf``: its receive buffer)."""
+    host, port = url.removeprefix("http://").split(":")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that takes (almost) nothing
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.setblocking(False)
     loop = asyncio.get_running_loop()
     await loop.sock_connect(sock, (host, int(port)))
+    await loop.sock_sendall(sock, f"POST /v1/get HTTP/1.1\r\nHost: {host}\r\nContent-Type: {CONTENT_TYPE}\r\n"
+                                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+async def _until(cond: Callable[[], bool], what: str) -> None:
+    for _ in range(1500):  # polling for a state, bounded (15 s)
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(what)
+
+
+async def test_stalled_get_reader_is_cut_off_and_unpinned(start_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A client that asks for 16 MiB and never reads: after request_timeout_s the server drops the
+    connection and the entries it pinned for the answer become evictable again. (The request in
+    the older ``items`` form, which stores still answer.)"""
+    running: RunningStore = await start_store(StoreConfig(port=0, data_dir="none", ram_bytes=32 * MiB,
+                                                          page_bytes=64 << 10, request_timeout_s=1.0))
+    ns = big_namespace()
+    prompt, _ = await _save_blocks(running.url, ns, 256)  # 16 MiB: far more than the socket buffers hold
+    body = encode_frame({"ns": ns.id, "items": [[prompt.block_key(j), 0, None] for j in range(256)]})
+    sock = await _raw_get(running.url, body, 4096)  # a reader that takes (almost) nothing
     try:
-        await loop.sock_sendall(sock, f"POST /v1/get HTTP/1.1\r\nHost: {host}\r\nContent-Type: {CONTENT_TYPE}\r\n"
-                                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         entries = running.store.index.entries.values()
-
-        async def until(cond: object, what: str) -> None:
-            for _ in range(1500):  # polling for a state, bounded (15 s)
-                if cond():  # type: ignore[operator]
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError(what)
-
-        await until(lambda: any(e.pins for e in entries), "the get never pinned its entries")
-        await until(lambda: not any(e.pins for e in entries), "a stalled reader kept its entries pinned")
+        await _until(lambda: any(e.pins for e in entries), "the get never pinned its entries")
+        await _until(lambda: not any(e.pins for e in entries), "a stalled reader kept its entries pinned")
     finally:
         sock.close()
     running.store.check()
@@ -338,26 +348,12 @@ async def test_a_stalled_get_reader_holds_no_copy_of_its_answer(start_store, tmp
     running: RunningStore = await start_store(StoreConfig(port=0, data_dir="none", ram_bytes=32 * MiB,
                                                           page_bytes=64 << 10, request_timeout_s=5.0))
     ns = big_namespace()
-    c = running.client(ns)
-    try:
-        toks = list(range(256 * 16))  # 256 blocks of 64 KiB
-        r = await c.save(c.prompt(toks), len(toks), lambda a, b: os.urandom((b - a) * ns.kv.token_bytes))
-        assert r.stored == 256 and r.dropped == 0, r
-    finally:
-        await c.close()
-    keys = [make_entry_key(spec.kind, spec.hash) for spec, _, _ in c.prompt(toks).kv_items(len(toks))]
-    body = encode_frame({"ns": ns.id, **encode_get_items([GetItem(key=k) for k in keys])})
-    host, port = running.url.removeprefix("http://").split(":")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that takes (almost) nothing
-    sock.setblocking(False)
-    loop = asyncio.get_running_loop()
-    await loop.sock_connect(sock, (host, int(port)))
+    prompt, _ = await _save_blocks(running.url, ns, 256)
+    body = encode_frame({"ns": ns.id, **encode_get_items([GetItem(key=prompt.block_key(j)) for j in range(256)])})
     server = running.server.runner.server
     assert server is not None
+    sock = await _raw_get(running.url, body, 4096)
     try:
-        await loop.sock_sendall(sock, f"POST /v1/get HTTP/1.1\r\nHost: {host}\r\nContent-Type: {CONTENT_TYPE}\r\n"
-                                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         entries = running.store.index.entries.values()
         buffered = []
         for _ in range(300):  # sampled while the answer is stalled (3 s of the 5 s timeout), bounded
@@ -380,15 +376,6 @@ async def _serve_runner(config: StoreConfig) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
-async def _save_blocks(url: str, ns: Namespace, num_blocks: int) -> tuple[Prompt, list[bytes]]:
-    async with PrefixClient(ns, ClientConfig(url=url, data_path="http")) as c:
-        prompt = c.prompt(list(range(num_blocks * 16)))
-        payloads = [rand_bytes(j, ns.block_bytes) for j in range(num_blocks)]
-        r = await c.save(prompt, num_blocks * 16, lambda a, b: payloads[a // 16])
-        assert r.stored == num_blocks and r.dropped == 0, r
-    return prompt, payloads
-
-
 async def test_a_reader_that_leaves_mid_answer_is_a_disconnect_not_an_error(tmp_path: Path) -> None:
     """A client that resets its connection partway through a 16 MiB get: the store cuts the answer
     off, drops its pins and keeps serving; nothing counts it as a malformed request or logs an
@@ -401,24 +388,15 @@ async def test_a_reader_that_leaves_mid_answer_is_a_disconnect_not_an_error(tmp_
         prompt, payloads = await _save_blocks(url, ns, 256)
         keys = [prompt.block_key(j) for j in range(256)]
         body = encode_frame({"ns": ns.id, **encode_get_items([GetItem(key=k) for k in keys])})
+        loop = asyncio.get_running_loop()
         for _ in range(3):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
-            sock.setblocking(False)
-            loop = asyncio.get_running_loop()
-            await loop.sock_connect(sock, ("127.0.0.1", runner.addresses[0][1]))
-            await loop.sock_sendall(sock, f"POST /v1/get HTTP/1.1\r\nHost: x\r\nContent-Type: {CONTENT_TYPE}\r\n"
-                                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            sock = await _raw_get(url, body, 64 << 10)
             got = await loop.sock_recv(sock, 1 << 20)
             assert got.startswith(b"HTTP/1.1 200"), got[:40]
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
             sock.close()
         entries = store.index.entries.values()
-        for _ in range(1500):  # polling for a state, bounded (15 s)
-            if not any(e.pins for e in entries):
-                break
-            await asyncio.sleep(0.01)
-        assert not any(e.pins for e in entries), "an abandoned answer kept its entries pinned"
+        await _until(lambda: not any(e.pins for e in entries), "an abandoned answer kept its entries pinned")
         assert store.metrics.malformed_requests._value.get() == 0  # type: ignore[attr-defined]
         async with PrefixClient(ns, ClientConfig(url=url, data_path="http")) as c:  # and it keeps serving
             outs = [bytearray(ns.block_bytes) for _ in keys]
