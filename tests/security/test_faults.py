@@ -397,7 +397,7 @@ async def test_a_reader_that_leaves_mid_answer_is_a_disconnect_not_an_error(tmp_
             sock.close()
         entries = store.index.entries.values()
         await _until(lambda: not any(e.pins for e in entries), "an abandoned answer kept its entries pinned")
-        assert store.metrics.malformed_requests._value.get() == 0  # type: ignore[attr-defined]
+        assert store.metrics.registry.get_sample_value("prefixstore_malformed_requests_total") == 0
         async with PrefixClient(ns, ClientConfig(url=url, data_path="http")) as c:  # and it keeps serving
             outs = [bytearray(ns.block_bytes) for _ in keys]
             assert await c.read([GetItem(key=k) for k in keys], outs) == [ns.block_bytes] * 256
