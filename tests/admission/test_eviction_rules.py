@@ -185,6 +185,21 @@ def test_a_repeat_use_raises_w_only_when_more_efficient_than_what_its_origin_sto
     assert p.weight == pytest.approx(0.51 if raises else 0.49)
 
 
+def test_a_snapshot_of_no_known_shape_counts_as_saving_nothing_in_its_origins_typical_efficiency() -> None:
+    """One namespace has a shape, one has none; both store a junction snapshot (3,000 tokens). What
+    the origin typically stores is their mean, the shaped one's FLOPs per byte and 0 (nothing known
+    to be saved): half the first. A repeat use of a shaped snapshot at exactly that half (the same
+    prefix in twice the bytes) is a tie, and a tie lowers w."""
+    p = FlopAware(PolicyContext(shape_of=lambda ns: SHAPE if ns == b"ns" else None),
+                  weight=0.5, step=0.01, early_votes=0)
+    p.on_store(snap(1, 3000), 0.0)
+    p.on_store(FakeEntry(key(2), Kind.STATE, S, 3000, namespace_id=b"unknown", origin=Origin.JUNCTION), 0.0)
+    half = FakeEntry(key(3), Kind.STATE, 2 * S, 3000, origin=Origin.JUNCTION, num_hits=1)
+    assert eff(half) == eff(snap(1, 3000)) / 2
+    p.on_hit(half, 0.0)
+    assert p.votes == 1 and p.weight == pytest.approx(0.49)
+
+
 @pytest.mark.parametrize("position", [4000, 2000])  # more efficient than the mean (w -> 1 helps), less (w -> 0)
 @pytest.mark.parametrize("beyond", [False, True])
 def test_a_miss_counts_only_within_what_a_different_weight_could_have_added(position: int, beyond: bool) -> None:
@@ -262,6 +277,19 @@ def test_the_last_num_ghosts_evictions_are_remembered() -> None:
     assert p.votes == 2
 
 
+def test_by_default_the_last_8192_evictions_are_remembered() -> None:
+    """The default num_ghosts: 8,193 evictions forget the first (a miss on it neither votes nor
+    counts as bytes asked for again) and keep the second."""
+    p = policy(weight=0.5, step=0.01, early_votes=0)
+    gone = [snap(i, 3000) for i in range(8193)]
+    for s in gone:
+        p.on_evict(s, 0.0, 0.0)
+    p.on_miss(Kind.STATE, gone[0].key[1:], 0.0)
+    assert p.votes == 0 and p.evicted_reuse == 0.0
+    p.on_miss(Kind.STATE, gone[1].key[1:], 0.0)
+    assert p.votes == 1 and p.evicted_reuse > 0.0
+
+
 def chain_policy(**kw: object) -> FlopAware:
     """A tuner whose typical victim (the frontier) is a snapshot of 4,400 tokens: between a KV
     block's efficiency and a 6,000-token snapshot's, so a miss judged as the block lowers w and
@@ -298,6 +326,23 @@ def test_a_chain_is_judged_by_the_most_valuable_snapshot_evicted_beneath_it(junc
     for s, at in ([(junction, 5.0), (prompt_end, 0.0)] if junction_first else [(prompt_end, 0.0), (junction, 5.0)]):
         p.on_evict(s, at, 0.0)
     p.on_evict(parent, 5.0, 0.0)
+    p.on_miss(Kind.BLOCK, parent.key[1:], 0.0)
+    assert p.votes == 1 and p.weight == pytest.approx(0.51)
+
+
+def test_a_chain_whose_snapshot_beneath_is_worth_less_than_its_block_is_judged_as_the_block() -> None:
+    """A 1,000-token snapshot under a block: fewer FLOPs per byte than the block (V at most 1),
+    so the block's ghost keeps its own figures; the carry is taken only when it is worth more.
+    The typical victim (a 2,000-token snapshot) lies between the two: the miss on the block,
+    judged as the block, raises w (judged as the snapshot it would lower it)."""
+    p = policy(weight=0.5, step=0.01, early_votes=0)
+    p.on_evict(snap(90, 2000), 0.0, 0.0)  # the frontier; no container
+    parent = block(10)
+    beneath = snap(11, 1000, container=parent.key)
+    assert eff(beneath) < eff(snap(90, 2000)) < eff(parent)
+    assert p.value(beneath) * eff(beneath) < eff(parent)
+    p.on_evict(beneath, 0.0, 0.0)
+    p.on_evict(parent, 0.0, 0.0)
     p.on_miss(Kind.BLOCK, parent.key[1:], 0.0)
     assert p.votes == 1 and p.weight == pytest.approx(0.51)
 
@@ -419,6 +464,24 @@ def test_y_halves_its_evidence_every_half_life_evictions() -> None:
     p.on_evict(b2, 0.0, 0.0)
     f = 0.5 ** 0.5
     assert p.evicted_reuse == pytest.approx(s.size / 2 / (s.size / 2 + b1.size * f + b2.size))
+
+
+def test_the_bytes_carried_up_are_kept_for_the_num_ghosts_parents_touched_last() -> None:
+    """num_ghosts = 2: three parents each have a snapshot evicted beneath them, so y's carry
+    forgets the bytes beneath the parent touched longest ago. The two others, evicted and missed,
+    count their snapshot's bytes with their own; the first its own alone."""
+    p = policy(tune=False, num_ghosts=2)
+    parents = [block(10), block(20), block(30)]
+    for i, b in enumerate(parents):
+        p.on_evict(snap(11 + i, 3000, container=b.key), 0.0, 0.0)
+    f = 0.5 ** (1 / p.half_life)
+    evicted, asked = (S * f + S) * f + S, 0.0  # the three snapshots, decayed by each later eviction
+    for b, beneath in zip(reversed(parents), (S, S, 0)):
+        p.on_evict(b, 0.0, 0.0)
+        evicted, asked = evicted * f + b.size, asked * f
+        p.on_miss(Kind.BLOCK, b.key[1:], 0.0)
+        asked += b.size + beneath
+        assert p.evicted_reuse == pytest.approx(asked / evicted)
 
 
 def test_a_use_pays_the_kv_bytes_of_the_tokens_it_saves_over_the_bytes_it_displaces() -> None:

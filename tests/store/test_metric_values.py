@@ -203,6 +203,9 @@ async def test_metric_values_over_http(running: RunningStore, namespace: Namespa
         r1 = await c.lookup(A + [90, 91], lease=False)
         r2 = await c.lookup(A[:6] + [50, 51], lease=False)
         assert (r1.kv_tokens, r1.state_tokens, r2.kv_tokens, r2.state_tokens) == (10, 10, 6, 4)
+    # durability=write-behind: the disk series count what the writer has written by the scrape, so
+    # wait for it first (without this the disk figures raced the writer: 0 on a loaded machine).
+    await running.store.drain_writes()
     async with aiohttp.ClientSession() as s, s.get(running.url + "/metrics") as resp:
         text = await resp.text()
     samples = {(m.name, tuple(sorted(m.labels.items()))): m.value
