@@ -26,9 +26,9 @@ fresh keys every rep (nothing already stored), GET of one stored set into preall
 checked byte for byte once before timing. Reps are interleaved, peer by peer, the order rotated
 each rep; every figure is the median. After each prefixstore PUT the benchmark waits, untimed,
 for its write-behind to have written that PUT to LMDB (``/v1/stats``: no entry behind), so that
-deferred work is charged to no other
-timed call; how long that took is reported as the write-behind drain. Then lookup: a ``--lookup-tokens`` (131,072) prompt stored
-as 8,192 blocks of 16 tokens; prefixstore's ``client.lookup(tokens)`` end to end (hashing the
+deferred work is charged to no other timed call; how long that took is reported as the
+write-behind drain. Then lookup: a ``--lookup-tokens`` (131,072) prompt stored as 8,192 blocks of
+16 tokens; prefixstore's ``client.lookup(tokens)`` end to end (hashing the
 prompt included) against Mooncake's ``batch_is_exist`` of the same 8,192 block keys and a
 Valkey pipeline of 8,192 EXISTS (both given the keys ready-made).
 

@@ -41,9 +41,11 @@ thread competes for the cores and re-reads the payloads from memory. Hashing
 per receive also bounds the time the event loop spends on any one payload,
 however large.
 
-Puts send the frame header and then each payload view as it is (no join into one body), under
-the transport's flow control (``pause_writing`` / ``resume_writing``): a body larger than the
-socket takes waits for it to drain instead of piling up in the transport's buffer.
+Puts send the frame header and then each payload view as it is (no join into one body). A part of
+64 KiB or more goes straight from the caller's memory to a plain socket (protocol/sockets.py,
+``_send_parts``), the others through the transport under its flow control (``pause_writing`` /
+``resume_writing``): either way a body larger than the socket takes waits for it to drain instead
+of piling up in the transport's buffer.
 
 Only the bytes of a payload that was received whole and whose checksum
 matched are ever reported as read. A connection whose response was not read

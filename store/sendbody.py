@@ -14,9 +14,9 @@ payloads with :func:`protocol.sockets.send_views` instead, where that is safe:
   nothing else writes to the connection meanwhile;
 * TLS (or anything but a plain socket): through the response.
 
-A send that fails (the client went away) raises ``ConnectionError``; a cancelled one (the
-handler's timeout) leaves the connection mid-body, so the caller aborts the transport, exactly as
-it did before.
+A send that fails (the client went away) raises ``OSError``; a cancelled one (the handler's
+timeout) leaves the connection mid-body. Either way the caller (store/api.py ``get``) cuts the
+connection off: the client sees a truncated body, never a second response inside the first.
 """
 
 from __future__ import annotations
