@@ -126,6 +126,12 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
                              "replaying a suffix; vLLM cannot, so use 'exact' on this hybrid model")
         self.scheduler_side: PrefixStoreScheduler | None = None
         self.worker_side: PrefixStoreWorker | None = None
+        if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # A cache's failed load is a miss: vLLM's default ('fail') would end the request with an
+            # error. vLLM's scheduler reads the policy after it built this connector, so this holds.
+            log.info("prefixstore: kv_load_failure_policy %r -> 'recompute' (a failed load from a cache is "
+                     "recomputed, never an error)", self._kv_transfer_config.kv_load_failure_policy)
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         if groups is not None and role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = PrefixStoreScheduler(vllm_config, groups, self.settings, self._stats,
                                                        self._block_ids_of)
@@ -235,9 +241,7 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take the engine's KV views; allocate the staging region once."""
         if self.worker_side is not None:
-            self.worker_side.register_kv_caches(kv_caches)
-            if self.worker_side.groups is None:  # the views were not what the config said: idle
-                self.worker_side = None
+            self.worker_side.register_kv_caches(kv_caches)  # views it cannot map: it refuses, answering plans
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self.worker_side is not None:

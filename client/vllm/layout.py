@@ -7,8 +7,9 @@ whatever the physical layout (``vllm/v1/kv_cache_layout.py``)::
     mamba layer:      [blocks, heads, states, state_bytes]                                      (int8)
 
 Inside a block, where a token's K and V sit is the attention backend's
-choice (TOKEN_LAYOUTS below): GPU backends split the last axis, vLLM's CPU
-kernels keep K transposed. A manager block (the block ids the scheduler hands out) may be split into
+choice (TOKEN_LAYOUTS below): GPU backends split the last axis; vLLM's CPU
+kernels pack each block by ISA (vec keeps K transposed, AMX pre-packs tile
+rows), so on CPU the layout is learned from the kernel (slot_map.py). A manager block (the block ids the scheduler hands out) may be split into
 ``ratio`` kernel blocks: token ``t`` of a request lives in kernel block
 ``block_ids[t // block_size] * ratio + (t % block_size) // kernel_tokens``,
 slot ``t % kernel_tokens``. Indexing the view does the stride arithmetic, so
@@ -35,6 +36,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .slot_map import KernelWrite, LayoutUnsupported, SlotMap, cpu_kernel_write, learn_slot_map
+
 BlockTable = Tensor | np.ndarray
 """A request's block ids in one KV cache group (integers, on the host)."""
 
@@ -46,23 +49,18 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 
 
-class LayoutUnsupported(ValueError):
-    """A cache layout this connector does not move (the connector then never loads or saves)."""
-
-
 #: How an attention backend lays out one block of one head inside vLLM's [B, H, N, K ++ V] view.
 #: "token_major": token n's K then V at [b, h, n, :] (FlashAttention and the other GPU backends, which
-#: split the last axis). "cpu_attn": vLLM's CPU kernels reinterpret the block as [2, N, D] and keep K
-#: transposed, ``K^T [D, N]`` then ``V [N, D]`` (checked against the kernel: tests/vllm and
-#: :func:`check_cpu_layout` at start-up).
-TOKEN_LAYOUTS = ("token_major", "cpu_attn")
+#: split the last axis). "slot_map": wherever a :class:`~.slot_map.SlotMap` learned from the
+#: backend's own cache-write kernel says (vLLM's CPU kernels, whose packing differs by ISA).
+TOKEN_LAYOUTS = ("token_major", "slot_map")
 
 
 class AttentionLayer:
     """One attention layer's view and the arithmetic from (block ids, token) to its K and V."""
 
     def __init__(self, *, name: str, view: Tensor, block_size: int, group: int = 0,
-                 token_layout: str = "token_major") -> None:
+                 token_layout: str = "token_major", slot_map: SlotMap | None = None) -> None:
         if view.dim() != 4 or view.shape[3] % 2 or block_size % view.shape[2]:
             raise LayoutUnsupported(f"layer {name}: view of shape {tuple(view.shape)}")
         if token_layout not in TOKEN_LAYOUTS:
@@ -72,13 +70,15 @@ class AttentionLayer:
         self.token_layout = token_layout
         blocks, heads, n, c = view.shape
         d = c // 2
-        if token_layout == "cpu_attn":
+        self._map: SlotMap | None = None
+        if token_layout == "slot_map":
+            if slot_map is None or slot_map.k.shape != (n, heads, d):
+                raise LayoutUnsupported(f"layer {name}: no slot map of shape {(n, heads, d)}")
             try:
-                halves = view.view(blocks, heads, 2, n * d)  # what the kernel's own .view() needs too
+                self._flat = view.view(blocks, heads * n * c)  # what the kernel's own .view() needs too
             except RuntimeError as err:
                 raise LayoutUnsupported(f"layer {name}: CPU blocks are not contiguous ({err})") from err
-            self._k = halves[:, :, 0].view(blocks, heads, d, n)  # K^T: index [block, :, :, slot]
-            self._v = halves[:, :, 1].view(blocks, heads, n, d)
+            self._map = slot_map
         else:
             self._k, self._v = view[..., :d], view[..., d:]
 
@@ -99,77 +99,84 @@ class AttentionLayer:
         """Bytes of one token in this layer's payload (K and V)."""
         return 2 * self.num_heads * self.head_dim * self.view.element_size()
 
-    def token_index(self, block_ids: BlockTable, start: int, end: int) -> tuple[Tensor, Tensor]:
-        """(kernel block, slot) of tokens [start, end), as index tensors on the view's device.
+    def token_index(self, block_ids: BlockTable, start: int, end: int) -> TokenIndex:
+        """Where tokens [start, end) sit, as index tensors on the view's device: (kernel block,
+        slot), and with a slot map the element offsets of their K and V inside the block.
         Computed with numpy: no torch op, so no hand-off of the GIL (client/vllm/worker.py)."""
         pos = np.arange(start, end)
         within = pos % self.block_size
         ratio = self.block_size // self.kernel_tokens
         kernel_block = np.asarray(block_ids, dtype=np.int64)[pos // self.block_size] * ratio + within // self.kernel_tokens
-        return (torch.from_numpy(kernel_block).to(self.view.device),
-                torch.from_numpy(within % self.kernel_tokens).to(self.view.device))
+        slot = within % self.kernel_tokens
+        device = self.view.device
+        if self._map is None:
+            return TokenIndex(blocks=torch.from_numpy(kernel_block).to(device), slots=torch.from_numpy(slot).to(device))
+        return TokenIndex(blocks=torch.from_numpy(kernel_block[:, None, None]).to(device),
+                          slots=torch.from_numpy(slot).to(device),
+                          k=torch.from_numpy(self._map.k[slot]).to(device),
+                          v=torch.from_numpy(self._map.v[slot]).to(device))
 
     def gather(self, block_ids: BlockTable, start: int, end: int) -> Tensor:
         """K and V of tokens [start, end): ``(2, n, heads, head_dim)``, a contiguous copy."""
         out = torch.empty((2, end - start, self.num_heads, self.head_dim), dtype=self.view.dtype,
                           device=self.view.device)
-        self.take(*self.token_index(block_ids, start, end), out)
+        self.take(self.token_index(block_ids, start, end), out)
         return out
 
-    def take(self, blocks: Tensor, slots: Tensor, out: Tensor) -> None:
-        """Copy the K and V of the n token slots ``(blocks, slots)`` (:meth:`token_index`) into
-        ``out`` ``(2, n, heads, head_dim)``."""
-        if self.token_layout == "cpu_attn":
-            out[0] = self._k[blocks, :, :, slots]  # (n, heads, d): the advanced indices lead
+    def take(self, where: TokenIndex, out: Tensor) -> None:
+        """Copy the K and V of the token slots ``where`` (:meth:`token_index`) into ``out``
+        ``(2, n, heads, head_dim)``: one index op for K, one for V."""
+        if where.k is not None and where.v is not None:
+            out[0] = self._flat[where.blocks, where.k]
+            out[1] = self._flat[where.blocks, where.v]
         else:
-            out[0] = self._k[blocks, :, slots, :]
-        out[1] = self._v[blocks, :, slots, :]
+            out[0] = self._k[where.blocks, :, where.slots, :]
+            out[1] = self._v[where.blocks, :, where.slots, :]
 
     def zero(self, block_ids: BlockTable, start: int, end: int) -> None:
         """Zero the K and V of token slots [start, end): one index op for K, one for V."""
         if end <= start:
             return
-        blocks, slots = self.token_index(block_ids, start, end)
-        if self.token_layout == "cpu_attn":
-            self._k[blocks, :, :, slots] = 0
+        where = self.token_index(block_ids, start, end)
+        if where.k is not None and where.v is not None:
+            self._flat[where.blocks, where.k] = 0
+            self._flat[where.blocks, where.v] = 0
         else:
-            self._k[blocks, :, slots, :] = 0
-        self._v[blocks, :, slots, :] = 0
+            self._k[where.blocks, :, where.slots, :] = 0
+            self._v[where.blocks, :, where.slots, :] = 0
 
-    def put(self, blocks: Tensor, slots: Tensor, kv: Tensor) -> None:
-        """Write ``kv`` ``(2, n, heads, head_dim)`` at the n token slots ``(blocks, slots)``
+    def put(self, where: TokenIndex, kv: Tensor) -> None:
+        """Write ``kv`` ``(2, n, heads, head_dim)`` at the token slots ``where``
         (:meth:`token_index`): one index op for K, one for V."""
-        if self.token_layout == "cpu_attn":
-            self._k[blocks, :, :, slots] = kv[0]
+        if where.k is not None and where.v is not None:
+            self._flat[where.blocks, where.k] = kv[0]
+            self._flat[where.blocks, where.v] = kv[1]
         else:
-            self._k[blocks, :, slots, :] = kv[0]
-        self._v[blocks, :, slots, :] = kv[1]
+            self._k[where.blocks, :, where.slots, :] = kv[0]
+            self._v[where.blocks, :, where.slots, :] = kv[1]
 
 
-def check_cpu_layout(layer: AttentionLayer) -> None:
-    """Prove the "cpu_attn" layout against vLLM's own CPU cache-write kernel on a scratch copy of one
-    layer's shape; raises LayoutUnsupported when the kernel writes elsewhere (another ISA, another
-    vLLM), so the connector idles instead of moving scrambled KV."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    _, heads, n, c = layer.view.shape
+def learn_cpu_layout(view: Tensor, write: KernelWrite | None = None) -> SlotMap:
+    """The slot map of an attention view ``[blocks, heads, block_tokens, 2 * head_dim]``, learned from
+    vLLM's CPU cache-write kernel for its dtype and shape (slot_map.py), or from ``write`` (tests).
+    Raises LayoutUnsupported where the kernel's layout cannot be learned."""
+    _, heads, n, c = view.shape
     d = c // 2
-    scratch = torch.zeros(2, heads, n, c, dtype=layer.view.dtype)
-    probe = AttentionLayer(name=layer.name, view=scratch, block_size=n, token_layout="cpu_attn")
-    g = torch.Generator().manual_seed(0)
-    kv = torch.randint(-64, 64, (2, n + 3, heads, d), generator=g).to(scratch.dtype)
-    halves = scratch.view(2, heads, 2 * n, d)
-    key_cache, value_cache = halves.chunk(2, dim=2)
-    slots = torch.arange(n + 3, dtype=torch.long) + (n - 3)  # crosses the block boundary
-    try:
-        ops.cpu_attn_reshape_and_cache(kv[0], kv[1], key_cache, value_cache, slots,
-                                       _get_attn_isa(scratch.dtype, n, d))
-    except Exception as err:  # noqa: BLE001 -- an op this vLLM lacks: the layout is unknown
-        raise LayoutUnsupported(f"CPU attention cache write unavailable: {err}") from err
-    table = torch.tensor([0, 1])
-    if not torch.equal(probe.gather(table, n - 3, 2 * n), kv):
-        raise LayoutUnsupported("vLLM's CPU attention kernel lays out KV differently from 'cpu_attn'")
+    kernel = write if write is not None else cpu_kernel_write(view.dtype, n, d)
+    return learn_slot_map(heads, n, d, view.dtype, kernel)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenIndex:
+    """Where n tokens of a request sit in one attention layer's view (AttentionLayer.token_index)."""
+
+    blocks: Tensor
+    """Kernel block of each token: ``[n]``, or ``[n, 1, 1]`` beside a slot map's offsets."""
+    slots: Tensor
+    """Slot of each token inside its kernel block: ``[n]``."""
+    k: Tensor | None = None
+    """With a slot map: offsets of each token's K elements in its block, ``[n, heads, head_dim]``."""
+    v: Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,12 +300,12 @@ class VllmKV:
         rows, token_from, total, rows_end = where
         src = self._rows_view(region, rows_end)
         kv = src[torch.from_numpy(rows).to(src.device)]  # [layers, 2, tokens, heads, head_dim]
-        slots: dict[int, tuple[Tensor, Tensor]] = {}
+        slots: dict[int, TokenIndex] = {}
         for i in range(layer_end - layer_start):
             att = self.attention[layer_start + i]
             if att.group not in slots:
                 slots[att.group] = att.token_index(block_ids[att.group], token_from, token_from + total)
-            att.put(*slots[att.group], kv[i])
+            att.put(slots[att.group], kv[i])
 
     def gather_payloads(self, out: Tensor, payloads: Sequence[Payload], block_ids: Sequence[BlockTable]) -> None:
         """The reverse, for saves: write into ``out`` (uint8) the payloads, every layer, of tokens
@@ -316,11 +323,11 @@ class VllmKV:
         first = self.attention[0]
         kv = torch.empty((len(self.attention), 2, total, first.num_heads, first.head_dim), dtype=self.dtype,
                          device=first.view.device)
-        slots: dict[int, tuple[Tensor, Tensor]] = {}
+        slots: dict[int, TokenIndex] = {}
         for i, att in enumerate(self.attention):
             if att.group not in slots:
                 slots[att.group] = att.token_index(block_ids[att.group], token_from, token_from + total)
-            att.take(*slots[att.group], kv[i])
+            att.take(slots[att.group], kv[i])
         dst = self._rows_view(out, rows_end)
         dst[torch.from_numpy(rows).to(dst.device)] = kv.to(dst.device)
 
@@ -340,5 +347,5 @@ class VllmKV:
             block.copy_(src[i * n : (i + 1) * n].view(view.dtype).view(block.shape))
 
 
-__all__ = ["DTYPE_NAMES", "TOKEN_LAYOUTS", "AttentionLayer", "BlockTable", "LayoutUnsupported", "Payload", "VllmKV",
-           "check_cpu_layout"]
+__all__ = ["DTYPE_NAMES", "TOKEN_LAYOUTS", "AttentionLayer", "BlockTable", "LayoutUnsupported", "Payload",
+           "TokenIndex", "VllmKV", "learn_cpu_layout"]

@@ -167,11 +167,15 @@ class PrefixStoreWorkerMeta(KVConnectorWorkerMetadata):
     lookup that a save in flight would lengthen until every rank's save of it has ended."""
 
     saves_done: dict[str, int] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+    """Why workers refuse to move anything (PrefixStoreWorker.refused), one entry per such worker:
+    the scheduler then stops planning loads and saves."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PrefixStoreWorkerMeta)
         for save_id, n in other.saves_done.items():
             self.saves_done[save_id] = self.saves_done.get(save_id, 0) + n
+        self.refused.extend(other.refused)
         return self
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
 
 #: Rounds of per-rank lookups, each over the prefix the previous one agreed on, before a hybrid
 #: model's ranks are taken to share no state boundary (they save the same boundaries, so one
@@ -83,6 +86,17 @@ class PrefixStoreScheduler:
         self._in_flight: dict[str, tuple[np.ndarray, list[bytes], float]] = {}  # save id -> (tokens, extra keys, planned at)
         self._done_reports: dict[str, int] = {}  # save id -> workers that reported its end
         self._save_ids = itertools.count()
+        self._loading: set[str] = set()
+        """Requests with an asynchronous load the workers have not reported finished. Such a request
+        may finish (aborted, or failed by vLLM) before its load does; vLLM then frees its blocks
+        when the load is reported, so the connector must not also hold them for a save: a second
+        release of a freed request is the AssertionError that killed the engine core (issue 29)."""
+        self._failed_loads: set[str] = set()
+        """Requests whose load failed: vLLM recomputes them and asks again, and they are not loaded
+        again (a failure that repeats would otherwise loop)."""
+        self.refused: str | None = None
+        """Why the workers refuse to move anything (their views could not be mapped), once one said
+        so: the scheduler then plans no load and no save."""
 
     @property
     def saves_in_flight(self) -> int:
@@ -159,7 +173,8 @@ class PrefixStoreScheduler:
         adds beyond the engine's local hit. Asked again for the same request, the first answer.
         None (vLLM asks again next step) while a save in flight would lengthen the answer."""
         memo = self._lookups.pop(request.request_id, None)
-        if not self.settings.load or not keyable(request):
+        if (not self.settings.load or not keyable(request) or self.refused is not None
+                or request.request_id in self._failed_loads):
             return 0, False
         tokens = request.all_token_ids[: request.num_tokens - 1]  # the last token is always computed
         if len(tokens) <= num_computed_tokens:
@@ -220,6 +235,8 @@ class PrefixStoreScheduler:
             state_index = self.groups.state_index(end)
         B = self.settings.block_tokens
         self._store_start[request.request_id] = min(lookup.matched_blocks, end // B) * B
+        if self.groups.hybrid:
+            self._loading.add(request.request_id)
         self._loads.append(LoadPlan(req_id=request.request_id, lookup=lookup, start=local, end=end,
                                     block_ids=blocks.get_block_ids(), state_index=state_index,
                                     is_async=self.groups.hybrid))
@@ -248,7 +265,7 @@ class PrefixStoreScheduler:
 
     def _plan_step_save(self, req_id: str, computed_after_step: int) -> None:
         request = self._requests.get(req_id)
-        if request is None:
+        if request is None or self.refused is not None:
             return
         junction = self._junctions.get(req_id)
         if junction is not None and computed_after_step >= junction:
@@ -284,7 +301,13 @@ class PrefixStoreScheduler:
         self._lookups.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._junctions.pop(req_id, None)
+        self._failed_loads.discard(req_id)
         saved = self._saved_upto.pop(req_id, 0)
+        if req_id in self._loading or self.refused is not None:
+            # Finished while its load is in flight (its blocks hold nothing computed, and vLLM frees
+            # them when the load is reported), or nothing is saved any more.
+            self._store_start.pop(req_id, None)
+            return False, None
         computed = min(request.num_computed_tokens, len(request.all_token_ids))
         # The running state is that of num_computed_tokens, all of them known tokens the model
         # accepted: not with drafts (speculative decoding leaves draft states in the decode-phase
@@ -316,10 +339,18 @@ class PrefixStoreScheduler:
         self._in_flight[plan.save_id] = (np.asarray(plan.tokens, dtype=np.int64), plan.extra_keys, time.monotonic())
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """The workers' reports: a save is over once every worker reported it."""
+        """The workers' reports: loads that ended (and failed), saves that ended (a save is over
+        once every worker reported it), and whether a worker refuses."""
+        for req_id in output.finished_recving or ():
+            self._loading.discard(req_id)
+        self._failed_loads.update(output.failed_recving or ())
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PrefixStoreWorkerMeta):
             return
+        if meta.refused and self.refused is None:
+            self.refused = meta.refused[0]
+            log.warning("prefixstore: a worker refuses to move KV (%s); this engine stops loading and saving",
+                        self.refused)
         for save_id, n in meta.saves_done.items():
             reported = self._done_reports.get(save_id, 0) + n
             if reported >= self._num_workers:

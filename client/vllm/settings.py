@@ -52,6 +52,13 @@ class ConnectorSettings:
     """Longest a new request's lookup is held back (vLLM asks again next step) while a save of this
     engine that shares more of its prompt than vLLM holds locally is still being offered: the next
     turn of a conversation arrives as the previous turn's save leaves. 0: never wait."""
+    save_timeout_s: float = 30.0
+    """Longest a save's offer and put may take on the worker. Past it the save is dropped: counted
+    (``saves_dropped``), logged, and reported ended, so the scheduler stops holding lookups back for
+    it. A finished request's blocks never wait for this: they are released once copied."""
+    load_timeout_s: float = 30.0
+    """Longest a load may take. Past it the load fails as a whole and vLLM recomputes the request:
+    a request waiting for its remote KV, or a forward pass waiting for a layer, never waits longer."""
     idle_wait_s: float = 0.005
     """Longest an engine step that computes nothing waits for a load or save of the worker's in
     flight to end. Such a step is vLLM's engine loop spinning while a request waits for its remote
@@ -72,6 +79,10 @@ class ConnectorSettings:
         if (not isinstance(self.save_wait_s, (int, float)) or isinstance(self.save_wait_s, bool)
                 or not 0 <= self.save_wait_s <= 600):
             raise ValueError(f"save_wait_s: must be a number of seconds in [0, 600], got {self.save_wait_s!r}")
+        for name in ("save_timeout_s", "load_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:
+                raise ValueError(f"{name}: must be a number of seconds in (0, 3600], got {value!r}")
         if (not isinstance(self.idle_wait_s, (int, float)) or isinstance(self.idle_wait_s, bool)
                 or not 0 <= self.idle_wait_s <= 1):
             raise ValueError(f"idle_wait_s: must be a number of seconds in [0, 1], got {self.idle_wait_s!r}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -12,8 +15,12 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 STAT_KEYS = ("lookups", "lookup_failures", "query_tokens", "kv_hit_tokens", "state_hit_tokens", "loaded_tokens",
-             "load_failures", "loaded_bytes", "saves", "saved_items", "saved_bytes", "dropped_items",
+             "load_failures", "loaded_bytes", "saves", "saved_items", "saved_bytes", "dropped_items", "saves_dropped",
              "skipped_requests", "save_waits", "junction_stops", "junctions_off_grid", "snapshots_withheld")
+
+#: The counters ``prefixstore_vllm_events_total{event=...}`` carries (the rest are tokens and bytes).
+EVENT_KEYS = ("lookups", "lookup_failures", "load_failures", "saves", "saved_items", "dropped_items", "saves_dropped",
+              "skipped_requests", "save_waits", "junction_stops", "junctions_off_grid", "snapshots_withheld")
 
 
 @dataclass
@@ -67,13 +74,9 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
             (idx, kind, result): tokens.labels(*values, kind, result)
             for idx, values in per_engine_labelvalues.items() for kind in ("kv", "state") for result in ("hit", "miss")}
         events = self._counter_cls(name="prefixstore_vllm_events_total",
-                                   documentation="Connector events: lookups, lookup_failures, load_failures, saves, "
-                                                 "saved_items, dropped_items, skipped_requests, save_waits, "
-                                                 "junction_stops, junctions_off_grid, snapshots_withheld.",
+                                   documentation="Connector events: " + ", ".join(EVENT_KEYS) + ".",
                                    labelnames=[*labelnames, "event"])
-        self._events_keys = ("lookups", "lookup_failures", "load_failures", "saves", "saved_items", "dropped_items",
-                             "skipped_requests", "save_waits", "junction_stops", "junctions_off_grid",
-                             "snapshots_withheld")
+        self._events_keys = EVENT_KEYS
         self._events: dict[tuple[int, str], Any] = {
             (idx, key): events.labels(*values, key)
             for idx, values in per_engine_labelvalues.items() for key in self._events_keys}
@@ -128,4 +131,28 @@ class StatsBox:
             return out
 
 
-__all__ = ["STAT_KEYS", "PrefixStorePromMetrics", "PrefixStoreStats", "StatsBox"]
+class RateLimitedLog:
+    """Warnings of one kind (one format string) at most once per ``interval_s``, each saying how
+    many were left out since the last: a refusing worker or a dead store answers every request
+    the same way, and must not flood the engine's log."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._logger, self._interval_s, self._clock = logger, interval_s, clock
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = self._clock()
+        with self._lock:  # the engine thread and the client loop both warn
+            if now < self._next.get(msg, -1.0):
+                self._quiet[msg] = self._quiet.get(msg, 0) + 1
+                return
+            self._next[msg] = now + self._interval_s
+            quiet = self._quiet.pop(msg, 0)
+        suffix = f" ({quiet} more like it since the last such line, not logged)" if quiet else ""
+        self._logger.warning(msg + "%s", *args, suffix, stacklevel=2)
+
+
+__all__ = ["EVENT_KEYS", "STAT_KEYS", "PrefixStorePromMetrics", "PrefixStoreStats", "RateLimitedLog", "StatsBox"]

@@ -19,10 +19,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from ..client import PrefixClient
 from .loop import ClientLoop
-from .layout import AttentionLayer, LayoutUnsupported, Payload, VllmKV, check_cpu_layout
+from .layout import AttentionLayer, LayoutUnsupported, Payload, VllmKV, learn_cpu_layout
 from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for
 from .settings import ConnectorSettings
-from .stats import StatsBox
+from .stats import RateLimitedLog, StatsBox
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,6 +66,12 @@ class PrefixStoreWorker:
         """Lease releases of finished loads (a load ends without waiting for them)."""
         self._ended_lock = threading.Lock()
         self._saves_ended: list[str] = []
+        self.refused: str | None = None
+        """Why this worker moves nothing (its views could not be mapped), or None. It still answers
+        every plan the scheduler sends (saves dropped, loads failed) and tells the scheduler, which
+        then stops planning: the scheduler cannot see the views, and a plan left unanswered holds a
+        finished request's blocks and the lookups that wait for its save (issue 29)."""
+        self._log = RateLimitedLog(log)
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for saves and asynchronous loads in flight (shutdown; tests). Their outcomes are
@@ -79,6 +85,13 @@ class PrefixStoreWorker:
             self.drain()
             self._loop.close(self.client)
             self._loop = self.client = None
+
+    def refuse(self, why: str) -> None:
+        """Move nothing from now on, answering every plan (see ``refused``)."""
+        log.warning("prefixstore connector idle (never loads or saves): %s; it answers what the scheduler "
+                    "planned (saves dropped, loads recomputed) and the scheduler stops planning", why)
+        self.refused = why
+        self._kv = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take the engine's KV views; allocate the staging region once."""
@@ -95,19 +108,17 @@ class PrefixStoreWorker:
         try:
             names = [name for _, group_names, _ in self.groups.attention for name in group_names]
             token_layout = self._token_layout(names)
+            slot_map = learn_cpu_layout(kv_caches[names[0]]) if token_layout == "slot_map" else None
             attention = [AttentionLayer(name=name, view=kv_caches[name], block_size=bs, group=gid,
-                                        token_layout=token_layout)
+                                        token_layout=token_layout, slot_map=slot_map)
                          for gid, group_names, bs in self.groups.attention for name in group_names]
-            if token_layout == "cpu_attn":
-                check_cpu_layout(attention[0])
             state = [(gid, kv_caches[name]) for gid, group_names, _ in self.groups.mamba for name in group_names]
             kv = VllmKV(attention, state)
             ns = namespace_for(self._vllm_config, self.groups, self.settings, tp_rank)
             if kv.layer_token_bytes != ns.kv.layer_token_bytes or kv.snapshot_bytes != ns.state.snapshot_bytes:
                 raise LayoutUnsupported("the registered views do not match the KV cache config")
         except (KeyError, LayoutUnsupported) as err:
-            log.warning("prefixstore connector idle (never loads or saves): %s", err)
-            self.groups = None
+            self.refuse(str(err))
             return
         self._kv = kv
         self._layer_index = {layer.name: i for i, layer in enumerate(attention)}
@@ -129,7 +140,7 @@ class PrefixStoreWorker:
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
-            return "cpu_attn"
+            return "slot_map"  # packed per ISA: learned from vLLM's own cache-write kernel
         context = self._vllm_config.compilation_config.static_forward_context
         backends = {context[n].attn_backend.get_name() for n in names
                     if n in context and hasattr(context[n], "attn_backend")}
@@ -139,17 +150,28 @@ class PrefixStoreWorker:
                                 f"known to this connector (known: {sorted(TOKEN_MAJOR_BACKENDS)}, CPU_ATTN)")
 
     def start_load_kv(self, meta: PrefixStoreMetadata | None) -> None:
-        """Start this step's loads on the client loop; sync loads release layers one by one."""
-        if self._loop is None or meta is None:
+        """Start this step's loads on the client loop; sync loads release layers one by one. A
+        refusing worker fails them at once (vLLM recomputes)."""
+        if meta is None or not meta.loads:
+            return
+        if self._loop is None:
+            for plan in meta.loads:
+                self._stats.count("load_failures")
+                if plan.is_async:
+                    failed: concurrent.futures.Future[dict[str, str]] = concurrent.futures.Future()
+                    failed.set_result({plan.req_id: f"connector idle: {self.refused}"})
+                    self._async_loads.append((plan, failed))
+                else:
+                    self._failed_blocks.update(self._blocks_of(plan))
             return
         sync = [p for p in meta.loads if not p.is_async]
         for plan in (p for p in meta.loads if p.is_async):
-            self._async_loads.append((plan, self._loop.submit(self._load([plan], None))))
+            self._async_loads.append((plan, self._loop.submit(self._bounded_load([plan], None))))
         if sync:
             assert self._kv is not None
             self._events = [threading.Event() for _ in self._kv.attention]
             self._sync_plans = sync
-            self._sync_load = self._loop.submit(self._load(sync, self._events))
+            self._sync_load = self._loop.submit(self._bounded_load(sync, self._events))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
@@ -158,24 +180,34 @@ class PrefixStoreWorker:
 
     def wait_for_save(self, meta: PrefixStoreMetadata | None) -> None:
         """Finish this step's sync loads (their failures are reported with this step); copy
-        finished requests' payloads out of their blocks and offer them on the client loop."""
+        finished requests' payloads out of their blocks and offer them on the client loop. Every
+        save is answered in this step: a held request's blocks are released (get_finished) once
+        copied, or at once when the copy fails or the worker refuses; its offer and put end within
+        ``save_timeout_s``."""
         if self._sync_load is not None:
             failures = self._sync_load.result()
             for plan in self._sync_plans:
                 if plan.req_id in failures:
                     self._failed_blocks.update(self._blocks_of(plan))
             self._sync_load, self._events, self._sync_plans = None, None, []
-        if self._loop is None or meta is None:
+        if meta is None:
             return
         for save in meta.saves:
-            try:
-                self._start_save(save)
-            except Exception as err:  # noqa: BLE001 -- best effort: a save never fails the engine
-                log.warning("prefixstore save of %s dropped: %s: %s", save.req_id, type(err).__name__, err)
-                self._stats.count("dropped_items")
-                self._save_ended(save.save_id)
+            if self._loop is None:
+                self._drop_save(save.req_id, save.save_id, f"connector idle: {self.refused}")
+            else:
+                try:
+                    self._start_save(save)
+                except Exception as err:  # noqa: BLE001 -- best effort: a save never fails the engine
+                    self._drop_save(save.req_id, save.save_id, f"{type(err).__name__}: {err}")
             if save.hold:
                 self._done_sending.add(save.req_id)  # its blocks have been copied (or will never be)
+
+    def _drop_save(self, req_id: str, save_id: str, why: str) -> None:
+        """A save that will not reach the store: counted (``saves_dropped``), logged, reported ended."""
+        self._stats.count("saves_dropped")
+        self._log.warning("prefixstore save of %s dropped: %s", req_id, why)
+        self._save_ended(save_id)
 
     def _save_ended(self, save_id: str) -> None:
         with self._ended_lock:  # the client loop adds, the engine thread takes
@@ -183,10 +215,13 @@ class PrefixStoreWorker:
 
     def build_connector_worker_meta(self) -> PrefixStoreWorkerMeta | None:
         """The saves whose offer and put ended since the last step (the scheduler waits for them
-        before it looks up a prompt they would lengthen)."""
+        before it looks up a prompt they would lengthen), and whether this worker refuses."""
         with self._ended_lock:
             ended, self._saves_ended = self._saves_ended, []
-        return PrefixStoreWorkerMeta(saves_done=dict.fromkeys(ended, 1)) if ended else None
+        if not ended and self.refused is None:
+            return None
+        return PrefixStoreWorkerMeta(saves_done=dict.fromkeys(ended, 1),
+                                     refused=[self.refused] if self.refused is not None else [])
 
     def _blocks_of(self, plan: LoadPlan) -> set[int]:
         """Blocks of the attention groups holding tokens [start, end) of a load."""
@@ -227,6 +262,19 @@ class PrefixStoreWorker:
         return failed
 
     # ------------------------------------------------------------ loads (client loop)
+
+    async def _bounded_load(self, plans: Sequence[LoadPlan], events: list[threading.Event] | None
+                            ) -> dict[str, str]:
+        """:meth:`_load`, failed as a whole (vLLM recomputes) past ``load_timeout_s``: a request
+        waiting for its remote KV, or a forward pass waiting for a layer, never waits longer."""
+        try:
+            return await asyncio.wait_for(self._load(plans, events), self.settings.load_timeout_s)
+        except asyncio.TimeoutError:
+            why = f"not finished after {self.settings.load_timeout_s:g} s (load_timeout_s)"
+            for plan in plans:
+                self._stats.count("load_failures")
+                self._log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id, why)
+            return {plan.req_id: why for plan in plans}
 
     async def _load(self, plans: Sequence[LoadPlan], events: list[threading.Event] | None) -> dict[str, str]:
         """Load every plan; returns req -> why its load failed. Never raises, and always releases
@@ -282,18 +330,25 @@ class PrefixStoreWorker:
     async def _relookup(self, plan: LoadPlan, failures: dict[str, str]) -> LoadPlan:
         """The worker's own lookup, leased, before it reads: the scheduler's was lease-free (no side
         effects), and a cluster client reads each entry from the node its own lookup found it on.
+
+        It asks for the planned prefix, tokens [0, end), not the whole prompt: between the two
+        lookups another engine's save may have lengthened the match (the next turn of the same
+        conversation, saved by another replica), and a lookup of the whole prompt would then
+        answer a longer state boundary than the one vLLM allocated for. Asked for [0, end), the
+        store answers ``end`` whenever it still holds the planned KV and the snapshot at ``end``.
         A store that lost part of the prefix meanwhile fails the load (vLLM recomputes), never
         serves a shorter one as if it were whole."""
         assert self.client is not None
         # This rank's own namespace (tp_rank is in it): the scheduler's prompt hashes rank 0's.
         scheduled = plan.lookup.prompt
-        prompt = self.client.prompt(scheduled.packed, scheduled.extra_keys)
+        prompt = self.client.prompt(scheduled.tokens(0, plan.end), scheduled.extra_keys)
         lookup = await self.client.lookup(prompt, lease=True)
         if not lookup.ok or lookup.kv_tokens < plan.end or (plan.state_index is not None
                                                              and lookup.state_tokens != plan.end):
             failures[plan.req_id] = (f"the store now holds kv={lookup.kv_tokens} state={lookup.state_tokens} "
-                                     f"(ok={lookup.ok}), the load needs {plan.end}")
-            log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id, failures[plan.req_id])
+                                     f"(ok={lookup.ok}) of the planned {plan.end} tokens")
+            self._log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id,
+                              failures[plan.req_id])
             await self.client.release(lookup.lease_id)
         return dataclasses.replace(plan, lookup=lookup)
 
@@ -302,7 +357,8 @@ class PrefixStoreWorker:
             await step
         except Exception as err:  # noqa: BLE001 -- any failure is a miss that vLLM recomputes
             failures[plan.req_id] = f"{type(err).__name__}: {err}"
-            log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id, failures[plan.req_id])
+            self._log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id,
+                              failures[plan.req_id])
 
     async def _zero_block_rest(self, plan: LoadPlan, tables: list[np.ndarray]) -> None:
         """The slots of the load's last attention block past its last token: vLLM leaves zeroing
@@ -397,15 +453,23 @@ class PrefixStoreWorker:
             put_bytes += hi - lo
             return host_np[lo:hi]
 
+        timeout_s = self.settings.save_timeout_s
+
         async def save() -> None:
             try:
-                result = await client.save(prompt, T, payload, snapshots, start, plan.origins)
-                self._stats.count("saves")
-                self._stats.count("saved_items", result.stored)
-                self._stats.count("dropped_items", result.dropped)
-                self._stats.count("saved_bytes", put_bytes if result.stored else 0)
-            finally:
-                self._save_ended(plan.save_id)
+                result = await asyncio.wait_for(client.save(prompt, T, payload, snapshots, start, plan.origins),
+                                                timeout_s)
+            except asyncio.TimeoutError:
+                self._drop_save(plan.req_id, plan.save_id, f"not finished after {timeout_s:g} s (save_timeout_s)")
+                return
+            except Exception as err:  # noqa: BLE001 -- the client turns store failures into results; anything else
+                self._drop_save(plan.req_id, plan.save_id, f"{type(err).__name__}: {err}")
+                return
+            self._stats.count("saves")
+            self._stats.count("saved_items", result.stored)
+            self._stats.count("dropped_items", result.dropped)
+            self._stats.count("saved_bytes", put_bytes if result.stored else 0)
+            self._save_ended(plan.save_id)
 
         self._saves_in_flight = [f for f in self._saves_in_flight if not f.done()]
         self._saves_in_flight.append(self._loop.submit(save()))

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from ..serve_process import ServeProcess, StartServe, serving
+
+if TYPE_CHECKING:
+    from .harness import Engine
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -49,3 +53,20 @@ def cluster(serve: StartServe, tmp_path_factory: pytest.TempPathFactory) -> list
     for p in procs:
         p.wait_ready()
     return urls
+
+
+@pytest.fixture
+def engine_factory(store: ServeProcess) -> Iterator[Callable[..., Engine]]:
+    """Builds harness Engines against the session's store (``url=`` another); closes them after."""
+    from .harness import Engine
+
+    engines: list[Engine] = []
+
+    def make(model_id: str, **kw: object) -> Engine:
+        e = Engine(kw.pop("url", store.url), model_id, **kw)  # type: ignore[arg-type]
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        e.close()

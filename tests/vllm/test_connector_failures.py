@@ -1,0 +1,154 @@
+"""The connector's failure paths against vLLM's real classes and a real store (issue 29): every one
+ends as a recompute or a dropped save that vLLM accepts, never a held block or an engine assertion.
+
+* a worker that cannot map its views answers every plan, and the scheduler stops planning;
+* a save that never finishes is dropped after ``save_timeout_s``, counted and logged;
+* a load whose store grew between the scheduler's lookup and the worker's loads what it planned;
+* a request that finishes while its load is in flight is not held for a save (vLLM frees its
+  blocks when the load is reported; holding them too was the engine core's AssertionError);
+* a failed load is recomputed (vLLM's ``kv_load_failure_policy``), and not loaded again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed: tests/vllm/install_vllm.sh installs its CPU build")
+
+import torch  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+
+import prefixstore.client.vllm.worker as worker_module  # noqa: E402
+from prefixstore.client.vllm.layout import LayoutUnsupported  # noqa: E402
+
+from .harness import MAMBA, PROMPT, Engine, hybrid_finished, random_kv, request, same_bytes  # noqa: E402
+
+EngineFactory = Callable[..., Engine]
+
+
+def blocks_of(*tables: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks(blocks=tuple([KVCacheBlock(block_id=b) for b in ids] for ids in tables))
+
+
+def test_a_worker_that_cannot_map_its_views_answers_every_plan(engine_factory: EngineFactory,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an AMX machine did before the layout was learned: the worker went idle at start-up,
+    the scheduler (which cannot see the views) kept planning, and a finished request's blocks and
+    the lookups waiting for its save were held for ever."""
+    def unmappable(view: torch.Tensor) -> Any:
+        raise LayoutUnsupported("a kernel layout nobody knows")
+
+    monkeypatch.setattr(worker_module, "learn_cpu_layout", unmappable)
+    e = engine_factory("refusing", save_wait_s=60)
+    assert e.worker.worker_side.refused == "a kernel layout nobody knows"  # type: ignore[union-attr]
+    # The scheduler has not heard yet: it plans a save and holds the blocks.
+    assert e.scheduler.request_finished_all_groups(request("r1", PROMPT + [5], computed=40), ([3, 7, 9],)) == (True, None)
+    e.step()
+    sending, _ = e.worker.get_finished({"r1"})
+    assert sending == {"r1"}  # the blocks are released in that step
+    assert e.scheduler.saves_in_flight == 0  # answered, not forgotten after save_wait_s
+    assert e.worker.get_kv_connector_stats().data["saves_dropped"] == 1  # type: ignore[union-attr]
+    # Having heard, it plans nothing more: no lookup, no save.
+    assert e.scheduler.scheduler_side.refused == "a kernel layout nobody knows"  # type: ignore[union-attr]
+    assert e.scheduler.get_num_new_matched_tokens(request("a", PROMPT + [1]), 0) == (0, False)
+    assert e.scheduler.request_finished_all_groups(request("r2", PROMPT + [5], computed=40), ([1, 2, 3],)) == (False, None)
+
+
+def test_a_load_planned_before_the_refusal_is_reported_failed(engine_factory: EngineFactory,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    e = engine_factory("refusing-load", hybrid=True)
+    hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=5)  # saved by a worker that maps its views
+    monkeypatch.setattr(worker_module, "learn_cpu_layout",
+                        lambda view: (_ for _ in ()).throw(LayoutUnsupported("unmappable")))
+    refusing = engine_factory("refusing-load", hybrid=True)
+    r = request("a", PROMPT + [8] * 10)
+    assert refusing.scheduler.get_num_new_matched_tokens(r, 0) == (40, True)
+    refusing.load(r, 0, 40, ([40, 41, 42], [0, 0, 52]))
+    results = refusing.worker.get_transfer_results(set())
+    assert results.finished_recving == {"a"} and results.failed_recving == {"a"}  # vLLM recomputes it
+
+
+def test_a_save_that_hangs_is_dropped_after_save_timeout_s(engine_factory: EngineFactory,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    e = engine_factory("hang", save_timeout_s=0.3, save_wait_s=60)
+    client = e.worker.worker_side.client  # type: ignore[union-attr]
+
+    async def never_ends(*args: object, **kwargs: object) -> None:
+        await asyncio.Event().wait()
+
+    client.save = never_ends  # type: ignore[method-assign]  # a store that takes the offer and never answers
+    e.write([3, 7, 9], random_kv(seed=1), 0, 40)
+    with caplog.at_level(logging.WARNING, logger="prefixstore.client.vllm.worker"):
+        e.finish(request("r1", PROMPT + [5], computed=40), ([3, 7, 9],))  # blocks released once copied
+    assert e.scheduler.saves_in_flight == 0  # the worker reported it ended (save_wait_s is a minute)
+    assert e.worker.get_kv_connector_stats().data["saves_dropped"] == 1  # type: ignore[union-attr]
+    assert "prefixstore save of r1 dropped: not finished after 0.3 s (save_timeout_s)" in caplog.text
+
+
+def test_a_load_whose_store_grew_meanwhile_loads_what_it_planned(engine_factory: EngineFactory) -> None:
+    """Turn k of a conversation was saved to its prompt end (40) by one replica; turn k + 1 arrives
+    at another, which plans a load of 40; before its worker reads, the first replica's request-end
+    save lands (60 tokens, a state at 60). The load takes the planned 40 and the state at 40."""
+    kv = random_kv(seed=5, n=64)
+    e = engine_factory("grew", hybrid=True)
+    e.write([3, 7, 9], kv, 0, 40)
+    g = torch.Generator().manual_seed(6)
+    for name in MAMBA:
+        e.views[name][[11, 12, 13]] = torch.randint(-128, 127, e.views[name][[11, 12, 13]].shape, generator=g,
+                                                    dtype=torch.int8)
+    state_at_40 = {name: e.views[name][13].clone() for name in MAMBA}
+    e.finish(request("r1", PROMPT + [5], computed=40), ([3, 7, 9], [11, 12, 13]))
+
+    nxt = request("t2", PROMPT + [8] * 30)
+    assert e.scheduler.get_num_new_matched_tokens(nxt, 0) == (40, True)
+    other = engine_factory("grew", hybrid=True)  # the other replica
+    other.write([1, 2, 3, 4], kv, 0, 60)
+    other.finish(request("r0", PROMPT + [8] * 20 + [5], computed=60), ([1, 2, 3, 4], [5, 6, 7, 8]))
+    assert other.scheduler.get_num_new_matched_tokens(request("probe", PROMPT + [8] * 30), 0) == (60, True)
+
+    e.load(nxt, 0, 40, ([40, 41, 42], [0, 0, 52]))
+    results = e.worker.get_transfer_results(set())
+    assert results.finished_recving == {"t2"} and results.failed_recving == set()
+    assert same_bytes(e.blocks([40, 41, 42]), e.expected([40, 41, 42], kv, 40))
+    for name in MAMBA:
+        assert torch.equal(e.views[name][52], state_at_40[name])
+
+
+def test_a_request_that_finishes_while_its_load_is_in_flight_is_not_held(engine_factory: EngineFactory) -> None:
+    """vLLM finishes a request waiting for its remote KV (aborted by its client, or failed) and
+    frees its blocks when the load is reported; a save holding them as well made vLLM release a
+    request it had already deleted (scheduler.py ``_update_from_kv_xfer_finished``)."""
+    e = engine_factory("abort-while-loading", hybrid=True)
+    hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=15)
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, True)
+    e.scheduler.update_state_after_alloc(r, blocks_of([40, 41, 42], [0, 0, 52]), 40)
+    r.num_computed_tokens = 40
+    assert e.scheduler.request_finished_all_groups(r, ([40, 41, 42], [0, 0, 52])) == (False, None)
+    e.step()
+    results = e.worker.get_transfer_results(set())
+    assert results.finished_recving == {"a"} and results.finished_sending == set()
+    e.scheduler.update_connector_output(KVConnectorOutput(finished_recving=results.finished_recving))
+    # The load reported, the same request id finishing later is saved as usual.
+    again = request("a", PROMPT + [5], computed=40)
+    assert e.scheduler.request_finished_all_groups(again, ([3, 7, 9], [11, 12, 13])) == (True, None)
+
+
+def test_a_failed_load_is_recomputed_and_not_loaded_again(engine_factory: EngineFactory) -> None:
+    e = engine_factory("recompute", hybrid=True)
+    # vLLM's default would end the request with an error; a cache's failed load is a miss.
+    assert e.config.kv_transfer_config.kv_load_failure_policy == "recompute"  # type: ignore[union-attr]
+    hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=25)
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, True)
+    e.scheduler.update_state_after_alloc(r, blocks_of([40, 41, 42], [0, 0, 52]), 40)
+    e.scheduler.update_connector_output(KVConnectorOutput(finished_recving={"a"}, failed_recving={"a"}))
+    # vLLM resets the request and asks again: the connector answers from the engine alone now.
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)

@@ -1,0 +1,146 @@
+"""Where a token's K and V sit inside a vLLM CPU block, learned from the cache-write kernel
+(client/vllm/slot_map.py): the layouts of the kernels on this machine, an AMX-style packing that
+this machine cannot run (its tile pre-packing: pairs of elements interleaved), and kernels whose
+layout is refused.
+
+Why learned: vLLM's CPU backend picks its kernel by ISA, and on an AMX machine (bfloat16, blocks of
+a multiple of 32 tokens) it pre-packs K and V into tile rows; a connector that knew only the vec
+layout went idle there and held every save it had planned (issue 29)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed: tests/vllm/install_vllm.sh installs its CPU build")
+
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from prefixstore.client.vllm.layout import AttentionLayer, learn_cpu_layout  # noqa: E402
+from prefixstore.client.vllm.slot_map import KernelWrite, LayoutUnsupported, cpu_kernel_write, learn_slot_map  # noqa: E402
+
+from .harness import PROMPT, random_kv, request, same_bytes  # noqa: E402
+
+
+def tile_packed(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor) -> None:
+    """A cache write packed the way vLLM's AMX kernel wants its B tiles: per block and head, K as
+    ``[d / 2, n, 2]`` (pairs of head-dim elements side by side, for Q.K^T) and V as ``[n / 2, d, 2]``
+    (pairs of tokens side by side, for P.V)."""
+    _, heads, n, d = key_cache.shape
+    j = torch.arange(d)
+    for i, slot in enumerate(slots.tolist()):
+        b, t = divmod(slot, n)
+        for h in range(heads):
+            key_cache[b, h].reshape(-1)[((j // 2) * n + t) * 2 + j % 2] = key[i, h]
+            value_cache[b, h].reshape(-1)[((t // 2) * d + j) * 2 + t % 2] = value[i, h]
+
+
+def tile_offsets(n: int, heads: int, d: int) -> tuple[Tensor, Tensor]:
+    """Where tile_packed puts K[t, h, j] and V[t, h, j] inside a block ``[heads, 2n, d]``."""
+    t = torch.arange(n)[:, None, None]
+    h = torch.arange(heads)[None, :, None]
+    j = torch.arange(d)[None, None, :]
+    base = h * 2 * n * d
+    return base + ((j // 2) * n + t) * 2 + j % 2, base + n * d + ((t // 2) * d + j) * 2 + t % 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_tokens", [16, 32])
+def test_the_kernels_here_keep_k_transposed_then_v(dtype: torch.dtype, block_tokens: int) -> None:
+    """On this machine's ISAs (vec, vec16) the learned map is the layout the connector once
+    hard-coded: per block and head, K^T [d, n] then V [n, d]."""
+    heads, d = 2, 32
+    slot_map = learn_slot_map(heads, block_tokens, d, dtype, cpu_kernel_write(dtype, block_tokens, d))
+    n = block_tokens
+    t = torch.arange(n)[:, None, None]
+    h = torch.arange(heads)[None, :, None]
+    j = torch.arange(d)[None, None, :]
+    assert torch.equal(torch.from_numpy(slot_map.k), h * 2 * n * d + j * n + t)
+    assert torch.equal(torch.from_numpy(slot_map.v), h * 2 * n * d + n * d + t * d + j)
+
+
+def test_a_tile_packed_layout_is_learned_and_moves_bytes_exactly() -> None:
+    heads, n, d = 2, 32, 64
+    slot_map = learn_slot_map(heads, n, d, torch.bfloat16, tile_packed)
+    k, v = tile_offsets(n, heads, d)
+    assert torch.equal(torch.from_numpy(slot_map.k), k) and torch.equal(torch.from_numpy(slot_map.v), v)
+
+    # A layer of 6 blocks: the kernel writes 70 tokens over blocks 4, 1, 5; the layer reads them back
+    # through the map, writes them elsewhere, and zeroes a range.
+    view = torch.zeros(6, heads, n, 2 * d, dtype=torch.bfloat16)
+    layer = AttentionLayer(name="l", view=view, block_size=n, token_layout="slot_map", slot_map=slot_map)
+    kv = torch.randn(2, 70, heads, d).to(torch.bfloat16)
+    key_cache, value_cache = view.view(6, heads, 2 * n, d).chunk(2, dim=2)
+    table = [4, 1, 5]
+    slots = torch.tensor([table[p // n] * n + p % n for p in range(70)])
+    tile_packed(kv[0], kv[1], key_cache, value_cache, slots)
+    assert torch.equal(layer.gather(table, 0, 70), kv)
+    assert torch.equal(layer.gather(table, 30, 41), kv[:, 30:41])  # across a block boundary
+    layer.put(layer.token_index([0, 2, 3], 5, 70), kv[:, 5:])
+    assert torch.equal(layer.gather([0, 2, 3], 5, 70), kv[:, 5:])
+    layer.zero(table, 33, 40)
+    assert not layer.gather(table, 33, 40).any() and torch.equal(layer.gather(table, 40, 70), kv[:, 40:])
+
+
+def writes_outside(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor) -> None:
+    tile_packed(key, value, key_cache, value_cache, slots)
+    key_cache[0, 0, 0, 0] = 1  # and one element into another block
+
+
+def loses_elements(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor) -> None:
+    _, heads, n, d = key_cache.shape
+    for i, slot in enumerate(slots.tolist()):  # head-dim elements 2k and 2k+1 land in one place
+        b, t = divmod(slot, n)
+        for h in range(heads):
+            key_cache[b, h, t, torch.arange(d) // 2] = key[i, h]
+            value_cache[b, h, t] = value[i, h]
+
+
+def varies_by_block(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor) -> None:
+    """Tile-packed in every block but the first, which keeps tokens in rows (a layout that depends
+    on where the block is: the probes, which write one block, cannot see it; the round trip can)."""
+    n = key_cache.shape[2]
+    rest = slots >= n
+    tile_packed(key[rest], value[rest], key_cache, value_cache, slots[rest])
+    for i in torch.nonzero(~rest).flatten().tolist():
+        key_cache[0, :, int(slots[i])] = key[i]
+        value_cache[0, :, int(slots[i])] = value[i]
+
+
+def scales(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor) -> None:
+    tile_packed(key * 2, value, key_cache, value_cache, slots)
+
+
+@pytest.mark.parametrize(("kernel", "why"), [(writes_outside, "outside the block"), (loses_elements, "once in its block"),
+                                            (scales, "unchanged"), (varies_by_block, "disagrees")])
+def test_a_layout_that_is_not_a_copy_into_the_slots_block_is_refused(kernel: KernelWrite, why: str) -> None:
+    with pytest.raises(LayoutUnsupported, match=why):
+        learn_slot_map(2, 32, 64, torch.bfloat16, kernel)
+
+
+def test_save_and_load_through_a_tile_packed_engine_are_bit_exact(
+        engine_factory: Callable[..., object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole connector on an engine whose kernel packs tiles (what an AMX machine runs): the
+    worker learns the packing from the kernel, saves 40 tokens, and a sibling loads them into other
+    blocks exactly as the kernel would have written them."""
+    import prefixstore.client.vllm.layout as layout
+
+    monkeypatch.setattr(layout, "cpu_kernel_write", lambda dtype, n, d: tile_packed)
+    e = engine_factory("tile-packed", kernel=tile_packed, dtype=torch.bfloat16)
+    assert e.worker.worker_side.refused is None  # type: ignore[attr-defined]
+    kv = random_kv(seed=1, dtype=torch.bfloat16)
+    e.write([3, 7, 9], kv, 0, 40)  # type: ignore[attr-defined]
+    e.finish(request("r1", PROMPT + [5], computed=40), ([3, 7, 9],))  # type: ignore[attr-defined]
+    r = request("a", PROMPT + [11] * 20)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, False)  # type: ignore[attr-defined]
+    e.load(r, 0, 40, ([20, 21, 22],))  # type: ignore[attr-defined]
+    assert e.worker.get_block_ids_with_load_errors() == set()  # type: ignore[attr-defined]
+    assert same_bytes(e.blocks([20, 21, 22]), e.expected([20, 21, 22], kv, 40))  # type: ignore[attr-defined]
+
+
+def test_learn_cpu_layout_reads_the_view_shape() -> None:
+    view = torch.zeros(3, 2, 32, 128, dtype=torch.bfloat16)
+    slot_map = learn_cpu_layout(view, tile_packed)
+    assert slot_map.k.shape == (32, 2, 64) and slot_map.block_tokens == 32
