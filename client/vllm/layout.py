@@ -156,13 +156,13 @@ class AttentionLayer:
             self._v[where.blocks, :, where.slots, :] = kv[1]
 
 
-def learn_cpu_layout(view: Tensor, write: KernelWrite | None = None) -> SlotMap:
+def learn_cpu_layout(view: Tensor, isa: str | None = None, write: KernelWrite | None = None) -> SlotMap:
     """The slot map of an attention view ``[blocks, heads, block_tokens, 2 * head_dim]``, learned from
-    vLLM's CPU cache-write kernel for its dtype and shape (slot_map.py), or from ``write`` (tests).
-    Raises LayoutUnsupported where the kernel's layout cannot be learned."""
+    vLLM's CPU cache-write kernel for ``isa`` (or the one vLLM picks for the view's dtype and shape;
+    slot_map.py), or from ``write`` (tests). Raises LayoutUnsupported where it cannot be learned."""
     _, heads, n, c = view.shape
     d = c // 2
-    kernel = write if write is not None else cpu_kernel_write(view.dtype, n, d)
+    kernel = write if write is not None else cpu_kernel_write(view.dtype, n, d, isa)
     return learn_slot_map(heads, n, d, view.dtype, kernel)
 
 

@@ -72,19 +72,20 @@ class SlotMap:
         return int(self.k.shape[0])
 
 
-def cpu_kernel_write(dtype: torch.dtype, block_tokens: int, head_dim: int) -> KernelWrite:
-    """vLLM's own CPU cache-write kernel, with the ISA its CPU backend picks for these shapes
+def cpu_kernel_write(dtype: torch.dtype, block_tokens: int, head_dim: int, isa: str | None = None) -> KernelWrite:
+    """vLLM's own CPU cache-write kernel for the ISA the engine's attention layers use (``isa``:
+    what vLLM's CPU backend set on them), or else the one its backend picks for these shapes
     (v1/attention/backends/cpu_attn.py). Raises LayoutUnsupported where this vLLM has none."""
     try:
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isa = _get_attn_isa(dtype, block_tokens, head_dim)
+        chosen = isa if isa is not None else _get_attn_isa(dtype, block_tokens, head_dim)
     except Exception as err:  # noqa: BLE001 -- a vLLM without the CPU backend: the layout is unknown
         raise LayoutUnsupported(f"CPU attention cache write unavailable: {err}") from err
 
     def write(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slots: Tensor) -> None:
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, chosen)
 
     return write
 

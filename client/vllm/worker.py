@@ -108,7 +108,8 @@ class PrefixStoreWorker:
         try:
             names = [name for _, group_names, _ in self.groups.attention for name in group_names]
             token_layout = self._token_layout(names)
-            slot_map = learn_cpu_layout(kv_caches[names[0]]) if token_layout == "slot_map" else None
+            slot_map = (learn_cpu_layout(kv_caches[names[0]], self._cpu_isa(names[0])) if token_layout == "slot_map"
+                        else None)
             attention = [AttentionLayer(name=name, view=kv_caches[name], block_size=bs, group=gid,
                                         token_layout=token_layout, slot_map=slot_map)
                          for gid, group_names, bs in self.groups.attention for name in group_names]
@@ -133,6 +134,13 @@ class PrefixStoreWorker:
             return asyncio.Lock()
 
         self._load_lock = self._loop.submit(make_lock()).result()
+
+    def _cpu_isa(self, name: str) -> str | None:
+        """The ISA vLLM's CPU backend set on this attention layer (its kernel packs blocks by it),
+        where the layer says; else None (slot_map.cpu_kernel_write asks vLLM's own choice)."""
+        layer = self._vllm_config.compilation_config.static_forward_context.get(name)
+        isa = getattr(layer, "isa", None)
+        return isa if isinstance(isa, str) else None
 
     def _token_layout(self, names: Sequence[str]) -> str:
         """Where a token's K and V sit inside a block: fixed by the attention backend, not by vLLM's

@@ -42,7 +42,7 @@ def test_a_worker_that_cannot_map_its_views_answers_every_plan(engine_factory: E
     """What an AMX machine did before the layout was learned: the worker went idle at start-up,
     the scheduler (which cannot see the views) kept planning, and a finished request's blocks and
     the lookups waiting for its save were held for ever."""
-    def unmappable(view: torch.Tensor) -> Any:
+    def unmappable(view: torch.Tensor, isa: str | None) -> Any:
         raise LayoutUnsupported("a kernel layout nobody knows")
 
     monkeypatch.setattr(worker_module, "learn_cpu_layout", unmappable)
@@ -66,7 +66,7 @@ def test_a_load_planned_before_the_refusal_is_reported_failed(engine_factory: En
     e = engine_factory("refusing-load", hybrid=True)
     hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=5)  # saved by a worker that maps its views
     monkeypatch.setattr(worker_module, "learn_cpu_layout",
-                        lambda view: (_ for _ in ()).throw(LayoutUnsupported("unmappable")))
+                        lambda view, isa: (_ for _ in ()).throw(LayoutUnsupported("unmappable")))
     refusing = engine_factory("refusing-load", hybrid=True)
     r = request("a", PROMPT + [8] * 10)
     assert refusing.scheduler.get_num_new_matched_tokens(r, 0) == (40, True)

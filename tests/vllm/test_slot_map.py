@@ -127,7 +127,7 @@ def test_save_and_load_through_a_tile_packed_engine_are_bit_exact(
     blocks exactly as the kernel would have written them."""
     import prefixstore.client.vllm.layout as layout
 
-    monkeypatch.setattr(layout, "cpu_kernel_write", lambda dtype, n, d: tile_packed)
+    monkeypatch.setattr(layout, "cpu_kernel_write", lambda dtype, n, d, isa: tile_packed)
     e = engine_factory("tile-packed", kernel=tile_packed, dtype=torch.bfloat16)
     assert e.worker.worker_side.refused is None  # type: ignore[attr-defined]
     kv = random_kv(seed=1, dtype=torch.bfloat16)
@@ -142,5 +142,5 @@ def test_save_and_load_through_a_tile_packed_engine_are_bit_exact(
 
 def test_learn_cpu_layout_reads_the_view_shape() -> None:
     view = torch.zeros(3, 2, 32, 128, dtype=torch.bfloat16)
-    slot_map = learn_cpu_layout(view, tile_packed)
+    slot_map = learn_cpu_layout(view, write=tile_packed)
     assert slot_map.k.shape == (32, 2, 64) and slot_map.block_tokens == 32
