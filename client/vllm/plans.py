@@ -158,6 +158,10 @@ class PrefixStoreMetadata(KVConnectorMetadata):
     """The step computes no token: the engine only waits (for transfers, for new requests). The
     worker then waits for its loads and saves in flight rather than let the loop spin against
     them (ConnectorSettings.idle_wait_s)."""
+    num_reqs: int = 0
+    """Requests the step computes tokens for."""
+    num_tokens: int = 0
+    """Tokens the step computes (equal to ``num_reqs``: every request decodes one token)."""
 
 
 @dataclass

@@ -259,7 +259,8 @@ class PrefixStoreScheduler:
         for i, req_id in enumerate(cached.req_ids):
             self._plan_step_save(req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         meta = PrefixStoreMetadata(loads=self._loads, saves=self._saves,
-                                   idle=scheduler_output.total_num_scheduled_tokens == 0)
+                                   idle=scheduler_output.total_num_scheduled_tokens == 0,
+                                   num_reqs=len(scheduled), num_tokens=scheduler_output.total_num_scheduled_tokens)
         self._loads, self._saves = [], []
         return meta
 

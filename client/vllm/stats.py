@@ -23,6 +23,19 @@ EVENT_KEYS = ("lookups", "lookup_failures", "load_failures", "saves", "saved_ite
               "skipped_requests", "save_waits", "junction_stops", "junctions_off_grid", "snapshots_withheld")
 
 
+#: Batch sizes (requests) of a decode step, in the buckets the step-time counters use.
+BATCH_BUCKETS: tuple[tuple[int, int, str], ...] = ((1, 1, "1"), (2, 2, "2"), (3, 4, "3-4"), (5, 8, "5-8"),
+                                                  (9, 16, "9-16"), (17, 1 << 30, "17+"))
+
+
+def decode_step_keys(batch: int, loading: bool) -> tuple[str, str]:
+    """The stats keys counting decode steps of ``batch`` requests (and their microseconds), with a
+    load in flight or without: what a load costs the requests that are decoding beside it."""
+    label = next(name for lo, hi, name in BATCH_BUCKETS if lo <= batch <= hi)
+    flag = "yes" if loading else "no"
+    return f"decode_steps:{flag}:{label}", f"decode_step_us:{flag}:{label}"
+
+
 @dataclass
 class PrefixStoreStats(KVConnectorStats):
     """Counters since the last report. KV and state hits are separate: the failure signature
@@ -86,7 +99,18 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
         self._bytes: dict[tuple[int, str], Any] = {
             (idx, d): moved.labels(*values, d)
             for idx, values in per_engine_labelvalues.items() for d in ("load", "save")}
-        PrefixStorePromMetrics._collectors = [tokens, events, moved]
+        steps = self._counter_cls(name="prefixstore_vllm_decode_steps_total",
+                                  documentation="Decode-only engine steps (every request computes one token), by "
+                                                "whether a load of the connector was in flight and by batch size.",
+                                  labelnames=[*labelnames, "load_in_flight", "batch"])
+        step_s = self._counter_cls(name="prefixstore_vllm_decode_step_seconds_total",
+                                   documentation="Forward-pass seconds of those steps (start_load_kv to the end of "
+                                                 "wait_for_save, on the worker).",
+                                   labelnames=[*labelnames, "load_in_flight", "batch"])
+        self._steps: dict[tuple[int, str], tuple[Any, Any]] = {
+            (idx, f"{flag}:{name}"): (steps.labels(*values, flag, name), step_s.labels(*values, flag, name))
+            for idx, values in per_engine_labelvalues.items() for flag in ("yes", "no") for _, _, name in BATCH_BUCKETS}
+        PrefixStorePromMetrics._collectors = [tokens, events, moved, steps, step_s]
 
     @classmethod
     def _unregister_previous(cls) -> None:
@@ -109,6 +133,12 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
             self._events[(engine_idx, key)].inc(d.get(key, 0))
         self._bytes[(engine_idx, "load")].inc(d.get("loaded_bytes", 0))
         self._bytes[(engine_idx, "save")].inc(d.get("saved_bytes", 0))
+        for key, value in d.items():
+            if key.startswith("decode_steps:"):
+                which = key.split(":", 1)[1]
+                count, seconds = self._steps[(engine_idx, which)]
+                count.inc(value)
+                seconds.inc(d.get(f"decode_step_us:{which}", 0) / 1e6)
 
 
 class StatsBox:
@@ -155,4 +185,4 @@ class RateLimitedLog:
         self._logger.warning(msg + "%s", *args, suffix, stacklevel=2)
 
 
-__all__ = ["EVENT_KEYS", "STAT_KEYS", "PrefixStorePromMetrics", "PrefixStoreStats", "RateLimitedLog", "StatsBox"]
+__all__ = ["BATCH_BUCKETS", "EVENT_KEYS", "STAT_KEYS", "PrefixStorePromMetrics", "PrefixStoreStats", "RateLimitedLog", "StatsBox", "decode_step_keys"]

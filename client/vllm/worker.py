@@ -10,6 +10,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from .loop import ClientLoop
 from .layout import AttentionLayer, LayoutUnsupported, Payload, VllmKV, learn_cpu_layout
 from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for
 from .settings import ConnectorSettings
-from .stats import RateLimitedLog, StatsBox
+from .stats import RateLimitedLog, StatsBox, decode_step_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,6 +73,8 @@ class PrefixStoreWorker:
         then stops planning: the scheduler cannot see the views, and a plan left unanswered holds a
         finished request's blocks and the lookups that wait for its save (issue 29)."""
         self._log = RateLimitedLog(log)
+        self._decode_pass: tuple[float, int, bool] | None = None
+        """(started, batch, load in flight) of the decode-only step in progress (start_load_kv)."""
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for saves and asynchronous loads in flight (shutdown; tests). Their outcomes are
@@ -159,7 +162,12 @@ class PrefixStoreWorker:
 
     def start_load_kv(self, meta: PrefixStoreMetadata | None) -> None:
         """Start this step's loads on the client loop; sync loads release layers one by one. A
-        refusing worker fails them at once (vLLM recomputes)."""
+        refusing worker fails them at once (vLLM recomputes). A decode-only step is timed (to the
+        end of wait_for_save), by whether a load is in flight beside it."""
+        self._decode_pass = None
+        if meta is not None and meta.num_reqs and meta.num_tokens == meta.num_reqs:
+            loading = bool(meta.loads) or any(not fut.done() for _, fut in self._async_loads)
+            self._decode_pass = (time.perf_counter(), meta.num_reqs, loading)
         if meta is None or not meta.loads:
             return
         if self._loop is None:
@@ -198,6 +206,12 @@ class PrefixStoreWorker:
                 if plan.req_id in failures:
                     self._failed_blocks.update(self._blocks_of(plan))
             self._sync_load, self._events, self._sync_plans = None, None, []
+        if self._decode_pass is not None:
+            started, batch, loading = self._decode_pass
+            steps, micros = decode_step_keys(batch, loading)
+            self._stats.count(steps)
+            self._stats.count(micros, int((time.perf_counter() - started) * 1e6))
+            self._decode_pass = None
         if meta is None:
             return
         for save in meta.saves:

@@ -51,4 +51,28 @@ def lfm2(path: Path, *, hidden_size: int = 128, num_layers: int = 4, max_positio
     return save_tiny(Lfm2ForCausalLM, config, path)
 
 
-__all__ = ["NATIVE_ROPE", "lfm2", "save_tiny"]
+def qwen3_next(path: Path, *, max_position_embeddings: int = 1024) -> str:
+    """A gated-delta-net hybrid shaped like Qwen3-Next (linear attention, then full attention), in
+    the smallest shapes vLLM's CPU kernels take, with a long-memory decay so its state matters."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    # vLLM's CPU gated-delta-net kernel takes bfloat16 only and head sizes of 64 or more
+    # (ops/cpu/gdn_attention.py:158, chunk_gated_delta_rule_cpu).
+    config = Qwen3NextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, head_dim=64, linear_num_value_heads=2,
+                             linear_num_key_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+                             linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=64, layer_types=["linear_attention", "full_attention"],
+                             max_position_embeddings=max_position_embeddings, initializer_range=0.5)
+    import torch
+
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(config)
+    for layer in model.model.layers:  # a long memory (decay exp(-exp(A_log) * dt) near 1): the state matters
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn.A_log.data.fill_(-8.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+__all__ = ["NATIVE_ROPE", "lfm2", "qwen3_next", "save_tiny"]

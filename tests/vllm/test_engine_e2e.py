@@ -27,7 +27,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: tests/vllm/install_vllm.sh installs its CPU build")
 
 from ..serve_process import ServeProcess  # noqa: E402
-from .models import NATIVE_ROPE, lfm2, save_tiny  # noqa: E402
+from .models import NATIVE_ROPE, lfm2, qwen3_next, save_tiny  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -228,28 +228,6 @@ def test_hybrid_lfm2_loads_kv_and_state_to_the_boundary(store: ServeProcess, tmp
     # vLLM's 32-token grid that `first`'s prompt-end save offered beside the prompt end's (203).
     assert second.num_cached_tokens == 192
     assert_same_generation(second, reference)
-
-
-def qwen3_next(path: Path) -> str:
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    # vLLM's CPU gated-delta-net kernel takes bfloat16 only and head sizes of 64 or more
-    # (ops/cpu/gdn_attention.py:158, chunk_gated_delta_rule_cpu).
-    config = Qwen3NextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=2, head_dim=64, linear_num_value_heads=2,
-                             linear_num_key_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
-                             linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                             shared_expert_intermediate_size=64, layer_types=["linear_attention", "full_attention"],
-                             max_position_embeddings=1024, initializer_range=0.5)
-    import torch
-
-    torch.manual_seed(0)
-    model = Qwen3NextForCausalLM(config)
-    for layer in model.model.layers:  # a long memory (decay exp(-exp(A_log) * dt) near 1): the state matters
-        if hasattr(layer, "linear_attn"):
-            layer.linear_attn.A_log.data.fill_(-8.0)
-    model.save_pretrained(path)
-    return str(path)
 
 
 def test_gated_delta_net_conversation_reuses_each_whole_previous_turn(store: ServeProcess, tmp_path: Path) -> None:
