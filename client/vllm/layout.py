@@ -71,6 +71,7 @@ class AttentionLayer:
         blocks, heads, n, c = view.shape
         d = c // 2
         self._map: SlotMap | None = None
+        """A slot map moved element by element (a layout no view expresses), else None."""
         if token_layout == "slot_map":
             if slot_map is None or slot_map.k.shape != (n, heads, d):
                 raise LayoutUnsupported(f"layer {name}: no slot map of shape {(n, heads, d)}")
@@ -78,9 +79,16 @@ class AttentionLayer:
                 self._flat = view.view(blocks, heads * n * c)  # what the kernel's own .view() needs too
             except RuntimeError as err:
                 raise LayoutUnsupported(f"layer {name}: CPU blocks are not contiguous ({err})") from err
-            self._map = slot_map
-        else:
-            self._k, self._v = view[..., :d], view[..., d:]
+            strides = slot_map.strided()
+            if strides is None:
+                self._map = slot_map
+            else:  # K and V as [block, slot, head, dim] views over the blocks' memory
+                row = self._flat.stride(0)
+                self._k, self._v = (self._flat.as_strided((blocks, n, heads, d), (row, st, sh, sj),
+                                                          self._flat.storage_offset() + base)
+                                    for base, st, sh, sj in strides)
+        else:  # [block, head, slot, K ++ V] -> K and V as [block, slot, head, dim]
+            self._k, self._v = view[..., :d].transpose(1, 2), view[..., d:].transpose(1, 2)
 
     @property
     def kernel_tokens(self) -> int:
@@ -101,8 +109,9 @@ class AttentionLayer:
 
     def token_index(self, block_ids: BlockTable, start: int, end: int) -> TokenIndex:
         """Where tokens [start, end) sit, as index tensors on the view's device: (kernel block,
-        slot), and with a slot map the element offsets of their K and V inside the block.
-        Computed with numpy: no torch op, so no hand-off of the GIL (client/vllm/worker.py)."""
+        slot), and where the layout is moved element by element the offsets of their K and V
+        inside the block. Computed with numpy: no torch op, so no hand-off of the GIL
+        (client/vllm/worker.py)."""
         pos = np.arange(start, end)
         within = pos % self.block_size
         ratio = self.block_size // self.kernel_tokens
@@ -130,8 +139,8 @@ class AttentionLayer:
             out[0] = self._flat[where.blocks, where.k]
             out[1] = self._flat[where.blocks, where.v]
         else:
-            out[0] = self._k[where.blocks, :, where.slots, :]
-            out[1] = self._v[where.blocks, :, where.slots, :]
+            out[0] = self._k[where.blocks, where.slots]
+            out[1] = self._v[where.blocks, where.slots]
 
     def zero(self, block_ids: BlockTable, start: int, end: int) -> None:
         """Zero the K and V of token slots [start, end): one index op for K, one for V."""
@@ -142,8 +151,8 @@ class AttentionLayer:
             self._flat[where.blocks, where.k] = 0
             self._flat[where.blocks, where.v] = 0
         else:
-            self._k[where.blocks, :, where.slots, :] = 0
-            self._v[where.blocks, :, where.slots, :] = 0
+            self._k[where.blocks, where.slots] = 0
+            self._v[where.blocks, where.slots] = 0
 
     def put(self, where: TokenIndex, kv: Tensor) -> None:
         """Write ``kv`` ``(2, n, heads, head_dim)`` at the token slots ``where``
@@ -152,8 +161,8 @@ class AttentionLayer:
             self._flat[where.blocks, where.k] = kv[0]
             self._flat[where.blocks, where.v] = kv[1]
         else:
-            self._k[where.blocks, :, where.slots, :] = kv[0]
-            self._v[where.blocks, :, where.slots, :] = kv[1]
+            self._k[where.blocks, where.slots] = kv[0]
+            self._v[where.blocks, where.slots] = kv[1]
 
 
 def learn_cpu_layout(view: Tensor, isa: str | None = None, write: KernelWrite | None = None) -> SlotMap:

@@ -71,6 +71,25 @@ class SlotMap:
     def block_tokens(self) -> int:
         return int(self.k.shape[0])
 
+    def strided(self) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None:
+        """K's and V's (offset, slot stride, head stride, dim stride) where each is an affine
+        function of (slot, head, dim), as in the vec kernels' layout; None where not (AMX's tile
+        packing). A strided layout is moved through views (one strided copy per index op); any
+        other through element offsets, several times slower (tests/vllm/test_slot_map.py)."""
+        out = []
+        for offsets in (self.k, self.v):
+            n, heads, d = offsets.shape
+            base = int(offsets[0, 0, 0])
+            st = int(offsets[1, 0, 0]) - base if n > 1 else 0
+            sh = int(offsets[0, 1, 0]) - base if heads > 1 else 0
+            sj = int(offsets[0, 0, 1]) - base if d > 1 else 0
+            grid = (base + st * np.arange(n)[:, None, None] + sh * np.arange(heads)[None, :, None]
+                    + sj * np.arange(d)[None, None, :])
+            if not np.array_equal(grid, offsets):
+                return None
+            out.append((base, st, sh, sj))
+        return out[0], out[1]
+
 
 def cpu_kernel_write(dtype: torch.dtype, block_tokens: int, head_dim: int, isa: str | None = None) -> KernelWrite:
     """vLLM's own CPU cache-write kernel for the ISA the engine's attention layers use (``isa``:
