@@ -163,6 +163,21 @@ def store_hits(urls: Sequence[str]) -> dict[str, float]:
     return out
 
 
+def connector_events(replicas: Sequence[Replica]) -> dict[str, float]:
+    """The connectors' event counters (prefixstore_vllm_events_total), summed over replicas."""
+    out: dict[str, float] = {}
+    for r in replicas:
+        try:
+            samples = r.metrics()
+        except OSError:
+            continue
+        for key, value in samples.items():
+            if key.startswith("prefixstore_vllm_events_total{"):
+                event = _label(key, "event")
+                out[event] = out.get(event, 0.0) + value
+    return out
+
+
 def step_counters(replicas: Sequence[Replica]) -> dict[str, float]:
     """The connectors' decode-step counters, summed over replicas: {'yes:5-8:n': steps, 'yes:5-8:s': seconds}."""
     out: dict[str, float] = {}
@@ -193,7 +208,7 @@ def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 def run_once(trace: Trace, replicas: Sequence[Replica], model: Model, backends: Backends, *, concurrency: int,
              salt: str, label: str, timeout_s: float, kill_after: float | None = None) -> dict[str, Any]:
     """Replay the trace once; the results and what the stores and engines counted meanwhile."""
-    hits0, steps0 = store_hits(backends.store_urls), step_counters(replicas)
+    hits0, steps0, events0 = store_hits(backends.store_urls), step_counters(replicas), connector_events(replicas)
     total = trace.num_requests
     killed: list[str] = []
     last = [time.monotonic()]
@@ -213,7 +228,8 @@ def run_once(trace: Trace, replicas: Sequence[Replica], model: Model, backends: 
                                  timeout_s=timeout_s, on_result=on_result))
     wall = time.perf_counter() - t0
     return {"results": results, "wall_s": wall, "hits": _diff(store_hits(backends.store_urls), hits0),
-            "steps": _diff(step_counters(replicas), steps0), "killed": killed}
+            "steps": _diff(step_counters(replicas), steps0), "killed": killed,
+            "events": _diff(connector_events(replicas), events0)}
 
 
 # ---------------------------------------------------------------- figures
@@ -247,6 +263,10 @@ def figures(run: dict[str, Any], turns: int) -> dict[str, Any]:
         "store_state_hit_rate": hits.get("state:hit", 0) / st_q if st_q else None,
         "decode_tax": decode_tax(run["steps"]),
         "killed": run["killed"],
+        "connector_events": {k: v for k, v in run["events"].items() if v},
+        "requests_detail": [{"conversation": r.conversation, "turn": r.turn + 1, "replica": r.replica,
+                             "prompt": len(r.prompt), "cached": r.cached_tokens, "ttft_ms": round(r.ttft_s * 1e3, 1),
+                             "tpot_ms": round(r.tpot_s * 1e3, 2), "error": r.error} for r in results],
     }
 
 

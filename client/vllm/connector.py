@@ -238,6 +238,11 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, PrefixStoreMetadata)
         return meta
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None and isinstance(connector_metadata, PrefixStoreMetadata):
+            self.worker_side.begin_step(connector_metadata)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take the engine's KV views; allocate the staging region once."""
         if self.worker_side is not None:

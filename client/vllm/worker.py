@@ -160,14 +160,18 @@ class PrefixStoreWorker:
         raise LayoutUnsupported(f"attention backend {sorted(backends) or 'unknown'}: its block layout is not "
                                 f"known to this connector (known: {sorted(TOKEN_MAJOR_BACKENDS)}, CPU_ATTN)")
 
+    def begin_step(self, meta: PrefixStoreMetadata) -> None:
+        """vLLM bound this step's plans, before its forward pass. A decode-only step is timed from
+        here to the end of wait_for_save (after the forward), by whether a load is in flight."""
+        self._decode_pass = None
+        if meta.num_reqs and meta.num_tokens == meta.num_reqs:
+            loading = any(not fut.done() for _, fut in self._async_loads)
+            self._decode_pass = (time.perf_counter(), meta.num_reqs, loading)
+
     def start_load_kv(self, meta: PrefixStoreMetadata | None) -> None:
         """Start this step's loads on the client loop; sync loads release layers one by one. A
-        refusing worker fails them at once (vLLM recomputes). A decode-only step is timed (to the
-        end of wait_for_save), by whether a load is in flight beside it."""
-        self._decode_pass = None
-        if meta is not None and meta.num_reqs and meta.num_tokens == meta.num_reqs:
-            loading = bool(meta.loads) or any(not fut.done() for _, fut in self._async_loads)
-            self._decode_pass = (time.perf_counter(), meta.num_reqs, loading)
+        refusing worker fails them at once (vLLM recomputes). vLLM 0.32 calls this before the
+        forward pass when the step has sync loads (they feed it), else after it."""
         if meta is None or not meta.loads:
             return
         if self._loop is None:
