@@ -35,6 +35,11 @@ class CacheGroups:
         return bool(self.mamba)
 
     @property
+    def max_block_tokens(self) -> int:
+        """The largest of vLLM's block sizes over the groups moved (its prefix cache's grain)."""
+        return max(bs for _, _, bs in (*self.attention, *self.mamba))
+
+    @property
     def state_block_tokens(self) -> int:
         """The Mamba groups' block size in vLLM (the grid its own prefix cache keeps states on)."""
         return self.mamba[0][2] if self.mamba else 0

@@ -158,14 +158,20 @@ class PrefixStoreScheduler:
         return results[0], 0
 
     def _save_in_flight_extends(self, tokens: Sequence[int], extra: list[bytes], local: int) -> bool:
-        """Whether a save this engine has planned and not seen end shares more of ``tokens`` than
-        the engine's local hit (the previous turn of this conversation, say): then the lookup waits
-        for it rather than miss what is on its way. Saves older than ``save_wait_s`` are not waited on."""
+        """Whether a save this engine has planned and not seen end shares at least one more of
+        vLLM's blocks of ``tokens`` than the engine's local hit (the previous turn of this
+        conversation, its blocks evicted, say): then the lookup waits for it rather than miss what
+        is on its way. Less than a block is not worth a wait: every wait costs the request an
+        engine step, and vLLM's own cache, which still holds the previous turn's blocks, leaves
+        at most a block's tokens to recompute (measured under concurrent load: 209 waits in 80
+        requests, TTFT no better than recomputing). Saves older than ``save_wait_s`` are not
+        waited on."""
         self._forget_stale_saves()
         if not self._in_flight:
             return False
         query = np.asarray(tokens, dtype=np.int64)
-        return any(keys == extra and common_prefix(saved, query) > local
+        worth = local + self.groups.max_block_tokens
+        return any(keys == extra and common_prefix(saved, query) >= worth
                    for saved, keys, _ in self._in_flight.values())
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

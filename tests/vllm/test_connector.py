@@ -277,6 +277,17 @@ def test_lookup_waits_for_a_save_in_flight(engine_factory) -> None:  # type: ign
     assert e.scheduler.get_kv_connector_stats().data["save_waits"] == 1  # type: ignore[union-attr]
 
 
+def test_a_save_in_flight_that_adds_less_than_a_block_is_not_waited_on(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """The engine holds 32 of the 40 tokens a save in flight would give (two of its 16-token
+    blocks): waiting a step for 8 more is not worth it, the lookup answers now."""
+    e = engine_factory("no-wait")
+    e.write([3, 7, 9], random_kv(seed=66), 0, 40)
+    assert e.scheduler.request_finished_all_groups(request("r1", PROMPT + [5], computed=40), ([3, 7, 9],)) == (True, None)
+    assert e.scheduler.get_num_new_matched_tokens(request("t2", PROMPT + [5, 6, 7]), 32) == (0, False)
+    assert e.scheduler.get_num_new_matched_tokens(request("t3", PROMPT + [5, 6, 7]), 16) == (None, False)
+    e.step()
+
+
 def test_tensor_parallel_answer_is_the_least_over_ranks(store: ServeProcess) -> None:
     """Each rank keys its own shard (tp_rank in the namespace); the scheduler asks every rank's
     namespace and answers what all of them hold: a rank never loads a prefix another lacks."""
