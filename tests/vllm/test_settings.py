@@ -50,3 +50,42 @@ def test_url_list() -> None:
         s = ConnectorSettings.from_extra_config({"url": ["http://a:1", "http://b:2"]})
         assert s.client.url == "http://a:1"
         assert s.client.urls == ("http://a:1", "http://b:2")  # type: ignore[attr-defined]
+
+
+def test_the_client_thread_runs_off_the_engines_pinned_cores() -> None:
+    """vLLM's CPU worker pins its process to the engine's cores; the connector's client thread
+    (loads, saves) must not run there, or every load competes with the forward pass for its core."""
+    import os
+    import threading
+
+    from prefixstore.client.vllm.loop import ClientLoop, transfer_cpus
+
+    assert transfer_cpus({1}, {0, 1, 2, 3}) == {0, 2, 3}
+    assert transfer_cpus({0, 1}, {0, 1}) == {0, 1}  # the engine holds every core: share them all
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(os.getppid())) < 2:
+        pytest.skip("needs two CPUs and Linux affinity calls")
+    first = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    done = threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def engine_thread() -> None:  # stands for vLLM's worker, pinned to one core
+        os.sched_setaffinity(0, {first})
+        loop = ClientLoop()
+        try:
+            seen["loop"] = loop.submit(_affinity()).result(timeout=10)
+        finally:
+            loop.close()
+            done.set()
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join(30)
+    assert done.is_set() and first not in seen["loop"] and seen["loop"]
+    assert os.sched_getaffinity(0) == before
+
+
+async def _affinity() -> set[int]:
+    import os
+
+    return os.sched_getaffinity(0)
