@@ -200,6 +200,31 @@ class StoreSide(Side):
         return Backends(kv_transfer_config=config, processes=procs, store_urls=urls)
 
 
+class FlakySide(Side):
+    """One store behind benchmarks/_fault_proxy.py, which answers every other load's leased lookup
+    503: to the engines the store changes between their lookup and their load, half the time.
+    The connector reads over HTTP here (``data_path``), so every read passes the proxy."""
+
+    name = "flaky"
+    description = "vLLM + one prefixstore node behind a proxy failing every other load (a robustness run)"
+
+    def start(self, tmp: Path, model: Model, device: str) -> Backends:
+        urls, procs = prefixstore_nodes(1, tmp)
+        log = tmp / "fault-proxy.log"
+        proxy = subprocess.Popen([sys.executable, str(h.HERE / "_fault_proxy.py"), "--store", urls[0]],
+                                 stdout=subprocess.PIPE, stderr=open(log, "ab"), start_new_session=True)
+        assert proxy.stdout is not None
+        line = proxy.stdout.readline().decode()
+        if not line.startswith("LISTENING "):
+            stop([proxy, *procs])
+            raise SideUnavailable(f"the fault proxy did not start: {line!r} {tail(log)}")
+        url = f"http://127.0.0.1:{int(line.split()[1])}"
+        config = {"kv_connector": "PrefixStoreConnector", "kv_role": "kv_both",
+                  "kv_connector_module_path": "prefixstore.client.vllm.connector",
+                  "kv_connector_extra_config": {"url": url, "model_id": model.model_id, "data_path": "http"}}
+        return Backends(kv_transfer_config=config, processes=[proxy, *procs], store_urls=urls)
+
+
 class ClusterSide(StoreSide):
     name = "cluster"
     description = "vLLM + a 3-node prefixstore cluster (the seed list as the connector's url)"
@@ -264,10 +289,10 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-SIDES: dict[str, type[Side]] = {"vllm": Side, "store": StoreSide, "cluster": ClusterSide}
+SIDES: dict[str, type[Side]] = {"vllm": Side, "store": StoreSide, "cluster": ClusterSide, "flaky": FlakySide}
 """Every side by name (the peers register theirs from _vllm_peers.py)."""
 
 
-__all__ = ["MODELS", "SIDES", "VLLM_BLOCK_TOKENS", "Backends", "ClusterSide", "Model", "Replica", "Side",
+__all__ = ["MODELS", "SIDES", "VLLM_BLOCK_TOKENS", "Backends", "ClusterSide", "FlakySide", "Model", "Replica", "Side",
            "SideUnavailable", "StoreSide", "build_model", "prefixstore_nodes", "scrape", "spawn", "start_replicas",
            "stop", "tail", "wait_http"]

@@ -67,15 +67,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "Default: all (quick: tiny).")
     p.add_argument("--sides", default=None,
                    help=f"Comma-separated sides of {sorted(SIDES)} (vllm: vLLM alone, always run first of a pair; "
-                        "store: one prefixstore node; cluster: three; the rest are peers). A side that cannot run "
-                        "here is reported with its exact error. Default: vllm,store,cluster and every peer "
-                        "(quick: vllm,store).")
+                        "store: one prefixstore node; cluster: three; flaky: one node behind a proxy that fails "
+                        "every other load, a robustness run; the rest are peers). A side that cannot run here is "
+                        "reported with its exact error. Default: vllm,store,cluster and every peer (quick: "
+                        "vllm,store).")
     p.add_argument("--concurrency", default=None,
                    help="Comma-separated conversations in flight. Default: 1,4,8,16 (quick: 2).")
     p.add_argument("--conversations", type=int, default=None,
                    help="Conversations per run (at least the largest concurrency). Default: 2 x the largest "
                         "concurrency, at least 8 (quick: 4).")
-    p.add_argument("--turns", type=int, default=None, help="Turns per conversation (at most). Default: 5 (quick: 3).")
+    p.add_argument("--turns", type=int, default=None, help="Turns per conversation (at most). Default: 6 (quick: 3).")
     p.add_argument("--systems", type=int, default=4, help="Shared system/tool prompts. Default: 4.")
     p.add_argument("--system-tokens", type=int, default=None,
                    help="Tokens of each shared system/tool prompt. Default: 1024 (quick: 96).")
@@ -87,18 +88,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="Cap on a turn's new user tokens (ShareGPT lengths above it are cut). Default: 512 "
                         "(quick: 48).")
     p.add_argument("--max-answer-tokens", type=int, default=None,
-                   help="Cap on a turn's generated tokens. Default: 32 (quick: 8).")
+                   help="Cap on a turn's generated tokens (ShareGPT answers are mostly longer). Default: 128 "
+                        "(quick: 8).")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="vLLM's max_model_len (prompts that would outgrow it end their conversation). "
                         "Default: 4096 (quick: 1024).")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="Tokens of attention KV each replica's cache holds (CPU: vLLM's kv_cache_memory_bytes). "
-                        "Default: 8 x max-model-len: room for its share of the conversations in flight and some "
-                        "of their history, not for every conversation.")
+                        "Default: 4 x --max-model-len, a busy engine's cache: at 8 conversations in flight its "
+                        "share of the running requests fills most of it, and little of the conversations' "
+                        "history stays (larger caches: docs/benchmarks.md has the same cell at 3 sizes).")
     p.add_argument("--max-num-seqs", type=int, default=16, help="vLLM's max_num_seqs per replica. Default: 16.")
     p.add_argument("--kill-store", action="store_true",
-                   help="Also run the store side once at the headline concurrency with the store killed "
-                        "(SIGKILL) after 40%% of the requests; every request must complete.")
+                   help="Also run the store side once at --kill-concurrency with the store killed (SIGKILL) "
+                        "after 40%% of the requests; every request must complete.")
+    p.add_argument("--kill-concurrency", type=int, default=None,
+                   help="Conversations in flight in the --kill-store run. Default: the largest --concurrency.")
     p.add_argument("--tie-logprob", type=float, default=None,
                    help="Two greedy choices within this log-probability of each other on both sides are a near "
                         "tie (a divergence there is not a wrong token). Default: 0.02 (bfloat16 models: 0.3, the "
@@ -111,7 +116,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     q = args.quick
     args.models = _names(args.models or ("tiny" if q else ",".join(MODELS)), MODELS, "--models", p)
     default_sides = "vllm,store" if q else ",".join(["vllm", "store", "cluster", *(s for s in SIDES
-                                                                                   if s not in ("vllm", "store", "cluster"))])
+                                                                                   if s not in ("vllm", "store", "cluster",
+                                                                                                "flaky"))])
     args.sides = _names(args.sides or default_sides, tuple(SIDES), "--sides", p)
     if "vllm" not in args.sides:
         args.sides.insert(0, "vllm")  # every ratio is against vLLM alone, in the same run
@@ -122,12 +128,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if min(args.concurrency) < 1:
         p.error("--concurrency: at least 1")
     args.conversations = args.conversations or (4 if q else max(8, 2 * max(args.concurrency)))
-    args.turns = args.turns or (3 if q else 5)
+    args.turns = args.turns or (3 if q else 6)
     args.system_tokens = args.system_tokens or (96 if q else 1024)
     args.max_user_tokens = args.max_user_tokens or (48 if q else 512)
-    args.max_answer_tokens = args.max_answer_tokens or (8 if q else 32)
+    args.max_answer_tokens = args.max_answer_tokens or (8 if q else 128)
     args.max_model_len = args.max_model_len or (1024 if q else 4096)
-    args.kv_cache_tokens = args.kv_cache_tokens or 8 * args.max_model_len
+    args.kv_cache_tokens = args.kv_cache_tokens or 4 * args.max_model_len
+    args.kill_concurrency = args.kill_concurrency or max(args.concurrency)
     args.reps = args.reps if args.reps is not None else (1 if q else 2)
     if min(args.conversations, args.turns, args.reps, args.system_tokens) < 1:
         p.error("--conversations, --turns, --reps, --system-tokens: at least 1")
@@ -339,7 +346,7 @@ def run_side(side_name: str, model: Model, trace: Trace, args: argparse.Namespac
     try:
         asyncio.run(_warm(replicas, model.name))
         runs = {}
-        levels = [HEADLINE[1]] if kill else args.concurrency
+        levels = [args.kill_concurrency] if kill else args.concurrency
         for c in levels:
             runs[c] = run_once(trace, replicas, model, backends, concurrency=c, salt=f"{model.name}-r{rep}-c{c}",
                                label=f"{tag} c={c}", timeout_s=args.timeout_s, kill_after=0.4 if kill else None)
