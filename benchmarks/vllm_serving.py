@@ -354,6 +354,15 @@ def run_side(side_name: str, model: Model, trace: Trace, args: argparse.Namespac
     finally:
         stop([r.proc for r in replicas])
         backends.stop()
+        keep_logs(tmp, args.out / "logs" / tag)
+
+
+def keep_logs(tmp: Path, dest: Path) -> None:
+    """The run's replica, store and proxy logs, moved where the results go (what a failed request
+    or a slow run is read from afterwards)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for log in tmp.glob("*.log"):
+        log.rename(dest / log.name)
 
 
 async def _warm(replicas: Sequence[Replica], model: str) -> None:

@@ -6,6 +6,7 @@ for the whole life of a request)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -20,7 +21,7 @@ from ..results import LookupResult
 from .loop import ClientLoop
 from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for
 from .settings import ConnectorSettings
-from .stats import StatsBox
+from .stats import RateLimitedLog, StatsBox
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -86,6 +87,7 @@ class PrefixStoreScheduler:
         self._in_flight: dict[str, tuple[np.ndarray, list[bytes], float]] = {}  # save id -> (tokens, extra keys, planned at)
         self._done_reports: dict[str, int] = {}  # save id -> workers that reported its end
         self._save_ids = itertools.count()
+        self._log = RateLimitedLog(log)
         self._loading: set[str] = set()
         """Requests with an asynchronous load the workers have not reported finished. Such a request
         may finish (aborted, or failed by vLLM) before its load does; vLLM then frees its blocks
@@ -143,19 +145,35 @@ class PrefixStoreScheduler:
         shorter prefix is there too). Hybrid: a state boundary every rank holds; if the ranks'
         largest ones differ, they are asked again for the prefix up to the least of them."""
         loop, clients = self._lookup_clients()
+        deadline = time.monotonic() + self.settings.lookup_timeout_s
 
         async def ask(upto: int) -> list[LookupResult]:
             return list(await asyncio.gather(*(c.lookup(c.prompt(tokens[:upto], extra), lease=False)
                                                for c in clients)))
 
-        results: list[LookupResult] = loop.submit(ask(len(tokens))).result()
+        def answer(upto: int) -> list[LookupResult] | None:
+            # The engine's scheduler waits for this answer, and every request of the engine with
+            # it: a store slower than lookup_timeout_s is a miss, not a stalled engine.
+            future = loop.submit(ask(upto))
+            try:
+                return list(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                self._stats.count("lookup_timeouts")
+                self._log.warning("prefixstore lookup took longer than lookup_timeout_s (%g s): a miss",
+                                  self.settings.lookup_timeout_s)
+                return None
+
+        results = answer(len(tokens))
         for _ in range(TP_LOOKUP_ROUNDS):
+            if results is None:
+                return LookupResult(prompt=clients[0].prompt(tokens, extra), ok=False), 0
             each = [self.loadable_tokens(r) for r in results]
             least = min(each)
             if least == max(each) or not self.groups.hybrid or least == 0:
                 return results[0], least
-            results = loop.submit(ask(least)).result()
-        return results[0], 0
+            results = answer(least)
+        return results[0] if results is not None else LookupResult(prompt=clients[0].prompt(tokens, extra), ok=False), 0
 
     def _save_in_flight_extends(self, tokens: Sequence[int], extra: list[bytes], local: int) -> bool:
         """Whether a save this engine has planned and not seen end shares at least one more of

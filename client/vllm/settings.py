@@ -52,6 +52,11 @@ class ConnectorSettings:
     """Longest a new request's lookup is held back (vLLM asks again next step) while a save of this
     engine that shares more of its prompt than vLLM holds locally is still being offered: the next
     turn of a conversation arrives as the previous turn's save leaves. 0: never wait."""
+    lookup_timeout_s: float = 0.25
+    """Longest the scheduler waits for a new request's lookup. vLLM's scheduler, and so every
+    request of the engine, waits while it is asked; a store slower than this is a miss for that
+    request (counted ``lookup_timeouts``), never a stalled engine. A lookup takes about a
+    millisecond on a healthy store (docs/benchmarks.md)."""
     save_timeout_s: float = 30.0
     """Longest a save's offer and put may take on the worker. Past it the save is dropped: counted
     (``saves_dropped``), logged, and reported ended, so the scheduler stops holding lookups back for
@@ -79,7 +84,7 @@ class ConnectorSettings:
         if (not isinstance(self.save_wait_s, (int, float)) or isinstance(self.save_wait_s, bool)
                 or not 0 <= self.save_wait_s <= 600):
             raise ValueError(f"save_wait_s: must be a number of seconds in [0, 600], got {self.save_wait_s!r}")
-        for name in ("save_timeout_s", "load_timeout_s"):
+        for name in ("lookup_timeout_s", "save_timeout_s", "load_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:
                 raise ValueError(f"{name}: must be a number of seconds in (0, 3600], got {value!r}")

@@ -14,12 +14,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-STAT_KEYS = ("lookups", "lookup_failures", "query_tokens", "kv_hit_tokens", "state_hit_tokens", "loaded_tokens",
+STAT_KEYS = ("lookups", "lookup_failures", "lookup_timeouts", "query_tokens", "kv_hit_tokens", "state_hit_tokens", "loaded_tokens",
              "load_failures", "loaded_bytes", "saves", "saved_items", "saved_bytes", "dropped_items", "saves_dropped",
              "skipped_requests", "save_waits", "junction_stops", "junctions_off_grid", "snapshots_withheld")
 
 #: The counters ``prefixstore_vllm_events_total{event=...}`` carries (the rest are tokens and bytes).
-EVENT_KEYS = ("lookups", "lookup_failures", "load_failures", "saves", "saved_items", "dropped_items", "saves_dropped",
+EVENT_KEYS = ("lookups", "lookup_failures", "lookup_timeouts", "load_failures", "saves", "saved_items", "dropped_items", "saves_dropped",
               "skipped_requests", "save_waits", "junction_stops", "junctions_off_grid", "snapshots_withheld")
 
 

@@ -152,3 +152,20 @@ def test_a_failed_load_is_recomputed_and_not_loaded_again(engine_factory: Engine
     e.scheduler.update_connector_output(KVConnectorOutput(finished_recving={"a"}, failed_recving={"a"}))
     # vLLM resets the request and asks again: the connector answers from the engine alone now.
     assert e.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+
+
+def test_a_slow_store_is_a_miss_after_lookup_timeout_s(engine_factory: EngineFactory) -> None:
+    """vLLM's scheduler waits for the lookup, and every request of the engine with it: a store
+    that takes the connection and never answers is a miss once lookup_timeout_s has passed (the
+    client's own timeout_s here is 2 s), counted apart from other failures."""
+    import socket
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        e = engine_factory("slow-store", url=f"http://127.0.0.1:{silent.getsockname()[1]}", lookup_timeout_s=0.2)
+        r = request("a", PROMPT + [1])
+        assert e.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+        e.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
+        stats = e.scheduler.get_kv_connector_stats()
+        assert stats is not None and stats.data["lookup_timeouts"] == 1 and stats.data["lookup_failures"] == 1
