@@ -13,6 +13,8 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,3 +36,27 @@ def test_wheel_ships_py_typed_and_the_license(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "prefixstore/py.typed" in names  # mypy then checks users' code against our annotations
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), [n for n in names if "dist-info" in n]
+
+
+# A non-editable install (a wheel, `pip install .`): only the path finder finds the package, and
+# from the checkout's root (`python -m` puts the current directory first on sys.path) it finds the
+# source tree's prefixstore/ first, whose parts (protocol/, store/, ...) live beside it, not in it.
+FROM_THE_CHECKOUT = """
+import runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+sys.path.insert(0, "")
+{body}
+"""
+
+
+@pytest.mark.parametrize("body, expect", [
+    ('sys.argv = ["prefixstore", "--version"]\nrunpy.run_module("prefixstore", run_name="__main__", alter_sys=True)',
+     "prefixstore "),
+    ("from prefixstore.client import PrefixClient\nfrom prefixstore.store import StoreConfig\n"
+     "print(PrefixClient.__name__, StoreConfig().port)", "PrefixClient 8077"),
+], ids=["python -m prefixstore --version", "from prefixstore.client import PrefixClient"])
+def test_the_package_imports_from_the_checkout_root(body: str, expect: str) -> None:
+    out = subprocess.run([sys.executable, "-c", FROM_THE_CHECKOUT.format(body=body)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(expect), out.stdout
