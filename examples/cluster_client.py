@@ -30,7 +30,7 @@ for k in kv:  # the system prompt's KV is the same in every conversation
     kv[k][:, : len(system)] = kv[0][:, : len(system)]
 
 
-async def main() -> None:
+async def main() -> bool:
     async with PrefixClient(ns, ClientConfig(urls=SEEDS)) as client:  # urls=: a cluster client
         stored = 0
         for k, tokens in enumerate(conversations):
@@ -50,6 +50,7 @@ async def main() -> None:
             most_nodes = max(most_nodes, len(walk.nodes))
         print(f"lookups: every conversation whole and exact: {exact_all}; most nodes asked by one lookup: {most_nodes}")
         print(f"failures: {dict(client.failures) or 'none'}")
+        return exact_all and stored > 0
 
 
-asyncio.run(main())
+sys.exit(0 if asyncio.run(main()) else 1)
