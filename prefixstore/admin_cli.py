@@ -31,7 +31,8 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from .flags import add_knob_flags, format_size, human_bytes, knob_sources, load_config
+from . import preflight
+from .flags import add_knob_flags, format_size, human_bytes, knob_sources, load_config, with_source
 from .protocol.wire import CONTENT_TYPE, encode_frame
 from .store.config import ENV_PREFIX, ConfigError, StoreConfig
 
@@ -103,12 +104,17 @@ class Target:
 
 
 def _refusal(err: urllib.error.HTTPError) -> str:
-    """The store's own reason ({"error": ...}), when it gave one."""
+    """The store's own reason ({"error": ...}), when it gave one; for a 401, where the admin token
+    comes from (the store cannot know that the operator's shell is where it is missing)."""
     try:
         body = json.loads(err.read() or b"{}")
     except (ValueError, OSError):
-        return ""
-    return f": {body['error']}" if isinstance(body, dict) and isinstance(body.get("error"), str) else ""
+        body = None
+    reason = f": {body['error']}" if isinstance(body, dict) and isinstance(body.get("error"), str) else ""
+    if err.code == 401:
+        reason += (f" (the admin commands send the admin token from ${ADMIN_TOKEN_ENV}: "
+                   f"{'the one set was refused' if os.environ.get(ADMIN_TOKEN_ENV) else 'it is not set'})")
+    return reason
 
 
 # ---------------------------------------------------------------- parser
@@ -517,12 +523,16 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.url is None:
         try:
             config = load_config(args, os.environ)
+            try:
+                preflight.check(config)  # what serve refuses, config refuses: exit 2 naming the knob
+            except ConfigError as err:
+                raise with_source(err, args, os.environ) from err
         except ConfigError as err:
             print(f"prefixstore config: error: {err}", file=sys.stderr)
             return EXIT_USAGE
         sources = knob_sources(args, os.environ)
         knobs: dict[str, Mapping[str, object]] = {
-            f.name: {"value": getattr(config, f.name), "source": sources[f.name]} for f in StoreConfig.knobs()}
+            f.name: {"value": config.effective(f.name), "source": sources[f.name]} for f in StoreConfig.knobs()}
     else:
         if given or args.config:
             print("prefixstore config: error: knob flags describe this machine's configuration; with URL the "

@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING
 import lmdb
 from aiohttp import web
 
-from . import __version__, logs
-from .flags import add_knob_flags, flag_name, format_size, human_bytes, knob_sources, load_config, with_source
+from . import __version__, logs, preflight
+from .flags import add_knob_flags, flag_name, format_size, knob_sources, load_config, with_source
 from .store.admin import sources_of
 from .store.cluster import MEMBERSHIP
 from .store.config import ENV_PREFIX, ConfigError, StoreConfig
+from .preflight import check_memory
 from .store.heap import keep_freed_memory
 from .store.runner import StoreRunner
 from .store.server import STORE, create_app
@@ -45,6 +46,7 @@ log = logging.getLogger("prefixstore.serve")
 EXIT_OK = 0
 EXIT_FAILURE = 1  # could not start or reach the store
 EXIT_USAGE = 2  # a bad flag or config value: same code argparse uses
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # stdout's reader went away
 
 # In-flight requests get this long to finish after SIGTERM. Lookups and reads
 # take milliseconds; the bound stays well inside Kubernetes' default 30 s
@@ -154,46 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- serve
 
 
-# sighting filter. Either larger than the memory this process may use is a configuration error:
-# mmap refuses it (ENOMEM) or, under a container's limit, the kernel kills the process later.
-ALLOCATED_AT_START = ("ram_bytes", "sighting_filter_bytes")
-
-
-def memory_limit_bytes() -> int | None:
-    """The memory this process may use: physical memory, or the cgroup's limit when lower (a container)."""
-    limits = []
-    try:
-        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
-        pass
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
-        try:
-            with open(path, encoding="ascii") as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():  # "max": no limit
-            limits.append(int(text))
-    positive = [n for n in limits if n > 0]
-    return min(positive) if positive else None
-
-
-def check_memory(config: StoreConfig, limit_bytes: int | None) -> None:
-    """Raise ConfigError, naming the knob, when a budget allocated at start exceeds ``limit_bytes``."""
-    if limit_bytes is None:
-        return
-    for knob in ALLOCATED_AT_START:
-        value = getattr(config, knob)
-        if value > limit_bytes:
-            raise ConfigError(f"{knob}: {format_size(value)} is more than the {human_bytes(limit_bytes)} of memory "
-                              "this process may use (it is allocated at start)")
-    total = sum(getattr(config, knob) for knob in ALLOCATED_AT_START)
-    if total > limit_bytes:
-        raise ConfigError(f"ram_bytes: {format_size(config.ram_bytes)} plus sighting_filter_bytes "
-                          f"{format_size(config.sighting_filter_bytes)} is more than the {human_bytes(limit_bytes)} "
-                          "of memory this process may use (both are allocated at start)")
-
-
 def _out_of_memory(err: BaseException) -> bool:
     return isinstance(err, (MemoryError, lmdb.MemoryError)) or (
         isinstance(err, OSError) and err.errno == errno.ENOMEM)
@@ -272,7 +234,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args, os.environ)
         try:
-            check_memory(config, memory_limit_bytes())
+            preflight.check(config)  # what `prefixstore config` checks too
         except ConfigError as err:
             raise with_source(err, args, os.environ) from err
     except ConfigError as err:
@@ -354,9 +316,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser_of_command.error(f"unrecognized arguments: {' '.join(unknown)}")
     run: Callable[[argparse.Namespace], int] = args.run
     try:
-        return run(args)
+        status = run(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
+        return status
     except KeyboardInterrupt:  # Ctrl-C before the serve loop installed its handler
         return 130
+    except BrokenPipeError:
+        # The reader left (`prefixstore stats --json | head`): the rest has nowhere to go. stdout is
+        # pointed at /dev/null so the interpreter's own flush at exit does not complain about it
+        # either; the status is a shell's for a process a SIGPIPE ended (128 + 13), as for cat.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 __all__ = ["build_parser", "check_memory", "flag_name", "format_size", "load_config", "main", "serve"]

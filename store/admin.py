@@ -137,7 +137,7 @@ def _json_value(value: object) -> object:
 async def config(request: web.Request) -> web.Response:
     store = request.app[STORE]
     sources = request.app.get(CONFIG_SOURCES, {})
-    knobs = {f.name: {"value": _json_value(getattr(store.config, f.name)), "source": sources.get(f.name, "unknown")}
+    knobs = {f.name: {"value": _json_value(store.config.effective(f.name)), "source": sources.get(f.name, "unknown")}
              for f in StoreConfig.knobs()}
     return web.json_response({"knobs": knobs})
 

@@ -264,6 +264,13 @@ class StoreConfig:
             return None
         return Path(self.data_dir) if self.data_dir else default_data_dir()
 
+    def effective(self, name: str) -> object:
+        """Knob ``name``'s value as the store uses it (``prefixstore config``, /v1/admin/config):
+        data_dir resolved, as its empty default names the per-user directory; the others as set."""
+        if name == "data_dir":
+            return str(self.lmdb_path) if self.lmdb_path is not None else "none"
+        return getattr(self, name)
+
     def ssl_context(self) -> ssl.SSLContext | None:
         """The server-side TLS context the tls_* knobs describe, or None (plain http)."""
         if not self.tls_cert_file:
