@@ -179,6 +179,7 @@ class ClusterClient(SaveCalls):
         self._leases: dict[bytes, tuple[float, list[tuple[str, bytes]]]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._buffers: list[Buffer | DeviceBuffer] = []  # staging buffers registered by the engine (NIXL)
+        self.standalone: str | None = None  # the seed that answered, when it is a node of no cluster
 
     async def __aenter__(self) -> ClusterClient:
         return self
@@ -270,6 +271,9 @@ class ClusterClient(SaveCalls):
             except (StoreError, KeyError, TypeError, ValueError) as err:
                 node.failed("members", err)
                 continue
+            # A plain `prefixstore serve` (no peers) says so, and stays so: PrefixClient then talks to
+            # it as a node client, through the URL this client reached it at.
+            self.standalone = url if body.get("cluster") is False and len(members) == 1 else None
             if self.config.owner_grace_s is None and isinstance(grace, (int, float)):
                 self.owner_grace_s = float(grace)
             if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 1:

@@ -116,6 +116,27 @@ def test_cluster_client_keeps_conversations_together_and_spreads_them(serve: Sta
     assert min(held) > 0, held  # conversations forked onto both nodes (all 16 on one: 2^-16)
 
 
+def test_cluster_client_against_one_plain_node_counts_every_lookup(serve: StartServe) -> None:
+    """docs/cluster.md: a cluster client works unchanged against a single `prefixstore serve`. It
+    did answer, but its lookups were probes that count nothing and their reports were refused (a
+    lone node takes none): /metrics counted 3 lookups of 16."""
+    store = serve("--port", "0", "--data-dir", "none")
+    assert store.url is not None
+    out = run_example("cluster_client.py", store.url)
+    assert "every conversation whole and exact: True" in out and "failures: none" in out, out
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ..serve_process import http_get
+
+    status, body = http_get(store.url + "/metrics")
+    assert status == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert samples[("prefixstore_lookups_total", ())] == 16  # one per conversation looked up
+    hits = samples[("prefixstore_lookup_tokens_total", (("kind", "kv"), ("result", "hit")))]
+    assert hits == 16 * (64 + 448)  # every token of every conversation was found
+
+
 def test_gpu_staging_load_reuses_the_first_turn_and_matches_a_recompute(serve: StartServe) -> None:
     pytest.importorskip("torch")
     store = serve("--port", "0", "--data-dir", "none", "--ram-bytes", "64MiB")
