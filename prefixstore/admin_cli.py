@@ -293,8 +293,9 @@ def _num(stats: Mapping[str, object], *path: str) -> int:
 
 
 def _summed(values: Iterator[Mapping[str, object]]) -> dict[str, int]:
-    """Per-kind/tier counts and token counts summed over members."""
-    out: dict[str, int] = {}
+    """Per-kind/tier counts and token counts summed over members (zeros when none answered)."""
+    out: dict[str, int] = {"lookups.answered": 0} | {f"lookups.{kind}.{field}": 0 for kind in ("kv", "state")
+                                                     for field in ("hit_tokens", "miss_tokens")}
     for stats in values:
         for group in ("entries", "stored_bytes"):
             g = stats.get(group)
@@ -366,7 +367,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
             print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats(target.url, stats))
             return EXIT_OK
         per_member: dict[str, Mapping[str, object] | str] = {}
-        for member in _each_member(target, True):
+        try:
+            members = [target.at(url) for url in target.members()]
+        except AdminError as err:
+            # The URL itself did not answer: it is the one member known, shown as down in the table
+            # (an operator aiming at a dead node must see a table that says so, not one line).
+            per_member[target.url] = str(err)
+            members = []
+        for member in members:
             try:
                 per_member[member.url] = member.call("/v1/stats")
             except AdminError as err:

@@ -274,6 +274,26 @@ def test_stats_of_an_unreachable_store_fails_in_one_line() -> None:
     assert out.stdout == ""
 
 
+def test_stats_of_a_whole_cluster_at_a_dead_url_shows_the_member_table() -> None:
+    """`stats --cluster` at the dead default URL printed one line: the table says which member is down."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for args in ([f"http://127.0.0.1:{port}"], []):  # given, and the default URL (nothing listens there in CI)
+        if not args:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", 8077)) == 0:
+                    continue  # a store runs on this machine's default port: not the case tested
+        out = run_cli(["stats", "--cluster", *args, "--timeout", "2"])
+        url = args[0] if args else "http://127.0.0.1:8077"
+        assert out.returncode == 1, out
+        lines = out.stdout.splitlines()
+        assert lines[0].split()[:3] == ["member", "version", "uptime"], out.stdout
+        assert lines[1].startswith(url) and "error: cannot reach the store" in lines[1], out.stdout
+        assert lines[2].startswith("total (0 of 1 answered)"), out.stdout
+        assert "1 of 1 members did not answer" in out.stderr and "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_serve_shuts_down_gracefully(tmp_path: Path, serve: StartServe, sig: int) -> None:
     p = serve("--port", "0", "--data-dir", str(tmp_path / "lmdb"))
