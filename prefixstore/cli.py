@@ -53,6 +53,9 @@ EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # stdout's reader went away
 # termination grace period, so LMDB is closed by us rather than by SIGKILL.
 SHUTDOWN_TIMEOUT_S = 10.0
 
+# torch's CPU build, from its CPU wheel index: PyPI's default build pulls gigabytes of CUDA libraries.
+TORCH_CPU_INSTALL = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+
 
 # ---------------------------------------------------------------- parser
 
@@ -113,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
             "hybrid model (gpu_staging/reference_model.py: 4 delta-rule + 2 attention layers, random "
             "seeded weights, float32 on CPU) against it, and print per turn how many tokens were "
             "reused and the KV and state hit rates. Stops the store when done. Needs torch "
-            "(pip install torch==2.13.0).",
+            f"(the CPU build is enough: {TORCH_CPU_INSTALL}).",
             "Each turn's prompt is the whole conversation so far plus a new user message; the previous "
             "turn saved its prompt and answer, so every turn after the first should reuse all of it."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -279,7 +282,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("prefixstore demo: needs torch (the CPU build is enough): pip install torch==2.13.0", file=sys.stderr)
+        print(f"prefixstore demo: needs torch (the CPU build is enough): {TORCH_CPU_INSTALL}", file=sys.stderr)
         return EXIT_FAILURE
     from .gpu_staging.demo import DemoOptions
 

@@ -48,7 +48,11 @@ app.kubernetes.io/part-of: prefixstore
 {{- end }}
 {{- end }}
 
+{{/* The node image. No registry carries it: the operator builds and pushes it, and names it. */}}
 {{- define "prefixstore.image" -}}
+{{- if not .Values.image.repository }}
+{{- fail (printf "image.repository: no public registry carries the prefixstore image; build it from the repository's Dockerfile and push it where the cluster pulls from (docker build -t REGISTRY/prefixstore:%s . && docker push REGISTRY/prefixstore:%s), then set image.repository=REGISTRY/prefixstore" .Chart.AppVersion .Chart.AppVersion) }}
+{{- end }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
