@@ -275,14 +275,72 @@ def _text(name: str, value: object) -> str:
     return str(value)
 
 
+def _models_of(stats: Mapping[str, object]) -> list[Mapping[str, object]]:
+    """The per-model hit rates of a /v1/stats answer (``lookups.models``; absent from older stores)."""
+    lookups = stats.get("lookups")
+    models = lookups.get("models") if isinstance(lookups, dict) else None
+    return [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+
+
+def _without_models(stats: Mapping[str, object]) -> dict[str, object]:
+    lookups = stats.get("lookups")
+    if not isinstance(lookups, dict):
+        return dict(stats)
+    return {**stats, "lookups": {k: v for k, v in lookups.items() if k != "models"}}
+
+
+def format_models(models: Sequence[Mapping[str, object]]) -> str:
+    """A row per (tenant, model): lookup tokens and the KV and state token hit rates (state: '-'
+    for a plain transformer, which has none). The failure to see at a glance: one model's state
+    hit rate collapsed while its KV hit rate is healthy."""
+    head = ("tenant", "model", "tokens", "kv hit", "state hit")
+    rows: list[tuple[str, ...]] = [head]
+    for m in models:
+        kv, state = m.get("kv"), m.get("state")
+        kv_counts = kv if isinstance(kv, dict) else {}
+        state_counts = state if isinstance(state, dict) else {}
+        hits, misses = int(kv_counts.get("hit_tokens", 0)), int(kv_counts.get("miss_tokens", 0))
+        rows.append((str(m.get("tenant")), str(m.get("model")), str(hits + misses), _rate(hits, misses),
+                     _rate(int(state_counts.get("hit_tokens", 0)), int(state_counts.get("miss_tokens", 0)))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def summed_models(per_member: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
+    """Per-model token counts summed over members (a model's lookups are counted where they land)."""
+    out: dict[tuple[str, str], dict[str, object]] = {}
+    for stats in per_member:
+        for m in _models_of(stats):
+            row = out.setdefault((str(m.get("tenant")), str(m.get("model"))),
+                                 {"tenant": m.get("tenant"), "model": m.get("model")})
+            for kind in ("kv", "state"):
+                counts = m.get(kind)
+                if not isinstance(counts, dict):
+                    continue
+                total = row.setdefault(kind, {"hit_tokens": 0, "miss_tokens": 0})
+                assert isinstance(total, dict)
+                for field in ("hit_tokens", "miss_tokens"):
+                    total[field] += int(counts.get(field, 0))
+    for row in out.values():
+        for kind in ("kv", "state"):
+            counts = row.get(kind)
+            if isinstance(counts, dict):
+                n = counts["hit_tokens"] + counts["miss_tokens"]
+                counts["rate"] = counts["hit_tokens"] / n if n else None
+    return [out[k] for k in sorted(out)]
+
+
 def format_stats(url: str, stats: Mapping[str, object]) -> str:
     """One 'name  value' line per leaf; hit rates in percent, sizes also in binary units. The
-    headline (version, uptime, hit rates, occupancy) first."""
+    headline (version, uptime, hit rates, occupancy) first; the per-model hit rates as a table."""
     first = ("version", "uptime_s", "native", "lookups", "entries", "stored_bytes", "arena", "disk")
-    ordered = {k: stats[k] for k in first if k in stats} | {k: v for k, v in stats.items() if k not in first}
+    plain = _without_models(stats)
+    ordered = {k: plain[k] for k in first if k in plain} | {k: v for k, v in plain.items() if k not in first}
     rows = [("store", url)] + [(name, _text(name, value)) for name, value in _flatten(ordered)]
     width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name.ljust(width)}  {text}" for name, text in rows)
+    text = "\n".join(f"{name.ljust(width)}  {text}" for name, text in rows)
+    models = _models_of(stats)
+    return text + ("\n\nhit rates by model\n" + format_models(models) if models else "")
 
 
 def _num(stats: Mapping[str, object], *path: str) -> int:
@@ -354,8 +412,10 @@ def format_cluster(per_member: Mapping[str, Mapping[str, object] | str]) -> str:
                  _rate(total["lookups.state.hit_tokens"], total["lookups.state.miss_tokens"]),
                  str(entries), human_bytes(ram), human_bytes(disk)))
     widths = [max(len(r[i]) for r in rows if len(r) > i) for i in range(len(head))]
-    return "\n".join(f"{r[0].ljust(widths[0])}  error: {per_member[r[0]]}" if len(r) == 1 else
-                     "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    table = "\n".join(f"{r[0].ljust(widths[0])}  error: {per_member[r[0]]}" if len(r) == 1 else
+                      "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    models = summed_models(answered)
+    return table + ("\n\nhit rates by model (all members)\n" + format_models(models) if models else "")
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -382,7 +442,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"members": {u: s if not isinstance(s, str) else {"error": s}
                                           for u, s in per_member.items()},
-                              "total": _summed(iter(s for s in per_member.values() if not isinstance(s, str)))},
+                              "total": _summed(iter(s for s in per_member.values() if not isinstance(s, str))),
+                              "models": summed_models([s for s in per_member.values() if not isinstance(s, str)])},
                              indent=2, sort_keys=True))
         else:
             print(format_cluster(per_member))

@@ -85,7 +85,8 @@ async def stats(request: web.Request) -> web.Response:
     out["uptime_s"] = round(time.monotonic() - started[0], 3) if started else 0.0
     out["native"] = {"hash_chain": hashing.NATIVE, "checksums": checksums.NATIVE}
     lookups = store.metrics.registry.get_sample_value("prefixstore_lookups_total") or 0.0
-    out["lookups"] = {"answered": int(lookups), "kv": _hit_rate(store, "kv"), "state": _hit_rate(store, "state")}
+    out["lookups"] = {"answered": int(lookups), "kv": _hit_rate(store, "kv"), "state": _hit_rate(store, "state"),
+                      "models": store.metrics.model_hits.describe()}
     out["cluster_size"] = request.app[CLUSTER_SIZE]() if CLUSTER_SIZE in request.app else 1
     return web.json_response(out)
 

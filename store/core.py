@@ -65,7 +65,7 @@ class Store:
                              max_body_bytes=config.max_body_bytes)
         self.index = Index()
         self.arena = Arena(config.ram_bytes, config.page_bytes, virtual=virtual_payloads)
-        self.metrics = StoreMetrics(self.index, self._gauges)
+        self.metrics = StoreMetrics(self.index, self._gauges, config.model_metrics_per_tenant)
         self.tenants: Tenants | None = load_tenants(config.tenants_file) if config.tenants_file else None
         self.ledger = TenantLedger(self.tenants, self.metrics)
         self.metrics.tenant_usage = lambda: [

@@ -263,6 +263,32 @@ def test_stats_of_a_running_store(tmp_path: Path, serve: StartServe) -> None:
     assert json.loads(raw.stdout)["arena"]["capacity_bytes"] == 4 << 20
 
 
+def test_stats_shows_hit_rates_per_model(serve: StartServe) -> None:
+    """Which model's state hit rate collapsed: a row per (tenant, model), alone and over a cluster."""
+    from prefixstore.client import ClientConfig, SyncPrefixClient
+
+    from .factories import kv_payload, make_namespace, state_payload
+
+    p = serve("--port", "0", "--data-dir", "none", "--state-admission", "always")
+    assert p.url is not None
+    tokens = list(range(1, 13))
+    for ns, snapshot in ((make_namespace(model="hybrid-7b"), True), (make_namespace(model="plain-8b", with_state=False),
+                                                                     False)):
+        with SyncPrefixClient(ns, ClientConfig(url=p.url)) as client:
+            client.save(client.prompt(tokens), 12, lambda a, b, ns=ns: kv_payload(ns, tokens, a, b),
+                        {8: state_payload(ns, tokens, 8)} if snapshot else None)
+            client.release(client.lookup(tokens + [90, 91, 92, 93]).lease_id)  # kv 12/16, state 8/16
+    for args in ([p.url], ["--cluster", p.url]):
+        out = run_cli(["stats", *args])
+        assert out.returncode == 0, out.stderr
+        table = out.stdout.split("hit rates by model")[1].splitlines()[1:]
+        assert table[0].split() == ["tenant", "model", "tokens", "kv", "hit", "state", "hit"], out.stdout
+        assert table[1].split() == ["default", "hybrid-7b", "16", "75.0%", "50.0%"], out.stdout
+        assert table[2].split() == ["default", "plain-8b", "16", "75.0%", "-"], out.stdout
+    models = json.loads(run_cli(["stats", "--cluster", "--json", p.url]).stdout)["models"]
+    assert [(m["model"], m["kv"]["rate"]) for m in models] == [("hybrid-7b", 0.75), ("plain-8b", 0.75)]
+
+
 def test_stats_of_an_unreachable_store_fails_in_one_line() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

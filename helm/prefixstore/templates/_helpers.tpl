@@ -166,9 +166,15 @@ httpGet:
 {{- end }}
 {{- end }}
 
-{{/* Label matchers that pick this release's series in PromQL. */}}
+{{/*
+Label matchers that pick this release's series in PromQL: metrics.selector when given (a
+Prometheus that scrapes the nodes itself, without prometheus-operator: its scrape job), else the
+ServiceMonitor's job (named after the client Service) and the release's namespace.
+*/}}
 {{- define "prefixstore.promSelector" -}}
-job="{{ include "prefixstore.fullname" . }}", namespace="{{ .Release.Namespace }}"
+{{- if .Values.metrics.selector }}{{ .Values.metrics.selector }}
+{{- else }}job="{{ include "prefixstore.fullname" . }}", namespace="{{ .Release.Namespace }}"
+{{- end }}
 {{- end }}
 
 {{/*
