@@ -18,6 +18,7 @@ from .model_metrics import ModelHitRates
 
 KINDS = ("kv", "state")
 TIERS = ("ram", "disk")
+EVICTION_REASONS = ("demoted", "capacity", "corrupt", "expired")
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -157,8 +158,12 @@ class StoreMetrics:
             registry=r)
         for how in ("map", "promoted"):
             self.nixl_disk_reads.labels(how)
+        # Labelled counters exist from start at 0, so rate() and the alerts see a series, not nothing.
         for tier in ("disk", "network"):  # where payloads are verified (store/reads.py, store/writes.py)
             self.checksum_failures.labels(tier)
+        for kind in KINDS:
+            for reason in EVICTION_REASONS:
+                self.evictions.labels(kind, reason)
         # Cluster: membership and hot-prefix replication.
         self.members = Gauge("prefixstore_members", "Cluster members this node currently sees (itself included).",
                              registry=r)
