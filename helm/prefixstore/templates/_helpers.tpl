@@ -234,3 +234,25 @@ needs a client certificate the chart cannot invent: refused without one.
 {{- end }}
 {{- toYaml (merge $given $defaults) }}
 {{- end }}
+
+{{/* Whether the NetworkPolicy renders: on (networkPolicy.enabled) once a selector names the engines. */}}
+{{- define "prefixstore.networkPolicyOn" -}}
+{{- if and .Values.networkPolicy.enabled (or .Values.networkPolicy.engines.podSelector .Values.networkPolicy.engines.namespaceSelector) }}true{{ end }}
+{{- end }}
+
+{{/*
+The default spread of the pods over Kubernetes nodes (podSpread), when topologySpreadConstraints
+is not given: a machine lost then costs one store node, about 1/N of the cache, not all of it.
+*/}}
+{{- define "prefixstore.topologySpread" -}}
+{{- if .Values.topologySpreadConstraints }}
+{{- toYaml .Values.topologySpreadConstraints }}
+{{- else if .Values.podSpread.enabled }}
+- maxSkew: 1
+  topologyKey: {{ .Values.podSpread.topologyKey }}
+  whenUnsatisfiable: {{ .Values.podSpread.whenUnsatisfiable }}
+  labelSelector:
+    matchLabels:
+      {{- include "prefixstore.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end }}
