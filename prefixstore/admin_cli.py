@@ -26,6 +26,7 @@ import json
 import os
 import ssl
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -149,6 +150,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     _target_args(stats, "ask every member of URL's cluster (GET URL/v1/members) and print one row per "
                         "node and the cluster's totals")
     stats.add_argument("--json", action="store_true", help="print the raw JSON answer (per member with --cluster)")
+    stats.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                       help="redraw a table every SECONDS (default 2) until Ctrl-C: per node (with --cluster, every "
+                            "member and the total) lookups per second and token hit rates over the last interval "
+                            "and since start, entries, bytes; then the hit rates by model")
+    stats.add_argument("--count", type=int, default=0, metavar="N",
+                       help="with --watch: stop after N tables (default: 0, until Ctrl-C)")
     stats.set_defaults(run=cmd_stats)
 
     namespaces = commands.add_parser(
@@ -418,27 +425,120 @@ def format_cluster(per_member: Mapping[str, Mapping[str, object] | str]) -> str:
     return table + ("\n\nhit rates by model (all members)\n" + format_models(models) if models else "")
 
 
+def _collect(target: Target, cluster: bool) -> dict[str, Mapping[str, object] | str]:
+    """/v1/stats of the URL (``cluster``: of every member), or why each did not answer."""
+    if not cluster:
+        try:
+            return {target.url: target.call("/v1/stats")}
+        except AdminError as err:
+            return {target.url: str(err)}
+    per_member: dict[str, Mapping[str, object] | str] = {}
+    try:
+        members = [target.at(url) for url in target.members()]
+    except AdminError as err:
+        # The URL itself did not answer: it is the one member known, shown as down in the table
+        # (an operator aiming at a dead node must see a table that says so, not one line).
+        per_member[target.url] = str(err)
+        members = []
+    for member in members:
+        try:
+            per_member[member.url] = member.call("/v1/stats")
+        except AdminError as err:
+            per_member[member.url] = str(err)
+    return per_member
+
+
+def format_watch(per_member: Mapping[str, Mapping[str, object] | str],
+                 previous: Mapping[str, Mapping[str, object]], interval_s: float) -> str:
+    """One frame of ``stats --watch``: a row per member with its lookups per second and token hit
+    rates over the last interval (from the counters' differences; '-' on the first frame or after
+    a restart), its hit rates since start, entries and bytes; the cluster's row; the per-model
+    hit rates since start."""
+    head = ("member", "lookups/s", "kv hit now", "state hit now", "kv hit", "state hit", "entries", "ram", "disk")
+    rows: list[tuple[str, ...]] = [head]
+    sums = {"lookups": 0, "kv_h": 0, "kv_m": 0, "st_h": 0, "st_m": 0}
+    answered = [s for s in per_member.values() if not isinstance(s, str)]
+    have_previous = False
+    for url, stats in per_member.items():
+        if isinstance(stats, str):
+            rows.append((url,))
+            continue
+        now = {"lookups": _num(stats, "lookups", "answered"),
+               "kv_h": _num(stats, "lookups", "kv", "hit_tokens"), "kv_m": _num(stats, "lookups", "kv", "miss_tokens"),
+               "st_h": _num(stats, "lookups", "state", "hit_tokens"),
+               "st_m": _num(stats, "lookups", "state", "miss_tokens")}
+        before = previous.get(url)
+        delta = None
+        if before is not None:
+            was = {"lookups": _num(before, "lookups", "answered"),
+                   "kv_h": _num(before, "lookups", "kv", "hit_tokens"),
+                   "kv_m": _num(before, "lookups", "kv", "miss_tokens"),
+                   "st_h": _num(before, "lookups", "state", "hit_tokens"),
+                   "st_m": _num(before, "lookups", "state", "miss_tokens")}
+            if all(now[k] >= was[k] for k in now):  # else the node restarted: its counters began again
+                delta = {k: now[k] - was[k] for k in now}
+                have_previous = True
+                for k in sums:
+                    sums[k] += delta[k]
+        by_tier = {t: sum(_num(stats, "stored_bytes", f"{k}/{t}") for k in ("kv", "state")) for t in ("ram", "disk")}
+        rows.append((url, f"{delta['lookups'] / interval_s:.1f}" if delta else "-",
+                     _rate(delta["kv_h"], delta["kv_m"]) if delta else "-",
+                     _rate(delta["st_h"], delta["st_m"]) if delta else "-",
+                     _rate(now["kv_h"], now["kv_m"]), _rate(now["st_h"], now["st_m"]), str(_entries(stats)),
+                     human_bytes(by_tier["ram"]), human_bytes(by_tier["disk"])))
+    if len(per_member) > 1:
+        total = _summed(iter(answered))
+        rows.append((f"total ({len(answered)} of {len(per_member)} answered)",
+                     f"{sums['lookups'] / interval_s:.1f}" if have_previous else "-",
+                     _rate(sums["kv_h"], sums["kv_m"]) if have_previous else "-",
+                     _rate(sums["st_h"], sums["st_m"]) if have_previous else "-",
+                     _rate(total["lookups.kv.hit_tokens"], total["lookups.kv.miss_tokens"]),
+                     _rate(total["lookups.state.hit_tokens"], total["lookups.state.miss_tokens"]),
+                     str(sum(_entries(s) for s in answered)), "", ""))
+    widths = [max(len(r[i]) for r in rows if len(r) > i) for i in range(len(head))]
+    table = "\n".join(f"{r[0].ljust(widths[0])}  error: {per_member[r[0]]}" if len(r) == 1 else
+                      "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    models = summed_models(answered)
+    return table + ("\n\nhit rates by model (since start)\n" + format_models(models) if models else "")
+
+
+def _watch(target: Target, args: argparse.Namespace) -> int:
+    """Redraw the table every ``--watch`` seconds (a terminal: in place; else one frame after the
+    other) until Ctrl-C or ``--count`` frames."""
+    interval = float(args.watch)
+    clear = sys.stdout.isatty()
+    previous: dict[str, Mapping[str, object]] = {}
+    frames = 0
+    try:
+        while True:
+            per_member = _collect(target, args.cluster)
+            frame = format_watch(per_member, previous, interval)
+            print(("\x1b[H\x1b[2J" if clear else "") + f"prefixstore stats {target.url}"
+                  f"{' --cluster' if args.cluster else ''}: every {interval:g}s, {time.strftime('%H:%M:%S')}\n"
+                  + frame + ("" if clear else "\n"), flush=True)
+            previous = {u: s for u, s in per_member.items() if not isinstance(s, str)}
+            frames += 1
+            if args.count and frames >= args.count:
+                return EXIT_OK
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     target = target_of(args)
+    if args.watch is not None:
+        if args.json or args.watch <= 0:
+            print("prefixstore stats: error: --watch takes a positive interval and no --json", file=sys.stderr)
+            return EXIT_USAGE
+        return _watch(target, args)
 
     def body() -> int:
         if not args.cluster:
             stats = target.call("/v1/stats")
             print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats(target.url, stats))
             return EXIT_OK
-        per_member: dict[str, Mapping[str, object] | str] = {}
-        try:
-            members = [target.at(url) for url in target.members()]
-        except AdminError as err:
-            # The URL itself did not answer: it is the one member known, shown as down in the table
-            # (an operator aiming at a dead node must see a table that says so, not one line).
-            per_member[target.url] = str(err)
-            members = []
-        for member in members:
-            try:
-                per_member[member.url] = member.call("/v1/stats")
-            except AdminError as err:
-                per_member[member.url] = str(err)
+        per_member = _collect(target, True)
         if args.json:
             print(json.dumps({"members": {u: s if not isinstance(s, str) else {"error": s}
                                           for u, s in per_member.items()},

@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  prefixstore stats http://127.0.0.1:8077     # hit rates, occupancy, uptime (--cluster: every node)\n"
                "  prefixstore namespaces; prefixstore delete --tenant team-a --cluster --yes\n"
                "  prefixstore config --config store.toml       # every knob's value and where it came from\n"
+               "  prefixstore bench -c 16 -n 5000 URL         # load a running store: p50/p99 per operation, hit rates\n"
                "  prefixstore demo --turns 3                  # a conversation against an embedded store\n"
                "  prefixstore plan --model all                # bytes per token, crossover, snapshot interval\n"
                "  prefixstore simulate --workload multi-turn --capacity 4GiB,16GiB --policy all\n\n"
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .admin_cli import add_commands as add_admin_commands
 
     add_admin_commands(commands)
+
+    from .bench import add_commands as add_bench_commands
+
+    add_bench_commands(commands)
 
     demo = commands.add_parser(
         "demo", help="run a multi-turn conversation of a small hybrid model against an embedded store",

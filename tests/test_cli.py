@@ -343,3 +343,41 @@ def test_port_in_use_fails_cleanly(serve: StartServe) -> None:
     assert out.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_stats_watch_redraws_the_table_with_the_last_interval(serve: StartServe) -> None:
+    """`stats --watch`: a frame every interval; from the second on, lookups per second and the hit
+    rates of the interval (a stored prompt looked up again and again: 100%)."""
+    import subprocess
+    import threading
+
+    from prefixstore.client import ClientConfig, SyncPrefixClient
+
+    from .factories import kv_payload, make_namespace
+
+    p = serve("--port", "0", "--data-dir", "none")
+    assert p.url is not None
+    ns = make_namespace(model="watched", with_state=False)
+    tokens = list(range(1, 33))
+    watch = subprocess.Popen([sys.executable, "-m", "prefixstore", "stats", p.url, "--watch", "0.3", "--count", "4"],
+                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with SyncPrefixClient(ns, ClientConfig(url=p.url)) as client:
+        client.save(client.prompt(tokens), 32, lambda a, b: kv_payload(ns, tokens, a, b))
+
+        def look() -> None:  # lookups while the watch runs
+            while watch.poll() is None:
+                client.release(client.lookup(tokens).lease_id)
+
+        looker = threading.Thread(target=look)
+        looker.start()
+        stdout, stderr = watch.communicate(timeout=60)
+        looker.join(30)
+    assert watch.returncode == 0, stderr
+    frames = stdout.split(f"prefixstore stats {p.url}: every 0.3s, ")[1:]
+    assert len(frames) == 4, stdout
+    rows = [next(ln for ln in f.splitlines() if ln.startswith(p.url)).split() for f in frames]
+    assert all(f.splitlines()[1].split()[:2] == ["member", "lookups/s"] for f in frames)
+    assert rows[0][1:3] == ["-", "-"]  # no interval yet
+    later = [r for r in rows[1:] if float(r[1]) > 0]
+    assert later and all(r[2] == "100.0%" for r in later), rows  # the interval's KV hit rate
+    assert "watched" in frames[-1]  # the per-model table follows
