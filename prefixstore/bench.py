@@ -201,13 +201,13 @@ class Bench:
         await client.release(res.lease_id)
         after = np.concatenate([prompt, self._message(c.answer_tokens)])
         end = len(after) - 1  # the last sampled token was never fed through the model (DESIGN §6)
-        snapshots = {end: state_bytes(ns, after, end)} if ns.has_state else None
+        snapshots = {end: memoryview(state_bytes(ns, after, end))} if ns.has_state else None
         sent = [0]
 
-        def payload(a: int, b: int) -> bytes:
+        def payload(a: int, b: int) -> memoryview:
             data = kv_bytes(ns, after, a, b)
             sent[0] += len(data)
-            return data
+            return memoryview(data)
 
         started = time.perf_counter()
         saved = await client.save(client.prompt(after), end, payload, snapshots)
