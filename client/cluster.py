@@ -440,7 +440,8 @@ class ClusterClient(SaveCalls):
             if spare:
                 self._spawn(self._release_spare(spare))
             if lost:
-                self._failures.record("lookup", f"no live node holding its branch answered ({', '.join(sorted(set(lost)))})")
+                nodes = ", ".join(sorted(set(lost)))
+                self._failures.record("lookup", f"no live node holding its branch answered ({nodes})")
         self.last_walk = walk
         if h1 is not None:
             self._learn_forks(p, h1, levels, walk)

@@ -2,9 +2,10 @@
 
     GET  /healthz                  -> {status}     (open: liveness, cheap, no cache contents)
     GET  /readyz                   -> {ready, checks}  200 ready, 503 not (open: no cache contents)
-    GET  /metrics                  Prometheus text (open: no contents or keys; the quota counter's
-                                                   and the per-tenant gauge's ``tenant`` label
-                                                   names tenants: scrape it over a trusted network)
+    GET  /metrics                  Prometheus text (open: no contents or keys; the quota counter's,
+                                                   the per-tenant gauge's and the per-model hit
+                                                   counter's labels name tenants and their models:
+                                                   scrape it over a trusted network)
     GET  /v1/stats                 -> JSON          (admin token when tenants are configured)
     GET  /v1/admin/namespaces      -> {namespaces: [...]}       (admin)
     GET  /v1/admin/config          -> {knobs: {name: {value, source}}}  (admin)
