@@ -84,16 +84,20 @@ class PrefixClient:
         self.impl: StoreClient = connect(namespace, config)
         self.namespace = namespace
         self.config = self.impl.config
-        self._shape_known = not isinstance(self.impl, NodeClient)
+        self._shape_known = False
         self._shape_asked = -math.inf
         self._buffers: list[Buffer | DeviceBuffer] = []
 
     async def _shape(self) -> None:
-        """Once (retried every membership_refresh_s while the node does not answer): is the one
-        node this client was pointed at part of a larger cluster?"""
+        """Once (retried every membership_refresh_s while no store answers): is the one node this
+        client was pointed at part of a larger cluster? Are the seeds of a cluster client one node
+        that is part of none?"""
         if self._shape_known or time.monotonic() - self._shape_asked < self.config.membership_refresh_s:
             return
         self._shape_asked = time.monotonic()
+        if isinstance(self.impl, ClusterClient):
+            await self._shape_of_seeds(self.impl)
+            return
         node = self.impl
         assert isinstance(node, NodeClient)
         try:
@@ -109,6 +113,23 @@ class PrefixClient:
             for buf in self._buffers:
                 self.impl.register_buffer(buf)
             await node.close()
+
+    async def _shape_of_seeds(self, cluster: ClusterClient) -> None:
+        """A cluster client's seeds that are one plain node (``cluster: false`` in /v1/members):
+        talk to it as a node client. Its lookups then count themselves there; as a cluster's they
+        were probes, which teach nothing, and lookup reports, which a node of no cluster refuses,
+        so its hit rates and policies learned nothing (docs/cluster.md)."""
+        await cluster.refresh_members()
+        if not cluster.epoch:
+            return  # no seed answered: its calls are misses; asked again later
+        self._shape_known = True
+        if cluster.standalone is None:
+            return
+        log.info("prefixstore: %s is a single node, not a cluster; talking to it as one", cluster.standalone)
+        self.impl = NodeClient(self.namespace, dataclasses.replace(self.config, url=cluster.standalone, urls=()))
+        for buf in self._buffers:
+            self.impl.register_buffer(buf)
+        await cluster.close()
 
     async def __aenter__(self) -> PrefixClient:
         return self

@@ -179,6 +179,7 @@ class ClusterClient(SaveCalls):
         self._leases: dict[bytes, tuple[float, list[tuple[str, bytes]]]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._buffers: list[Buffer | DeviceBuffer] = []  # staging buffers registered by the engine (NIXL)
+        self.standalone: str | None = None  # the seed that answered, when it is a node of no cluster
 
     async def __aenter__(self) -> ClusterClient:
         return self
@@ -270,6 +271,9 @@ class ClusterClient(SaveCalls):
             except (StoreError, KeyError, TypeError, ValueError) as err:
                 node.failed("members", err)
                 continue
+            # A plain `prefixstore serve` (no peers) says so, and stays so: PrefixClient then talks to
+            # it as a node client, through the URL this client reached it at.
+            self.standalone = url if body.get("cluster") is False and len(members) == 1 else None
             if self.config.owner_grace_s is None and isinstance(grace, (int, float)):
                 self.owner_grace_s = float(grace)
             if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 1:
@@ -374,13 +378,17 @@ class ClusterClient(SaveCalls):
         return rank(self.members, key)[0] if self.members else None
 
     async def _hop(self, branch: bytes, req: ProbeRequest, first: bytes | None,
-                   lease: bool) -> list[tuple[str, ProbeAnswer]]:
+                   lease: bool, lost: list[str]) -> list[tuple[str, ProbeAnswer]]:
         """One hop of a walk (client/walk.py): a live home of the branch or a node holding copies of
         its first entry, by load; on failure the next one; within owner_grace_s of a change that
-        moved the branch, its previous owner too, at the same time."""
+        moved the branch, its previous owner too, at the same time. A hop that no home or copy
+        answered (all down, their breakers open, or failing now) appends the branch's primary to
+        ``lost``: what it holds of the prompt is a miss, and the lookup counts as failed."""
         now = time.monotonic()
         candidates = self.homes(branch)
+        holders = set(rank(self.members, branch)[: self.replicas])
         copies = [u for u in self.replicas_of(first, now) if self._usable(u, now)] if first is not None else []
+        holders.update(copies)
         extra: list[str] = []
         if self._in_grace():
             before = rank(self.previous, branch)[: self.replicas]
@@ -392,7 +400,7 @@ class ClusterClient(SaveCalls):
             tried.add(pick)
             asked = [pick, *extra]
             extra = []
-            got = await asyncio.gather(*(self._node(u).run("lookup", lambda c: c.probe(req, lease)) for u in asked))
+            got = await asyncio.gather(*(self._node(u).run("probe", lambda c: c.probe(req, lease)) for u in asked))
             out += [(u, a) for u, a in zip(asked, got) if a is not None]
             if got[0] is not None:
                 break
@@ -402,6 +410,8 @@ class ClusterClient(SaveCalls):
         for url, answer in out:
             for key, nodes in answer.replicas.items():
                 self._replicas[key] = (now + REPLICA_TTL_S, tuple(u for u in nodes if u != url) + (url,))
+        if not any(url in holders for url, _ in out):
+            lost.append(rank(self.members, branch)[0] if self.members else "no member")
         return out
 
     async def lookup(self, prompt: Prompt | Sequence[int] | np.ndarray, lease: bool | None = None) -> LookupResult:
@@ -409,13 +419,19 @@ class ClusterClient(SaveCalls):
         p = prompt if isinstance(prompt, Prompt) else self.prompt(prompt)
         lease = self.config.lease if lease is None else lease
         await self._ensure_members()
-        if not p.num_tokens or not self.members:
+        if not p.num_tokens:
             return LookupResult(prompt=p, ok=bool(self.members))
+        if not self.members:
+            self._failures.record("lookup", "no seed answered /v1/members")
+            return LookupResult(prompt=p, ok=False)
         h1 = p.hashes[0] if p.hashes else None
         n = len(p.hashes)
         levels = self._fork_hints.get(h1, ()) if h1 is not None else ()
         hints = tuple(j for j in levels if j < n and p.hashes[j] in self._fork_heads)
-        walk = Walk(p, lambda branch, req, first: self._hop(branch, req, first, lease), self.namespace.has_state,
+        # Nodes whose part of this prompt went unanswered: one failed lookup, however many hops or
+        # breaker-skipped nodes made it so (``failures["probe"]`` counts the node errors themselves).
+        lost: list[str] = []
+        walk = Walk(p, lambda branch, req, first: self._hop(branch, req, first, lease, lost), self.namespace.has_state,
                     hints=hints)
         try:
             await walk.run()
@@ -423,6 +439,9 @@ class ClusterClient(SaveCalls):
             spare = walk.leftover()
             if spare:
                 self._spawn(self._release_spare(spare))
+            if lost:
+                nodes = ", ".join(sorted(set(lost)))
+                self._failures.record("lookup", f"no live node holding its branch answered ({nodes})")
         self.last_walk = walk
         if h1 is not None:
             self._learn_forks(p, h1, levels, walk)

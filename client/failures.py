@@ -3,6 +3,11 @@
 Every store failure becomes a miss or a dropped save, counted here by operation (``lookup``,
 ``read``, ``save``, ``quota``, ``checksum``, ``nixl``, ...) and warned about at most once per
 ``warn_interval_s`` per operation (a dead store must not flood the engine's log).
+
+``lookup`` counts lookups answered short because of a failure, once each: on a cluster, a lookup
+none of whose holders of some branch answered (down, failing, or skipped while its circuit
+breaker is open); the node errors behind them are counted apart, as ``probe`` (one per error, not
+per lookup: while a breaker is open its node is skipped, not asked).
 """
 
 from __future__ import annotations

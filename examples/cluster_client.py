@@ -30,7 +30,7 @@ for k in kv:  # the system prompt's KV is the same in every conversation
     kv[k][:, : len(system)] = kv[0][:, : len(system)]
 
 
-async def main() -> None:
+async def main() -> bool:
     async with PrefixClient(ns, ClientConfig(urls=SEEDS)) as client:  # urls=: a cluster client
         stored = 0
         for k, tokens in enumerate(conversations):
@@ -46,10 +46,11 @@ async def main() -> None:
             await client.release(res.lease_id)
             exact_all &= res.kv_tokens == len(tokens) and all(
                 g == len(b) and b == kv[k][:, s:e].tobytes() for g, b, (_, s, e) in zip(got, buffers, reads))
-            walk = client.impl.last_walk  # type: ignore[attr-defined]  # the cluster client's diagnostics
-            most_nodes = max(most_nodes, len(walk.nodes))
+            walk = getattr(client.impl, "last_walk", None)  # the cluster client's diagnostics (None: one node)
+            most_nodes = max(most_nodes, len(walk.nodes) if walk is not None else 1)
         print(f"lookups: every conversation whole and exact: {exact_all}; most nodes asked by one lookup: {most_nodes}")
         print(f"failures: {dict(client.failures) or 'none'}")
+        return exact_all and stored > 0
 
 
-asyncio.run(main())
+sys.exit(0 if asyncio.run(main()) else 1)

@@ -21,7 +21,7 @@ from prefixstore.gpu_staging import Engine, EngineConfig, HybridModel, ModelConf
 URL = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8077"
 
 
-async def main() -> None:
+async def main() -> bool:
     model = HybridModel(ModelConfig(seed=0)).to("cuda" if torch.cuda.is_available() else "cpu")
     async with PrefixClient(model.config.namespace(block_tokens=16), ClientConfig(url=URL)) as client:
         engine = Engine(model, client, EngineConfig(mode="exact", page_tokens=16))
@@ -34,6 +34,8 @@ async def main() -> None:
               f"{second.loaded_bytes} bytes, computed {second.computed_tokens} of {second.prompt_tokens}")
         reference = await engine.generate(follow_up, max_new_tokens=16, use_store=False, save=False)
         print(f"same tokens as a full recompute: {second.generated == reference.generated}")
+        print(f"failures: {dict(client.failures) or 'none'}")
+        return second.loaded_bytes > 0 and second.generated == reference.generated
 
 
-asyncio.run(main())
+sys.exit(0 if asyncio.run(main()) else 1)

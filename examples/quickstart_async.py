@@ -31,7 +31,7 @@ def kv_payload(a: int, b: int) -> bytes:
     return kv[:, a:b].tobytes()
 
 
-async def main() -> None:
+async def main() -> bool:
     async with PrefixClient(ns, ClientConfig(url=URL)) as client:
         prompt = client.prompt(tokens)
         # Offer KV [0, n) and a snapshot at n; only what the store wants is sent.
@@ -48,10 +48,14 @@ async def main() -> None:
         got_state = await client.read([snapshot], [state_buffer]) if snapshot is not None else [-1]
         await client.release(res.lease_id)  # the entries may be evicted again
 
-        exact = all(g == len(buf) and buf == kv_payload(a, b) for g, buf, (_, a, b) in zip(got, buffers, reads))
+        # Nothing read is no success: a dead store or a refused token is a miss, never an exception.
+        exact = bool(reads) and all(g == len(buf) and buf == kv_payload(a, b)
+                                    for g, buf, (_, a, b) in zip(got, buffers, reads))
+        state_exact = got_state[0] > 0 and state_buffer == state.tobytes()
         print(f"read {len(reads)} KV entries ({sum(max(g, 0) for g in got)} bytes), exact: {exact}; "
-              f"snapshot exact: {got_state[0] > 0 and state_buffer == state.tobytes()}")
+              f"snapshot exact: {state_exact}")
         print(f"failures: {dict(client.failures) or 'none'}")
+        return exact and state_exact
 
 
-asyncio.run(main())
+sys.exit(0 if asyncio.run(main()) else 1)

@@ -28,5 +28,8 @@ with SyncPrefixClient(ns, ClientConfig(url=URL)) as client:
     buffers = [bytearray(ns.kv.payload_bytes(end - start)) for _, start, end in reads]
     got = client.read([item for item, _, _ in reads], buffers)
     client.release(res.lease_id)  # always release what a lookup leased
-    exact = all(g == len(buf) and buf == kv[:, a:b].tobytes() for g, buf, (_, a, b) in zip(got, buffers, reads))
+    exact = bool(reads) and all(g == len(buf) and buf == kv[:, a:b].tobytes()
+                                for g, buf, (_, a, b) in zip(got, buffers, reads))
     print(f"read {len(reads)} KV entries, exact: {exact}")
+    print(f"failures: {dict(client.failures) or 'none'}")  # a dead store or a refused token: misses, counted
+sys.exit(0 if exact else 1)

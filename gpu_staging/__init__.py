@@ -9,8 +9,9 @@ ImportError deep in a traceback.
 try:
     import torch  # noqa: F401
 except ImportError as err:  # pragma: no cover - exercised only on machines without torch
-    raise ImportError("prefixstore.gpu_staging needs torch (the CPU build is enough): "
-                      "pip install torch==2.13.0") from err
+    raise ImportError("prefixstore.gpu_staging needs torch; its CPU build is enough (PyPI's default build pulls "
+                      "gigabytes of CUDA libraries): pip install torch==2.13.0 "
+                      "--index-url https://download.pytorch.org/whl/cpu") from err
 
 from .engine import REUSE_MODES, Engine, EngineConfig, RequestResult, ReuseMode, ReusePlan, SaveStats, recompute_logits
 from .loader import LayerwiseLoad, LoadFailed

@@ -26,12 +26,14 @@ import json
 import os
 import ssl
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from .flags import add_knob_flags, format_size, human_bytes, knob_sources, load_config
+from . import preflight
+from .flags import add_knob_flags, format_size, human_bytes, knob_sources, load_config, with_source
 from .protocol.wire import CONTENT_TYPE, encode_frame
 from .store.config import ENV_PREFIX, ConfigError, StoreConfig
 
@@ -103,12 +105,17 @@ class Target:
 
 
 def _refusal(err: urllib.error.HTTPError) -> str:
-    """The store's own reason ({"error": ...}), when it gave one."""
+    """The store's own reason ({"error": ...}), when it gave one; for a 401, where the admin token
+    comes from (the store cannot know that the operator's shell is where it is missing)."""
     try:
         body = json.loads(err.read() or b"{}")
     except (ValueError, OSError):
-        return ""
-    return f": {body['error']}" if isinstance(body, dict) and isinstance(body.get("error"), str) else ""
+        body = None
+    reason = f": {body['error']}" if isinstance(body, dict) and isinstance(body.get("error"), str) else ""
+    if err.code == 401:
+        reason += (f" (the admin commands send the admin token from ${ADMIN_TOKEN_ENV}: "
+                   f"{'the one set was refused' if os.environ.get(ADMIN_TOKEN_ENV) else 'it is not set'})")
+    return reason
 
 
 # ---------------------------------------------------------------- parser
@@ -143,6 +150,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     _target_args(stats, "ask every member of URL's cluster (GET URL/v1/members) and print one row per "
                         "node and the cluster's totals")
     stats.add_argument("--json", action="store_true", help="print the raw JSON answer (per member with --cluster)")
+    stats.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                       help="redraw a table every SECONDS (default 2) until Ctrl-C: per node (with --cluster, every "
+                            "member and the total) lookups per second and token hit rates over the last interval "
+                            "and since start, entries, bytes; then the hit rates by model")
+    stats.add_argument("--count", type=int, default=0, metavar="N",
+                       help="with --watch: stop after N tables (default: 0, until Ctrl-C)")
     stats.set_defaults(run=cmd_stats)
 
     namespaces = commands.add_parser(
@@ -269,14 +282,72 @@ def _text(name: str, value: object) -> str:
     return str(value)
 
 
+def _models_of(stats: Mapping[str, object]) -> list[Mapping[str, object]]:
+    """The per-model hit rates of a /v1/stats answer (``lookups.models``; absent from older stores)."""
+    lookups = stats.get("lookups")
+    models = lookups.get("models") if isinstance(lookups, dict) else None
+    return [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+
+
+def _without_models(stats: Mapping[str, object]) -> dict[str, object]:
+    lookups = stats.get("lookups")
+    if not isinstance(lookups, dict):
+        return dict(stats)
+    return {**stats, "lookups": {k: v for k, v in lookups.items() if k != "models"}}
+
+
+def format_models(models: Sequence[Mapping[str, object]]) -> str:
+    """A row per (tenant, model): lookup tokens and the KV and state token hit rates (state: '-'
+    for a plain transformer, which has none). The failure to see at a glance: one model's state
+    hit rate collapsed while its KV hit rate is healthy."""
+    head = ("tenant", "model", "tokens", "kv hit", "state hit")
+    rows: list[tuple[str, ...]] = [head]
+    for m in models:
+        kv, state = m.get("kv"), m.get("state")
+        kv_counts = kv if isinstance(kv, dict) else {}
+        state_counts = state if isinstance(state, dict) else {}
+        hits, misses = int(kv_counts.get("hit_tokens", 0)), int(kv_counts.get("miss_tokens", 0))
+        rows.append((str(m.get("tenant")), str(m.get("model")), str(hits + misses), _rate(hits, misses),
+                     _rate(int(state_counts.get("hit_tokens", 0)), int(state_counts.get("miss_tokens", 0)))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def summed_models(per_member: Sequence[Mapping[str, object]]) -> list[dict[str, object]]:
+    """Per-model token counts summed over members (a model's lookups are counted where they land)."""
+    out: dict[tuple[str, str], dict[str, object]] = {}
+    for stats in per_member:
+        for m in _models_of(stats):
+            row = out.setdefault((str(m.get("tenant")), str(m.get("model"))),
+                                 {"tenant": m.get("tenant"), "model": m.get("model")})
+            for kind in ("kv", "state"):
+                counts = m.get(kind)
+                if not isinstance(counts, dict):
+                    continue
+                total = row.setdefault(kind, {"hit_tokens": 0, "miss_tokens": 0})
+                assert isinstance(total, dict)
+                for field in ("hit_tokens", "miss_tokens"):
+                    total[field] += int(counts.get(field, 0))
+    for row in out.values():
+        for kind in ("kv", "state"):
+            counts = row.get(kind)
+            if isinstance(counts, dict):
+                n = counts["hit_tokens"] + counts["miss_tokens"]
+                counts["rate"] = counts["hit_tokens"] / n if n else None
+    return [out[k] for k in sorted(out)]
+
+
 def format_stats(url: str, stats: Mapping[str, object]) -> str:
     """One 'name  value' line per leaf; hit rates in percent, sizes also in binary units. The
-    headline (version, uptime, hit rates, occupancy) first."""
+    headline (version, uptime, hit rates, occupancy) first; the per-model hit rates as a table."""
     first = ("version", "uptime_s", "native", "lookups", "entries", "stored_bytes", "arena", "disk")
-    ordered = {k: stats[k] for k in first if k in stats} | {k: v for k, v in stats.items() if k not in first}
+    plain = _without_models(stats)
+    ordered = {k: plain[k] for k in first if k in plain} | {k: v for k, v in plain.items() if k not in first}
     rows = [("store", url)] + [(name, _text(name, value)) for name, value in _flatten(ordered)]
     width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name.ljust(width)}  {text}" for name, text in rows)
+    text = "\n".join(f"{name.ljust(width)}  {text}" for name, text in rows)
+    models = _models_of(stats)
+    return text + ("\n\nhit rates by model\n" + format_models(models) if models else "")
 
 
 def _num(stats: Mapping[str, object], *path: str) -> int:
@@ -287,8 +358,9 @@ def _num(stats: Mapping[str, object], *path: str) -> int:
 
 
 def _summed(values: Iterator[Mapping[str, object]]) -> dict[str, int]:
-    """Per-kind/tier counts and token counts summed over members."""
-    out: dict[str, int] = {}
+    """Per-kind/tier counts and token counts summed over members (zeros when none answered)."""
+    out: dict[str, int] = {"lookups.answered": 0} | {f"lookups.{kind}.{field}": 0 for kind in ("kv", "state")
+                                                     for field in ("hit_tokens", "miss_tokens")}
     for stats in values:
         for group in ("entries", "stored_bytes"):
             g = stats.get(group)
@@ -347,28 +419,131 @@ def format_cluster(per_member: Mapping[str, Mapping[str, object] | str]) -> str:
                  _rate(total["lookups.state.hit_tokens"], total["lookups.state.miss_tokens"]),
                  str(entries), human_bytes(ram), human_bytes(disk)))
     widths = [max(len(r[i]) for r in rows if len(r) > i) for i in range(len(head))]
-    return "\n".join(f"{r[0].ljust(widths[0])}  error: {per_member[r[0]]}" if len(r) == 1 else
-                     "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    table = "\n".join(f"{r[0].ljust(widths[0])}  error: {per_member[r[0]]}" if len(r) == 1 else
+                      "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    models = summed_models(answered)
+    return table + ("\n\nhit rates by model (all members)\n" + format_models(models) if models else "")
+
+
+def _collect(target: Target, cluster: bool) -> dict[str, Mapping[str, object] | str]:
+    """/v1/stats of the URL (``cluster``: of every member), or why each did not answer."""
+    if not cluster:
+        try:
+            return {target.url: target.call("/v1/stats")}
+        except AdminError as err:
+            return {target.url: str(err)}
+    per_member: dict[str, Mapping[str, object] | str] = {}
+    try:
+        members = [target.at(url) for url in target.members()]
+    except AdminError as err:
+        # The URL itself did not answer: it is the one member known, shown as down in the table
+        # (an operator aiming at a dead node must see a table that says so, not one line).
+        per_member[target.url] = str(err)
+        members = []
+    for member in members:
+        try:
+            per_member[member.url] = member.call("/v1/stats")
+        except AdminError as err:
+            per_member[member.url] = str(err)
+    return per_member
+
+
+def format_watch(per_member: Mapping[str, Mapping[str, object] | str],
+                 previous: Mapping[str, Mapping[str, object]], interval_s: float) -> str:
+    """One frame of ``stats --watch``: a row per member with its lookups per second and token hit
+    rates over the last interval (from the counters' differences; '-' on the first frame or after
+    a restart), its hit rates since start, entries and bytes; the cluster's row; the per-model
+    hit rates since start."""
+    head = ("member", "lookups/s", "kv hit now", "state hit now", "kv hit", "state hit", "entries", "ram", "disk")
+    rows: list[tuple[str, ...]] = [head]
+    sums = {"lookups": 0, "kv_h": 0, "kv_m": 0, "st_h": 0, "st_m": 0}
+    answered = [s for s in per_member.values() if not isinstance(s, str)]
+    have_previous = False
+    for url, stats in per_member.items():
+        if isinstance(stats, str):
+            rows.append((url,))
+            continue
+        now = {"lookups": _num(stats, "lookups", "answered"),
+               "kv_h": _num(stats, "lookups", "kv", "hit_tokens"), "kv_m": _num(stats, "lookups", "kv", "miss_tokens"),
+               "st_h": _num(stats, "lookups", "state", "hit_tokens"),
+               "st_m": _num(stats, "lookups", "state", "miss_tokens")}
+        before = previous.get(url)
+        delta = None
+        if before is not None:
+            was = {"lookups": _num(before, "lookups", "answered"),
+                   "kv_h": _num(before, "lookups", "kv", "hit_tokens"),
+                   "kv_m": _num(before, "lookups", "kv", "miss_tokens"),
+                   "st_h": _num(before, "lookups", "state", "hit_tokens"),
+                   "st_m": _num(before, "lookups", "state", "miss_tokens")}
+            if all(now[k] >= was[k] for k in now):  # else the node restarted: its counters began again
+                delta = {k: now[k] - was[k] for k in now}
+                have_previous = True
+                for k in sums:
+                    sums[k] += delta[k]
+        by_tier = {t: sum(_num(stats, "stored_bytes", f"{k}/{t}") for k in ("kv", "state")) for t in ("ram", "disk")}
+        rows.append((url, f"{delta['lookups'] / interval_s:.1f}" if delta else "-",
+                     _rate(delta["kv_h"], delta["kv_m"]) if delta else "-",
+                     _rate(delta["st_h"], delta["st_m"]) if delta else "-",
+                     _rate(now["kv_h"], now["kv_m"]), _rate(now["st_h"], now["st_m"]), str(_entries(stats)),
+                     human_bytes(by_tier["ram"]), human_bytes(by_tier["disk"])))
+    if len(per_member) > 1:
+        total = _summed(iter(answered))
+        rows.append((f"total ({len(answered)} of {len(per_member)} answered)",
+                     f"{sums['lookups'] / interval_s:.1f}" if have_previous else "-",
+                     _rate(sums["kv_h"], sums["kv_m"]) if have_previous else "-",
+                     _rate(sums["st_h"], sums["st_m"]) if have_previous else "-",
+                     _rate(total["lookups.kv.hit_tokens"], total["lookups.kv.miss_tokens"]),
+                     _rate(total["lookups.state.hit_tokens"], total["lookups.state.miss_tokens"]),
+                     str(sum(_entries(s) for s in answered)), "", ""))
+    widths = [max(len(r[i]) for r in rows if len(r) > i) for i in range(len(head))]
+    table = "\n".join(f"{r[0].ljust(widths[0])}  error: {per_member[r[0]]}" if len(r) == 1 else
+                      "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    models = summed_models(answered)
+    return table + ("\n\nhit rates by model (since start)\n" + format_models(models) if models else "")
+
+
+def _watch(target: Target, args: argparse.Namespace) -> int:
+    """Redraw the table every ``--watch`` seconds (a terminal: in place; else one frame after the
+    other) until Ctrl-C or ``--count`` frames."""
+    interval = float(args.watch)
+    clear = sys.stdout.isatty()
+    previous: dict[str, Mapping[str, object]] = {}
+    frames = 0
+    try:
+        while True:
+            per_member = _collect(target, args.cluster)
+            frame = format_watch(per_member, previous, interval)
+            print(("\x1b[H\x1b[2J" if clear else "") + f"prefixstore stats {target.url}"
+                  f"{' --cluster' if args.cluster else ''}: every {interval:g}s, {time.strftime('%H:%M:%S')}\n"
+                  + frame + ("" if clear else "\n"), flush=True)
+            previous = {u: s for u, s in per_member.items() if not isinstance(s, str)}
+            frames += 1
+            if args.count and frames >= args.count:
+                return EXIT_OK
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     target = target_of(args)
+    if args.watch is not None:
+        if args.json or args.watch <= 0:
+            print("prefixstore stats: error: --watch takes a positive interval and no --json", file=sys.stderr)
+            return EXIT_USAGE
+        return _watch(target, args)
 
     def body() -> int:
         if not args.cluster:
             stats = target.call("/v1/stats")
             print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats(target.url, stats))
             return EXIT_OK
-        per_member: dict[str, Mapping[str, object] | str] = {}
-        for member in _each_member(target, True):
-            try:
-                per_member[member.url] = member.call("/v1/stats")
-            except AdminError as err:
-                per_member[member.url] = str(err)
+        per_member = _collect(target, True)
         if args.json:
             print(json.dumps({"members": {u: s if not isinstance(s, str) else {"error": s}
                                           for u, s in per_member.items()},
-                              "total": _summed(iter(s for s in per_member.values() if not isinstance(s, str)))},
+                              "total": _summed(iter(s for s in per_member.values() if not isinstance(s, str))),
+                              "models": summed_models([s for s in per_member.values() if not isinstance(s, str)])},
                              indent=2, sort_keys=True))
         else:
             print(format_cluster(per_member))
@@ -517,12 +692,16 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.url is None:
         try:
             config = load_config(args, os.environ)
+            try:
+                preflight.check(config)  # what serve refuses, config refuses: exit 2 naming the knob
+            except ConfigError as err:
+                raise with_source(err, args, os.environ) from err
         except ConfigError as err:
             print(f"prefixstore config: error: {err}", file=sys.stderr)
             return EXIT_USAGE
         sources = knob_sources(args, os.environ)
         knobs: dict[str, Mapping[str, object]] = {
-            f.name: {"value": getattr(config, f.name), "source": sources[f.name]} for f in StoreConfig.knobs()}
+            f.name: {"value": config.effective(f.name), "source": sources[f.name]} for f in StoreConfig.knobs()}
     else:
         if given or args.config:
             print("prefixstore config: error: knob flags describe this machine's configuration; with URL the "

@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING
 import lmdb
 from aiohttp import web
 
-from . import __version__, logs
-from .flags import add_knob_flags, flag_name, format_size, human_bytes, knob_sources, load_config, with_source
+from . import __version__, logs, preflight
+from .flags import add_knob_flags, flag_name, format_size, knob_sources, load_config, with_source
 from .store.admin import sources_of
 from .store.cluster import MEMBERSHIP
 from .store.config import ENV_PREFIX, ConfigError, StoreConfig
+from .preflight import check_memory
 from .store.heap import keep_freed_memory
 from .store.runner import StoreRunner
 from .store.server import STORE, create_app
@@ -45,11 +46,15 @@ log = logging.getLogger("prefixstore.serve")
 EXIT_OK = 0
 EXIT_FAILURE = 1  # could not start or reach the store
 EXIT_USAGE = 2  # a bad flag or config value: same code argparse uses
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # stdout's reader went away
 
 # In-flight requests get this long to finish after SIGTERM. Lookups and reads
 # take milliseconds; the bound stays well inside Kubernetes' default 30 s
 # termination grace period, so LMDB is closed by us rather than by SIGKILL.
 SHUTDOWN_TIMEOUT_S = 10.0
+
+# torch's CPU build, from its CPU wheel index: PyPI's default build pulls gigabytes of CUDA libraries.
+TORCH_CPU_INSTALL = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 
 
 # ---------------------------------------------------------------- parser
@@ -72,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  prefixstore stats http://127.0.0.1:8077     # hit rates, occupancy, uptime (--cluster: every node)\n"
                "  prefixstore namespaces; prefixstore delete --tenant team-a --cluster --yes\n"
                "  prefixstore config --config store.toml       # every knob's value and where it came from\n"
+               "  prefixstore bench -c 16 -n 5000 URL         # load a running store: p50/p99 per operation, hit rates\n"
                "  prefixstore demo --turns 3                  # a conversation against an embedded store\n"
                "  prefixstore plan --model all                # bytes per token, crossover, snapshot interval\n"
                "  prefixstore simulate --workload multi-turn --capacity 4GiB,16GiB --policy all\n\n"
@@ -104,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_admin_commands(commands)
 
+    from .bench import add_commands as add_bench_commands
+
+    add_bench_commands(commands)
+
     demo = commands.add_parser(
         "demo", help="run a multi-turn conversation of a small hybrid model against an embedded store",
         description=_paragraphs(
@@ -111,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
             "hybrid model (gpu_staging/reference_model.py: 4 delta-rule + 2 attention layers, random "
             "seeded weights, float32 on CPU) against it, and print per turn how many tokens were "
             "reused and the KV and state hit rates. Stops the store when done. Needs torch "
-            "(pip install torch==2.13.0).",
+            f"(the CPU build is enough: {TORCH_CPU_INSTALL}).",
             "Each turn's prompt is the whole conversation so far plus a new user message; the previous "
             "turn saved its prompt and answer, so every turn after the first should reuse all of it."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -152,46 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- serve
-
-
-# sighting filter. Either larger than the memory this process may use is a configuration error:
-# mmap refuses it (ENOMEM) or, under a container's limit, the kernel kills the process later.
-ALLOCATED_AT_START = ("ram_bytes", "sighting_filter_bytes")
-
-
-def memory_limit_bytes() -> int | None:
-    """The memory this process may use: physical memory, or the cgroup's limit when lower (a container)."""
-    limits = []
-    try:
-        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # not a POSIX system that says
-        pass
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
-        try:
-            with open(path, encoding="ascii") as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():  # "max": no limit
-            limits.append(int(text))
-    positive = [n for n in limits if n > 0]
-    return min(positive) if positive else None
-
-
-def check_memory(config: StoreConfig, limit_bytes: int | None) -> None:
-    """Raise ConfigError, naming the knob, when a budget allocated at start exceeds ``limit_bytes``."""
-    if limit_bytes is None:
-        return
-    for knob in ALLOCATED_AT_START:
-        value = getattr(config, knob)
-        if value > limit_bytes:
-            raise ConfigError(f"{knob}: {format_size(value)} is more than the {human_bytes(limit_bytes)} of memory "
-                              "this process may use (it is allocated at start)")
-    total = sum(getattr(config, knob) for knob in ALLOCATED_AT_START)
-    if total > limit_bytes:
-        raise ConfigError(f"ram_bytes: {format_size(config.ram_bytes)} plus sighting_filter_bytes "
-                          f"{format_size(config.sighting_filter_bytes)} is more than the {human_bytes(limit_bytes)} "
-                          "of memory this process may use (both are allocated at start)")
 
 
 def _out_of_memory(err: BaseException) -> bool:
@@ -272,7 +242,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args, os.environ)
         try:
-            check_memory(config, memory_limit_bytes())
+            preflight.check(config)  # what `prefixstore config` checks too
         except ConfigError as err:
             raise with_source(err, args, os.environ) from err
     except ConfigError as err:
@@ -317,7 +287,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("prefixstore demo: needs torch (the CPU build is enough): pip install torch==2.13.0", file=sys.stderr)
+        print(f"prefixstore demo: needs torch (the CPU build is enough): {TORCH_CPU_INSTALL}", file=sys.stderr)
         return EXIT_FAILURE
     from .gpu_staging.demo import DemoOptions
 
@@ -354,9 +324,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser_of_command.error(f"unrecognized arguments: {' '.join(unknown)}")
     run: Callable[[argparse.Namespace], int] = args.run
     try:
-        return run(args)
+        status = run(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
+        return status
     except KeyboardInterrupt:  # Ctrl-C before the serve loop installed its handler
         return 130
+    except BrokenPipeError:
+        # The reader left (`prefixstore stats --json | head`): the rest has nowhere to go. stdout is
+        # pointed at /dev/null so the interpreter's own flush at exit does not complain about it
+        # either; the status is a shell's for a process a SIGPIPE ended (128 + 13), as for cat.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 __all__ = ["build_parser", "check_memory", "flag_name", "format_size", "load_config", "main", "serve"]

@@ -145,8 +145,6 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str]) -> StoreConfig
         raise with_source(err, args, env) from err
 
 
-# Budgets the store allocates at start: the RAM arena (prefaulted, so resident), and the
-
 
 def knob_sources(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, str]:
     """Where each knob's value comes from: 'flag --x', 'env PREFIXSTORE_X', 'file PATH', 'default'."""

@@ -2,9 +2,10 @@
 
     GET  /healthz                  -> {status}     (open: liveness, cheap, no cache contents)
     GET  /readyz                   -> {ready, checks}  200 ready, 503 not (open: no cache contents)
-    GET  /metrics                  Prometheus text (open: no contents or keys; the quota counter's
-                                                   and the per-tenant gauge's ``tenant`` label
-                                                   names tenants: scrape it over a trusted network)
+    GET  /metrics                  Prometheus text (open: no contents or keys; the quota counter's,
+                                                   the per-tenant gauge's and the per-model hit
+                                                   counter's labels name tenants and their models:
+                                                   scrape it over a trusted network)
     GET  /v1/stats                 -> JSON          (admin token when tenants are configured)
     GET  /v1/admin/namespaces      -> {namespaces: [...]}       (admin)
     GET  /v1/admin/config          -> {knobs: {name: {value, source}}}  (admin)
@@ -85,7 +86,8 @@ async def stats(request: web.Request) -> web.Response:
     out["uptime_s"] = round(time.monotonic() - started[0], 3) if started else 0.0
     out["native"] = {"hash_chain": hashing.NATIVE, "checksums": checksums.NATIVE}
     lookups = store.metrics.registry.get_sample_value("prefixstore_lookups_total") or 0.0
-    out["lookups"] = {"answered": int(lookups), "kv": _hit_rate(store, "kv"), "state": _hit_rate(store, "state")}
+    out["lookups"] = {"answered": int(lookups), "kv": _hit_rate(store, "kv"), "state": _hit_rate(store, "state"),
+                      "models": store.metrics.model_hits.describe()}
     out["cluster_size"] = request.app[CLUSTER_SIZE]() if CLUSTER_SIZE in request.app else 1
     return web.json_response(out)
 
@@ -137,7 +139,7 @@ def _json_value(value: object) -> object:
 async def config(request: web.Request) -> web.Response:
     store = request.app[STORE]
     sources = request.app.get(CONFIG_SOURCES, {})
-    knobs = {f.name: {"value": _json_value(getattr(store.config, f.name)), "source": sources.get(f.name, "unknown")}
+    knobs = {f.name: {"value": _json_value(store.config.effective(f.name)), "source": sources.get(f.name, "unknown")}
              for f in StoreConfig.knobs()}
     return web.json_response({"knobs": knobs})
 

@@ -114,6 +114,12 @@ class StoreConfig:
         "beyond it the tenant's oldest are forgotten, and their put asks admission again."))
     max_leases_per_tenant: int = field(default=8192, metadata=_doc(
         "Most lookup leases one tenant may hold at once; beyond it the tenant's oldest lease ends early."))
+    model_metrics_per_tenant: int = field(default=16, metadata=_doc(
+        "Most models per tenant whose lookups get their own series of "
+        "prefixstore_model_lookup_tokens_total{tenant,model,kind,result} (per-model hit rates in /metrics, "
+        "`prefixstore stats` and the dashboard): the first ones the tenant's lookups name; the lookups of any "
+        "further model count under model=\"(other)\", so a tenant minting model names cannot multiply the "
+        "series. 0: every model under (other)."))
     max_child_scan: int = field(default=1024, metadata=_doc(
         "Most stored children of one block a lookup compares token by token (most recent first)."))
     request_timeout_s: float = field(default=60.0, metadata=_doc(
@@ -200,6 +206,8 @@ class StoreConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)!r}")
+        if self.model_metrics_per_tenant < 0:
+            raise ConfigError(f"model_metrics_per_tenant: must be 0 or more, got {self.model_metrics_per_tenant!r}")
         if self.heap_keep_bytes < 0:
             raise ConfigError(f"heap_keep_bytes: must be 0 (off) or positive, got {self.heap_keep_bytes!r}")
         if self.ram_bytes < self.page_bytes:
@@ -263,6 +271,13 @@ class StoreConfig:
         if self.data_dir.lower() == "none":
             return None
         return Path(self.data_dir) if self.data_dir else default_data_dir()
+
+    def effective(self, name: str) -> object:
+        """Knob ``name``'s value as the store uses it (``prefixstore config``, /v1/admin/config):
+        data_dir resolved, as its empty default names the per-user directory; the others as set."""
+        if name == "data_dir":
+            return str(self.lmdb_path) if self.lmdb_path is not None else "none"
+        return getattr(self, name)
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The server-side TLS context the tls_* knobs describe, or None (plain http)."""

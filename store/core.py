@@ -65,9 +65,11 @@ class Store:
                              max_body_bytes=config.max_body_bytes)
         self.index = Index()
         self.arena = Arena(config.ram_bytes, config.page_bytes, virtual=virtual_payloads)
-        self.metrics = StoreMetrics(self.index, self._gauges)
+        self.metrics = StoreMetrics(self.index, self._gauges, config.model_metrics_per_tenant)
         self.tenants: Tenants | None = load_tenants(config.tenants_file) if config.tenants_file else None
         self.ledger = TenantLedger(self.tenants, self.metrics)
+        for tenant in self.tenants.tenants if self.tenants is not None else ():
+            self.metrics.quota_rejections.labels(tenant.name)  # at 0 from start: listed tenants only
         self.metrics.tenant_usage = lambda: [
             (name, n, self.tenants.quota_of(name) if self.tenants is not None else None)
             for name, n in sorted(self.ledger.bytes.items())]

@@ -305,9 +305,12 @@ class LookupService:
         m.lookups.inc()
         m.lookup_tokens.labels("kv", "hit").inc(kv_tokens)
         m.lookup_tokens.labels("kv", "miss").inc(num_tokens - kv_tokens)
+        tenant = self._ledger.owner_of(ns)
+        m.model_hits.count(tenant, ns.model, "kv", kv_tokens, num_tokens - kv_tokens)
         if ns.has_state:
             m.lookup_tokens.labels("state", "hit").inc(state_tokens)
             m.lookup_tokens.labels("state", "miss").inc(num_tokens - state_tokens)
+            m.model_hits.count(tenant, ns.model, "state", state_tokens, num_tokens - state_tokens)
         shape = self._namespaces.shape_of(ns.id)
         if shape is not None:  # exact reuse: KV and state on a hybrid model, KV on a plain one
             m.prefill_flops_saved.inc(shape.prefill_flops(state_tokens if ns.has_state else kv_tokens))

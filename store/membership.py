@@ -209,7 +209,11 @@ class Membership:
         return {"members": list(self.members), "epoch": view.epoch, "self": self.self_url,
                 "previous": list(view.previous), "changed_s_ago": max(0.0, self.clock() - view.changed_s),
                 "owner_grace_s": self.config.owner_grace_s, "refresh_s": self.config.membership_refresh_s,
-                "replicas": self.config.replicas, "placement": PLACEMENT}
+                "replicas": self.config.replicas, "placement": PLACEMENT,
+                # False: a node started without peers (a plain `prefixstore serve`), one for good: it
+                # answers /v1/lookup itself and takes no lookup reports (store/cluster.py), so a
+                # cluster client given it talks to it as a node client (client/client.py).
+                "cluster": self.is_cluster}
 
 
 __all__ = ["PLACEMENT", "DnsResolver", "Membership", "View", "system_addresses", "system_name_of"]

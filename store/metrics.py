@@ -14,9 +14,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .index import Index
+from .model_metrics import ModelHitRates
 
 KINDS = ("kv", "state")
 TIERS = ("ram", "disk")
+EVICTION_REASONS = ("demoted", "capacity", "corrupt", "expired")
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -87,12 +89,14 @@ class _TenantCollector(Collector):
 
 
 class StoreMetrics:
-    def __init__(self, index: Index, gauges: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, index: Index, gauges: Callable[[], dict[str, float]], model_metrics_per_tenant: int = 16) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.lookup_tokens = Counter(
             "prefixstore_lookup_tokens", "Prompt tokens looked up, by memory kind and result.",
             ["kind", "result"], registry=r)
+        # The same per model (store/model_metrics.py: a bounded label per tenant).
+        self.model_hits = ModelHitRates(r, model_metrics_per_tenant)
         self.lookups = Counter("prefixstore_lookups", "Lookups answered.", registry=r)
         self.prefill_flops_saved = Counter(
             "prefixstore_prefill_flops_saved", "Prefill FLOPs of the prompt tokens lookups found exactly reusable "
@@ -154,6 +158,12 @@ class StoreMetrics:
             registry=r)
         for how in ("map", "promoted"):
             self.nixl_disk_reads.labels(how)
+        # Labelled counters exist from start at 0, so rate() and the alerts see a series, not nothing.
+        for tier in ("disk", "network"):  # where payloads are verified (store/reads.py, store/writes.py)
+            self.checksum_failures.labels(tier)
+        for kind in KINDS:
+            for reason in EVICTION_REASONS:
+                self.evictions.labels(kind, reason)
         # Cluster: membership and hot-prefix replication.
         self.members = Gauge("prefixstore_members", "Cluster members this node currently sees (itself included).",
                              registry=r)

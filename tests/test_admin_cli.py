@@ -260,3 +260,30 @@ def test_serve_writes_json_log_lines_with_access_fields(serve: StartServe) -> No
     assert any(line["message"].startswith("prefixstore serving on ") for line in lines)
     stats = [line for line in lines if line.get("endpoint") == "/v1/stats"]
     assert stats and stats[0]["status"] == 200 and stats[0]["logger"] == "prefixstore.access"
+
+
+def test_a_refused_admin_token_names_the_variable_it_comes_from(tmp_path: Path, serve: StartServe) -> None:
+    proc = serve("--port", "0", "--data-dir", "none", "--tenants-file", str(write_tenants(tmp_path / "t.toml")))
+    assert proc.url is not None
+    code, _, stderr = admin("stats", proc.url, token=None)
+    assert code == 1 and "401" in stderr and "$PREFIXSTORE_ADMIN_TOKEN: it is not set" in stderr, stderr
+    code, _, stderr = admin("stats", proc.url, token=TOKENS["alpha"])  # a tenant's token is not the admin's
+    assert code == 1 and "$PREFIXSTORE_ADMIN_TOKEN: the one set was refused" in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1
+
+
+def test_output_into_a_closed_pipe_ends_quietly(serve: StartServe) -> None:
+    """`prefixstore stats --cluster --json | head`: the reader leaves early; no traceback."""
+    import subprocess
+    import sys
+
+    proc = serve("--port", "0", "--data-dir", "none")
+    assert proc.url is not None
+    for args in (["stats", "--cluster", "--json", proc.url], ["config", "--json"]):
+        child = subprocess.Popen([sys.executable, "-m", "prefixstore", *args], env=clean_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert child.stdout is not None and child.stderr is not None
+        child.stdout.close()  # the reader is gone before the first line is written
+        stderr = child.stderr.read().decode()
+        assert child.wait(timeout=30) == 141, stderr  # as a process SIGPIPE ended: 128 + 13
+        assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

@@ -263,6 +263,32 @@ def test_stats_of_a_running_store(tmp_path: Path, serve: StartServe) -> None:
     assert json.loads(raw.stdout)["arena"]["capacity_bytes"] == 4 << 20
 
 
+def test_stats_shows_hit_rates_per_model(serve: StartServe) -> None:
+    """Which model's state hit rate collapsed: a row per (tenant, model), alone and over a cluster."""
+    from prefixstore.client import ClientConfig, SyncPrefixClient
+
+    from .factories import kv_payload, make_namespace, state_payload
+
+    p = serve("--port", "0", "--data-dir", "none", "--state-admission", "always")
+    assert p.url is not None
+    tokens = list(range(1, 13))
+    for ns, snapshot in ((make_namespace(model="hybrid-7b"), True), (make_namespace(model="plain-8b", with_state=False),
+                                                                     False)):
+        with SyncPrefixClient(ns, ClientConfig(url=p.url)) as client:
+            client.save(client.prompt(tokens), 12, lambda a, b, ns=ns: kv_payload(ns, tokens, a, b),
+                        {8: state_payload(ns, tokens, 8)} if snapshot else None)
+            client.release(client.lookup(tokens + [90, 91, 92, 93]).lease_id)  # kv 12/16, state 8/16
+    for args in ([p.url], ["--cluster", p.url]):
+        out = run_cli(["stats", *args])
+        assert out.returncode == 0, out.stderr
+        table = out.stdout.split("hit rates by model")[1].splitlines()[1:]
+        assert table[0].split() == ["tenant", "model", "tokens", "kv", "hit", "state", "hit"], out.stdout
+        assert table[1].split() == ["default", "hybrid-7b", "16", "75.0%", "50.0%"], out.stdout
+        assert table[2].split() == ["default", "plain-8b", "16", "75.0%", "-"], out.stdout
+    models = json.loads(run_cli(["stats", "--cluster", "--json", p.url]).stdout)["models"]
+    assert [(m["model"], m["kv"]["rate"]) for m in models] == [("hybrid-7b", 0.75), ("plain-8b", 0.75)]
+
+
 def test_stats_of_an_unreachable_store_fails_in_one_line() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -272,6 +298,26 @@ def test_stats_of_an_unreachable_store_fails_in_one_line() -> None:
     assert "cannot reach" in out.stderr and f"127.0.0.1:{port}" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
     assert out.stdout == ""
+
+
+def test_stats_of_a_whole_cluster_at_a_dead_url_shows_the_member_table() -> None:
+    """`stats --cluster` at the dead default URL printed one line: the table says which member is down."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for args in ([f"http://127.0.0.1:{port}"], []):  # given, and the default URL (nothing listens there in CI)
+        if not args:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", 8077)) == 0:
+                    continue  # a store runs on this machine's default port: not the case tested
+        out = run_cli(["stats", "--cluster", *args, "--timeout", "2"])
+        url = args[0] if args else "http://127.0.0.1:8077"
+        assert out.returncode == 1, out
+        lines = out.stdout.splitlines()
+        assert lines[0].split()[:3] == ["member", "version", "uptime"], out.stdout
+        assert lines[1].startswith(url) and "error: cannot reach the store" in lines[1], out.stdout
+        assert lines[2].startswith("total (0 of 1 answered)"), out.stdout
+        assert "1 of 1 members did not answer" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -297,3 +343,41 @@ def test_port_in_use_fails_cleanly(serve: StartServe) -> None:
     assert out.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_stats_watch_redraws_the_table_with_the_last_interval(serve: StartServe) -> None:
+    """`stats --watch`: a frame every interval; from the second on, lookups per second and the hit
+    rates of the interval (a stored prompt looked up again and again: 100%)."""
+    import subprocess
+    import threading
+
+    from prefixstore.client import ClientConfig, SyncPrefixClient
+
+    from .factories import kv_payload, make_namespace
+
+    p = serve("--port", "0", "--data-dir", "none")
+    assert p.url is not None
+    ns = make_namespace(model="watched", with_state=False)
+    tokens = list(range(1, 33))
+    watch = subprocess.Popen([sys.executable, "-m", "prefixstore", "stats", p.url, "--watch", "0.3", "--count", "4"],
+                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with SyncPrefixClient(ns, ClientConfig(url=p.url)) as client:
+        client.save(client.prompt(tokens), 32, lambda a, b: kv_payload(ns, tokens, a, b))
+
+        def look() -> None:  # lookups while the watch runs
+            while watch.poll() is None:
+                client.release(client.lookup(tokens).lease_id)
+
+        looker = threading.Thread(target=look)
+        looker.start()
+        stdout, stderr = watch.communicate(timeout=60)
+        looker.join(30)
+    assert watch.returncode == 0, stderr
+    frames = stdout.split(f"prefixstore stats {p.url}: every 0.3s, ")[1:]
+    assert len(frames) == 4, stdout
+    rows = [next(ln for ln in f.splitlines() if ln.startswith(p.url)).split() for f in frames]
+    assert all(f.splitlines()[1].split()[:2] == ["member", "lookups/s"] for f in frames)
+    assert rows[0][1:3] == ["-", "-"]  # no interval yet
+    later = [r for r in rows[1:] if float(r[1]) > 0]
+    assert later and all(r[2] == "100.0%" for r in later), rows  # the interval's KV hit rate
+    assert "watched" in frames[-1]  # the per-model table follows

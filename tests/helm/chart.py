@@ -53,10 +53,19 @@ class Rendered:
         return self.files[f"{CHART.name}/templates/NOTES.txt"]
 
 
-def render(values: dict[str, Any] | None = None, *, name: str = RELEASE, namespace: str = NAMESPACE) -> Rendered:
+# The chart requires image.repository (no registry carries the image: the operator pushes it); every
+# render here names one unless a test says otherwise (``image_given=False``).
+IMAGE = {"repository": "registry.example.com/prefixstore"}
+
+
+def render(values: dict[str, Any] | None = None, *, name: str = RELEASE, namespace: str = NAMESPACE,
+           image_given: bool = True) -> Rendered:
     """Render the chart; raises helm.HelmValuesError (schema) or helm.HelmRenderError (a template's fail)."""
+    values = dict(values or {})
+    if image_given:
+        values["image"] = {**IMAGE, **values.get("image", {})}
     with helm.Chart.load(CHART) as chart:
-        files = chart.render(values or {}, name=name, namespace=namespace, is_install=True)
+        files = chart.render(values, name=name, namespace=namespace, is_install=True)
     out = Rendered(files)
     for path, text in sorted(files.items()):
         if path.endswith((".yaml", ".yml")):

@@ -103,3 +103,16 @@ def test_the_chart_reads_sizes_as_the_store_does(size: object) -> None:
     render({"config": {"ram_bytes": size}, "resources": {"limits": {"memory": need}}})
     with pytest.raises(helm.HelmRenderError, match="resources.limits.memory"):
         render({"config": {"ram_bytes": size}, "resources": {"limits": {"memory": need - 1}}})
+
+
+def test_a_default_install_names_how_to_build_and_push_the_image() -> None:
+    """The default image `prefixstore:0.1.0` named no registry: a default install could not pull it.
+    No registry carries the image, so the chart asks for the one it was pushed to, saying how."""
+    with pytest.raises(helm.HelmRenderError) as err:
+        render(image_given=False)
+    text = str(err.value)
+    assert "image.repository: no public registry carries the prefixstore image" in text, text
+    assert "docker build -t REGISTRY/prefixstore:0.1.0 . && docker push REGISTRY/prefixstore:0.1.0" in text
+    sts = render({"image": {"repository": "registry.example.com/team/prefixstore"}}).one("StatefulSet")
+    (container,) = [c for c in sts["spec"]["template"]["spec"]["containers"] if c["name"] == "prefixstore"]
+    assert container["image"] == "registry.example.com/team/prefixstore:0.1.0"

@@ -165,11 +165,12 @@ def check(where: str, expr: str, exposition: Exposition) -> set[str]:
 
 def test_the_live_store_had_the_traffic_the_checks_rely_on(exposition: Exposition) -> None:
     """The label checks only bite on series with samples: make sure the main ones have them."""
-    for name in ("prefixstore_lookup_tokens_total", "prefixstore_admission_total", "prefixstore_evictions_total",
+    for name in ("prefixstore_lookup_tokens_total", "prefixstore_model_lookup_tokens_total", "prefixstore_admission_total", "prefixstore_evictions_total",
                  "prefixstore_request_duration_seconds_bucket", "prefixstore_requests_total",
                  "prefixstore_transfer_bytes_total", "prefixstore_stored_bytes", "prefixstore_entries"):
         assert name in exposition.with_samples, name
     assert {"kind", "result"} <= exposition.series["prefixstore_lookup_tokens_total"]
+    assert {"tenant", "model", "kind", "result"} <= exposition.series["prefixstore_model_lookup_tokens_total"]
     assert {"kind", "reason"} <= exposition.series["prefixstore_evictions_total"]
 
 
@@ -189,13 +190,16 @@ def test_dashboard_queries_name_only_exported_series(exposition: Exposition) -> 
     # What the compute saved, and each tenant's usage against its quota (which holds per node).
     assert {"prefixstore_prefill_flops_saved_total", "prefixstore_tenant_stored_bytes",
             "prefixstore_tenant_quota_bytes"} <= used
+    # Which model's hit rates collapsed, not only the global ones.
+    assert "prefixstore_model_lookup_tokens_total" in used
 
 
 def test_alert_rules_name_only_exported_series(exposition: Exposition) -> None:
     used: dict[str, set[str]] = {}
     for where, expr in rule_expressions():
         used[where] = check(where, expr, exposition)
-    assert used["alert PrefixstoreStateHitRateCollapsed"] == {"prefixstore_lookup_tokens_total"}
+    # Per model: a plain transformer's KV hits must not make a hybrid model's state collapse look healthy.
+    assert used["alert PrefixstoreStateHitRateCollapsed"] == {"prefixstore_model_lookup_tokens_total"}
     assert "prefixstore_evictions_total" in used["alert PrefixstoreEvictionStorm"]
     assert used["alert PrefixstoreNodeDown"] == {"up"}
     assert used["alert PrefixstoreMembershipIncomplete"] == {"prefixstore_members"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,19 @@ def test_the_default_takes_periodic_snapshots_where_contexts_are_resumed_mid_way
     assert ours.snapshots["periodic"]["admitted"] > 0 and "periodic" not in without.snapshots
     assert ours.token_hit_rate > without.token_hit_rate + 0.05
     assert ours.retention is not None and ours.retention["interval"] > 0
+
+
+def test_simulate_out_without_matplotlib_keeps_its_results(tmp_path: Path) -> None:
+    """Without matplotlib, --out refused to run at all: now the JSON is written, then the command
+    says which extra draws the figure and exits 1."""
+    blocker = tmp_path / "site" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib is not installed (test)')\n")
+    env = {**os.environ, "PYTHONPATH": str(blocker.parent)}
+    out = subprocess.run([sys.executable, "-m", "prefixstore", "simulate", "--workload", "rag", "--requests", "20",
+                          "--capacity", "1GiB", "--policy", "lru", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 1, out.stderr
+    assert json.loads((tmp_path / "out" / "simulate.json").read_text())[0]["policy"] == "lru"
+    assert not (tmp_path / "out" / "simulate.png").exists()
+    assert "pip install -c constraints.txt '.[plot]'" in out.stderr and "Traceback" not in out.stderr

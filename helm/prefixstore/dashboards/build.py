@@ -17,12 +17,17 @@ from typing import Any
 
 OUT = Path(__file__).with_name("prefixstore.json")
 
-# Every query is scoped by the dashboard's variables (one release, chosen nodes).
-SEL = 'namespace="$namespace", job="$job", instance=~"$instance"'
+# Every query is scoped by the dashboard's variables (one release, chosen nodes), with regex
+# matchers so that one dashboard serves two scrapes: on Kubernetes (the ServiceMonitor) series carry
+# `namespace` and `job`; a plain Prometheus scraping the nodes itself (docs/operations.md, "Without
+# Kubernetes") gives them only its `job`. There the namespace variable finds no value and stays at
+# All, whose ".*" also matches a series without the label.
+SEL = 'namespace=~"$namespace", job=~"$job", instance=~"$instance"'
 RATE = "$__rate_interval"
 # The kubelet's volume series carry the PVC's namespace and name, not the store's job: the
 # StatefulSet's claims are data-<statefulset>-<ordinal>, and the StatefulSet is named as the job.
-PVC = 'namespace="$namespace", persistentvolumeclaim=~"data-$job-[0-9]+"'
+# Kubernetes only: without a kubelet the panel is empty.
+PVC = 'namespace=~"$namespace", persistentvolumeclaim=~"data-$job-[0-9]+"'
 
 Panel = dict[str, Any]
 
@@ -72,6 +77,13 @@ def hit_rate(kind: str, window: str) -> str:
             f'/ sum(rate(prefixstore_lookup_tokens_total{{{SEL}, kind="{kind}"}}[{window}]))')
 
 
+def model_hit_rate(kind: str) -> str:
+    """Per (tenant, model) token hit rate (store/model_metrics.py); state only for hybrid models."""
+    by = "sum by (tenant, model)"
+    return (f'{by} (rate(prefixstore_model_lookup_tokens_total{{{SEL}, kind="{kind}", result="hit"}}[{RATE}]))\n'
+            f'/ {by} (rate(prefixstore_model_lookup_tokens_total{{{SEL}, kind="{kind}"}}[{RATE}]))')
+
+
 def panels() -> list[Panel]:
     out: list[Panel] = [
         row("Hit rates"),
@@ -94,6 +106,14 @@ def panels() -> list[Panel]:
                    "engine that does not load what it found saves less.",
                    [(f"sum(rate(prefixstore_prefill_flops_saved_total{{{SEL}}}[{RATE}]))", "FLOP/s saved")],
                    "short", w=6),
+        timeseries("KV hit rate by model", "KV token hit rate of each model (a namespace's model id) of each "
+                   "tenant. A tenant's models beyond config.model_metrics_per_tenant count together as (other).",
+                   [(model_hit_rate("kv"), "{{tenant}} / {{model}}")], "percentunit", w=12, max_value=1),
+        timeseries("State hit rate by model", "State (exact reuse) token hit rate of each hybrid model: the one "
+                   "whose state rate collapses while its KV rate (left) stays healthy is the one whose "
+                   "snapshots are not taken or not kept where its prompts resume (PrefixstoreStateHitRateCollapsed "
+                   "names it).", [(model_hit_rate("state"), "{{tenant}} / {{model}}")], "percentunit", w=12,
+                   max_value=1),
         row("Occupancy"),
         timeseries("Stored bytes by kind and tier", "Payload bytes held: KV blocks and tails (kv) and state "
                    "snapshots (state), in the RAM arena and the LMDB tier.",
@@ -204,12 +224,15 @@ def layout(items: list[Panel]) -> list[Panel]:
     return items
 
 
-def variable(name: str, label: str, query: str, *, multi: bool = False) -> dict[str, Any]:
+def variable(name: str, label: str, query: str, *, multi: bool = False, all_option: bool = False) -> dict[str, Any]:
+    """A query variable; with an All option (``multi`` or ``all_option``), All is ".*" and the default."""
+    with_all = multi or all_option
     return {"name": name, "label": label, "type": "query",
             "datasource": {"type": "prometheus", "uid": "${datasource}"},
             "query": {"query": query, "refId": f"{name}-query"}, "definition": query,
-            "refresh": 2, "sort": 1, "multi": multi, "includeAll": multi,
-            **({"allValue": ".*"} if multi else {}), "current": {}, "options": [], "hide": 0}
+            "refresh": 2, "sort": 1, "multi": multi, "includeAll": with_all,
+            **({"allValue": ".*", "current": {"text": "All", "value": "$__all"}} if with_all else {"current": {}}),
+            "options": [], "hide": 0}
 
 
 def dashboard() -> dict[str, Any]:
@@ -230,9 +253,10 @@ def dashboard() -> dict[str, Any]:
         "templating": {"list": [
             {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
              "current": {}, "hide": 0, "refresh": 1, "options": []},
-            variable("namespace", "Namespace", "label_values(prefixstore_members, namespace)"),
-            variable("job", "Release (scrape job)", 'label_values(prefixstore_members{namespace="$namespace"}, job)'),
-            variable("instance", "Node", 'label_values(prefixstore_members{namespace="$namespace", job="$job"}, '
+            # Empty on a plain Prometheus (no namespace label): All, ".*", matches its series.
+            variable("namespace", "Namespace", "label_values(prefixstore_members, namespace)", all_option=True),
+            variable("job", "Release (scrape job)", 'label_values(prefixstore_members{namespace=~"$namespace"}, job)'),
+            variable("instance", "Node", 'label_values(prefixstore_members{namespace=~"$namespace", job=~"$job"}, '
                      "instance)", multi=True),
         ]},
         "annotations": {"list": []},

@@ -48,7 +48,11 @@ app.kubernetes.io/part-of: prefixstore
 {{- end }}
 {{- end }}
 
+{{/* The node image. No registry carries it: the operator builds and pushes it, and names it. */}}
 {{- define "prefixstore.image" -}}
+{{- if not .Values.image.repository }}
+{{- fail (printf "image.repository: no public registry carries the prefixstore image; build it from the repository's Dockerfile and push it where the cluster pulls from (docker build -t REGISTRY/prefixstore:%s . && docker push REGISTRY/prefixstore:%s), then set image.repository=REGISTRY/prefixstore" .Chart.AppVersion .Chart.AppVersion) }}
+{{- end }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
@@ -162,9 +166,15 @@ httpGet:
 {{- end }}
 {{- end }}
 
-{{/* Label matchers that pick this release's series in PromQL. */}}
+{{/*
+Label matchers that pick this release's series in PromQL: metrics.selector when given (a
+Prometheus that scrapes the nodes itself, without prometheus-operator: its scrape job), else the
+ServiceMonitor's job (named after the client Service) and the release's namespace.
+*/}}
 {{- define "prefixstore.promSelector" -}}
-job="{{ include "prefixstore.fullname" . }}", namespace="{{ .Release.Namespace }}"
+{{- if .Values.metrics.selector }}{{ .Values.metrics.selector }}
+{{- else }}job="{{ include "prefixstore.fullname" . }}", namespace="{{ .Release.Namespace }}"
+{{- end }}
 {{- end }}
 
 {{/*
@@ -223,4 +233,26 @@ needs a client certificate the chart cannot invent: refused without one.
 {{- fail "metrics.serviceMonitor.tlsConfig: tls.mutual makes every client, Prometheus included, present a certificate from the CA: set cert and keySecret (or certFile and keyFile) for the scrape, else every scrape fails and PrefixstoreNodeDown fires" }}
 {{- end }}
 {{- toYaml (merge $given $defaults) }}
+{{- end }}
+
+{{/* Whether the NetworkPolicy renders: on (networkPolicy.enabled) once a selector names the engines. */}}
+{{- define "prefixstore.networkPolicyOn" -}}
+{{- if and .Values.networkPolicy.enabled (or .Values.networkPolicy.engines.podSelector .Values.networkPolicy.engines.namespaceSelector) }}true{{ end }}
+{{- end }}
+
+{{/*
+The default spread of the pods over Kubernetes nodes (podSpread), when topologySpreadConstraints
+is not given: a machine lost then costs one store node, about 1/N of the cache, not all of it.
+*/}}
+{{- define "prefixstore.topologySpread" -}}
+{{- if .Values.topologySpreadConstraints }}
+{{- toYaml .Values.topologySpreadConstraints }}
+{{- else if .Values.podSpread.enabled }}
+- maxSkew: 1
+  topologyKey: {{ .Values.podSpread.topologyKey }}
+  whenUnsatisfiable: {{ .Values.podSpread.whenUnsatisfiable }}
+  labelSelector:
+    matchLabels:
+      {{- include "prefixstore.selectorLabels" . | nindent 6 }}
+{{- end }}
 {{- end }}
