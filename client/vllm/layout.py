@@ -216,6 +216,21 @@ class VllmKV:
         self.attention = list(attention)
         self.state_views = list(state_views)
         """(group, view) of every Mamba layer, in snapshot order."""
+        self._scratch = torch.empty(0, dtype=first.view.dtype, device=first.view.device)
+
+    def scratch(self, shape: tuple[int, ...]) -> Tensor:
+        """A tensor of ``shape`` in a buffer kept from call to call (grown, never shrunk): a load's
+        or a save's KV of every layer, tens of MB. Allocated afresh each time, such a buffer is new
+        memory (glibc maps allocations over 32 MiB anew and unmaps them when freed), and writing it
+        page-faults every 4 KiB: measured here, a 2,239-token save's copy spent most of its
+        110-150 ms there. Used by one transfer at a time (the worker's loads take turns; its saves
+        copy on the engine thread)."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        if self._scratch.numel() < numel:
+            self._scratch = torch.zeros(numel, dtype=self._scratch.dtype, device=self._scratch.device)
+        return self._scratch[:numel].view(shape)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -308,7 +323,10 @@ class VllmKV:
             return
         rows, token_from, total, rows_end = where
         src = self._rows_view(region, rows_end)
-        kv = src[torch.from_numpy(rows).to(src.device)]  # [layers, 2, tokens, heads, head_dim]
+        first = self.attention[0]
+        kv = self.scratch((rows.shape[0], 2, total, first.num_heads, first.head_dim))  # layers, K|V, tokens, ...
+        flat_rows = torch.from_numpy(rows.reshape(-1)).to(src.device)
+        torch.index_select(src, 0, flat_rows, out=kv.view(-1, first.num_heads, first.head_dim))
         slots: dict[int, TokenIndex] = {}
         for i in range(layer_end - layer_start):
             att = self.attention[layer_start + i]
@@ -330,15 +348,15 @@ class VllmKV:
             return
         rows, token_from, total, rows_end = where
         first = self.attention[0]
-        kv = torch.empty((len(self.attention), 2, total, first.num_heads, first.head_dim), dtype=self.dtype,
-                         device=first.view.device)
+        kv = self.scratch((len(self.attention), 2, total, first.num_heads, first.head_dim))
         slots: dict[int, TokenIndex] = {}
         for i, att in enumerate(self.attention):
             if att.group not in slots:
                 slots[att.group] = att.token_index(block_ids[att.group], token_from, token_from + total)
             att.take(slots[att.group], kv[i])
         dst = self._rows_view(out, rows_end)
-        dst[torch.from_numpy(rows).to(dst.device)] = kv.to(dst.device)
+        dst.index_copy_(0, torch.from_numpy(rows.reshape(-1)).to(dst.device),
+                        kv.to(dst.device).view(-1, first.num_heads, first.head_dim))
 
     # ------------------------------------------------------------ state snapshots
 

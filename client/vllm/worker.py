@@ -36,8 +36,45 @@ log = logging.getLogger(__name__)
 TOKEN_MAJOR_BACKENDS = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"})
 
 
+SAVE_BUFFERS_KEPT_BYTES = 512 << 20
+"""Bytes of save buffers kept for the next saves once theirs ended (the rest are freed)."""
+
+
 class LoadFailed(Exception):
     pass
+
+
+class BufferPool:
+    """Byte buffers kept from one save to the next. A save copies a request's payloads out of the
+    blocks on the engine's thread, into tens of MB that stay busy until its put ends; a fresh
+    buffer each time is fresh memory, page-faulted 4 KiB at a time while the engine waits (see
+    layout.VllmKV.scratch). Taken on the engine thread, given back on the client loop's."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self._keep_bytes = keep_bytes
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= nbytes and b.device == device]
+            if fits:
+                best = min(fits, key=lambda b: b.numel())
+                self._free.remove(best)
+                return best[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        base = buf._base if buf._base is not None else buf  # the whole buffer a take sliced
+        with self._lock:
+            self._free.append(base)
+            self._free.sort(key=lambda b: -b.numel())
+            kept = 0
+            for i, b in enumerate(self._free):
+                kept += b.numel()
+                if kept > self._keep_bytes:
+                    del self._free[i:]
+                    break
 
 
 class PrefixStoreWorker:
@@ -73,6 +110,7 @@ class PrefixStoreWorker:
         then stops planning: the scheduler cannot see the views, and a plan left unanswered holds a
         finished request's blocks and the lookups that wait for its save (issue 29)."""
         self._log = RateLimitedLog(log)
+        self._save_buffers = BufferPool(SAVE_BUFFERS_KEPT_BYTES)
         self._decode_pass: tuple[float, int, bool] | None = None
         """(started, batch, load in flight) of the decode-only step in progress (start_load_kv)."""
 
@@ -88,6 +126,18 @@ class PrefixStoreWorker:
             self.drain()
             self._loop.close(self.client)
             self._loop = self.client = None
+
+    @property
+    def kv(self) -> VllmKV | None:
+        """The engine's KV views as the connector moves them (None until registered, or refusing);
+        a documented seam: benchmarks time what it does."""
+        return self._kv
+
+    def run(self, coro: Any, timeout_s: float | None = None) -> Any:
+        """Run ``coro`` on the client's loop and wait for its result (tests and benchmarks drive
+        the worker's client with it; the engine never blocks on it)."""
+        assert self._loop is not None, "the worker refuses or has no views registered"
+        return self._loop.submit(coro).result(timeout=timeout_s)
 
     def refuse(self, why: str) -> None:
         """Move nothing from now on, answering every plan (see ``refused``)."""
@@ -456,7 +506,7 @@ class PrefixStoreWorker:
         device = self._kv.attention[0].view.device
         total = sum(spec.size for spec, _, _ in items)
         S = self._kv.snapshot_bytes
-        host = torch.empty(total + S * len(plan.snapshots), dtype=torch.uint8, device=device)
+        host = self._save_buffers.take(total + S * len(plan.snapshots), device)
         offsets: dict[tuple[int, int], tuple[int, int]] = {}
         payloads: list[Payload] = []
         pos = 0
@@ -486,11 +536,13 @@ class PrefixStoreWorker:
                 result = await asyncio.wait_for(client.save(prompt, T, payload, snapshots, start, plan.origins),
                                                 timeout_s)
             except asyncio.TimeoutError:
+                # Not given back: a transfer cut short may still be reading the buffer.
                 self._drop_save(plan.req_id, plan.save_id, f"not finished after {timeout_s:g} s (save_timeout_s)")
                 return
             except Exception as err:  # noqa: BLE001 -- the client turns store failures into results; anything else
                 self._drop_save(plan.req_id, plan.save_id, f"{type(err).__name__}: {err}")
                 return
+            self._save_buffers.give(host)
             self._stats.count("saves")
             self._stats.count("saved_items", result.stored)
             self._stats.count("dropped_items", result.dropped)
