@@ -216,21 +216,28 @@ class VllmKV:
         self.attention = list(attention)
         self.state_views = list(state_views)
         """(group, view) of every Mamba layer, in snapshot order."""
-        self._scratch = torch.empty(0, dtype=first.view.dtype, device=first.view.device)
+        self._scratch: dict[str, Tensor] = {}
 
-    def scratch(self, shape: tuple[int, ...]) -> Tensor:
-        """A tensor of ``shape`` in a buffer kept from call to call (grown, never shrunk): a load's
-        or a save's KV of every layer, tens of MB. Allocated afresh each time, such a buffer is new
-        memory (glibc maps allocations over 32 MiB anew and unmaps them when freed), and writing it
-        page-faults every 4 KiB: measured here, a 2,239-token save's copy spent most of its
-        110-150 ms there. Used by one transfer at a time (the worker's loads take turns; its saves
-        copy on the engine thread)."""
+    def scratch(self, purpose: str, shape: tuple[int, ...]) -> Tensor:
+        """A tensor of ``shape`` in a buffer kept from call to call for ``purpose`` (grown, never
+        shrunk): a load's or a save's KV of every layer, tens of MB. Allocated afresh each time,
+        such a buffer is new memory (glibc maps allocations over 32 MiB anew and unmaps them when
+        freed), and writing it page-faults every 4 KiB: measured here, a 2,239-token save's copy
+        spent most of its 110-150 ms there. One buffer per purpose, because the two run at once
+        on different threads: loads (``"load"``, on the client's loop, one at a time) and saves'
+        copies (``"save"``, on vLLM's engine thread, one at a time)."""
         numel = 1
         for d in shape:
             numel *= d
-        if self._scratch.numel() < numel:
-            self._scratch = torch.zeros(numel, dtype=self._scratch.dtype, device=self._scratch.device)
-        return self._scratch[:numel].view(shape)
+        buf = self._scratch.get(purpose)
+        if buf is None or buf.numel() < numel:
+            first = self.attention[0].view
+            # Not an inference tensor, whichever thread grows it: vLLM's engine thread runs under
+            # torch.inference_mode, the client's loop does not, and an inference tensor refuses
+            # in-place writes outside that mode.
+            with torch.inference_mode(False):
+                buf = self._scratch[purpose] = torch.zeros(numel, dtype=first.dtype, device=first.device)
+        return buf[:numel].view(shape)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -324,7 +331,7 @@ class VllmKV:
         rows, token_from, total, rows_end = where
         src = self._rows_view(region, rows_end)
         first = self.attention[0]
-        kv = self.scratch((rows.shape[0], 2, total, first.num_heads, first.head_dim))  # layers, K|V, tokens, ...
+        kv = self.scratch("load", (rows.shape[0], 2, total, first.num_heads, first.head_dim))  # layers, K|V, tokens
         flat_rows = torch.from_numpy(rows.reshape(-1)).to(src.device)
         torch.index_select(src, 0, flat_rows, out=kv.view(-1, first.num_heads, first.head_dim))
         slots: dict[int, TokenIndex] = {}
@@ -348,7 +355,7 @@ class VllmKV:
             return
         rows, token_from, total, rows_end = where
         first = self.attention[0]
-        kv = self.scratch((len(self.attention), 2, total, first.num_heads, first.head_dim))
+        kv = self.scratch("save", (len(self.attention), 2, total, first.num_heads, first.head_dim))
         slots: dict[int, TokenIndex] = {}
         for i, att in enumerate(self.attention):
             if att.group not in slots:

@@ -56,15 +56,19 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` (the smallest kept one that fits, else a new one), as a
+        view of exactly ``nbytes``. Tensors are found by identity: ``==`` on tensors compares
+        their elements."""
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes and b.device == device]
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes and b.device == device]
             if fits:
-                best = min(fits, key=lambda b: b.numel())
-                self._free.remove(best)
+                best = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                 return best[:nbytes]
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        with torch.inference_mode(False):  # usable on any thread (see layout.VllmKV.scratch)
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def give(self, buf: torch.Tensor) -> None:
+        """Keep ``buf`` (a view :meth:`take` returned) for a later save, within the byte bound."""
         base = buf._base if buf._base is not None else buf  # the whole buffer a take sliced
         with self._lock:
             self._free.append(base)
@@ -75,6 +79,11 @@ class BufferPool:
                 if kept > self._keep_bytes:
                     del self._free[i:]
                     break
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._free)
 
 
 class PrefixStoreWorker:

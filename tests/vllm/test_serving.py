@@ -45,6 +45,9 @@ def test_serving_replicas_survive_failed_loads_and_a_dead_store(tmp_path: Path) 
             assert cell["tokens"]["compared"] == 18 and cell["tokens"]["wrong_tokens"] == 0, (side, cell["tokens"])
     alone, store = cells["vllm"]["reps"][0], cells["store"]["reps"][0]
     assert store["store_kv_hit_rate"] > 0 and store["store_state_hit_rate"] > 0
+    events = store["connector_events"]  # a healthy store: every load and every save went through
+    assert events.get("load_failures", 0) == 0 and events.get("saves_dropped", 0) == 0, events
+    assert events.get("saves", 0) > 0 and events.get("lookups", 0) == 18, events
     assert store["prefill_computed_per_request"] < alone["prefill_computed_per_request"]
     flaky = cells["flaky"]["reps"][0]["connector_events"]
     assert flaky.get("load_failures", 0) >= 1, flaky  # the proxy failed loads, and vLLM recomputed them
