@@ -50,6 +50,7 @@ transaction goes through the gate that counts them (``_enter``/``_leave``).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import shutil
@@ -81,6 +82,48 @@ DAMAGE: tuple[type[lmdb.Error], ...] = (
     lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadDbiError, lmdb.BadRslotError,
     lmdb.MapResizedError)  # resized: no other process shares the file, so its meta page is garbage
 QUARANTINE_DIR = "quarantine"
+
+
+LOCK_FILE = "prefixstore.lock"
+
+
+class DataDirInUse(RuntimeError):
+    """Another process (or another tier in this one) holds the data directory's lock."""
+
+
+class DataDirLock:
+    """An exclusive lock on a data directory, held for the tier's life: ``flock`` on
+    ``DATA_DIR/prefixstore.lock``, which holds the holder's PID.
+
+    LMDB itself lets any number of processes share an environment (its lock.mdb coordinates
+    them), so without this a second ``prefixstore serve`` on the same directory -- the default
+    one, on a developer's machine -- opened the running store's entries, and its ``flush`` deleted
+    them under it. A cache node owns its directory alone. ``flock`` (not ``fcntl`` record locks)
+    because it belongs to the open file, not the process: a second tier in the same process is
+    refused too, and the kernel drops the lock with the process however it ends (kill -9
+    included), so a crash never leaves a stale lock to clean up."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path / LOCK_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise DataDirInUse(f"data_dir: {path} is in use by another prefixstore store (pid {holder}); stop it, "
+                               "or give this one another data_dir") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor of the open file drops the flock
+            self._fd = None
 
 
 class FormatMismatch(Exception):
@@ -237,6 +280,7 @@ class LmdbTier:
                  keep_damaged: bool = False) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self._lock = DataDirLock(path)  # before LMDB opens anything: DataDirInUse when another store has it
         self._sync = sync
         self.keep_damaged = keep_damaged
         # Headroom over the payload budget for B-tree pages, records and
@@ -244,13 +288,17 @@ class LmdbTier:
         self._map_size = self._initial_map_size = max(disk_bytes + disk_bytes // 2, 64 << 20)
         self.resets: list[str] = []  # why the environment was set aside, oldest first
         try:
-            self._open()
-        except (*DAMAGE, FormatMismatch) as err:  # type: ignore[misc]  # a tuple of exception classes
-            # A file LMDB cannot read, or another format's: set it aside and start empty. Not any
-            # lmdb.Error: a map larger than the process may map (disk_bytes) is a configuration
-            # error, and deleting the data for it would be wrong.
-            self._set_aside(f"{type(err).__name__}: {err}")
-            self._open()
+            try:
+                self._open()
+            except (*DAMAGE, FormatMismatch) as err:  # type: ignore[misc]  # a tuple of exception classes
+                # A file LMDB cannot read, or another format's: set it aside and start empty. Not any
+                # lmdb.Error: a map larger than the process may map (disk_bytes) is a configuration
+                # error, and deleting the data for it would be wrong.
+                self._set_aside(f"{type(err).__name__}: {err}")
+                self._open()
+        except BaseException:
+            self._lock.release()
+            raise
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmdb-writer")
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmdb-reader")
         self._writer_thread: threading.Thread | None = None
@@ -329,6 +377,7 @@ class LmdbTier:
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         self.env.close()
+        self._lock.release()
 
     # ------------------------------------------------------------ the read gate
 

@@ -143,6 +143,12 @@ class StoreMetrics:
         self.connections_refused = Counter(
             "prefixstore_connections_refused", "Connections closed on arrival because max_connections were open.",
             registry=r)
+        self.max_connections = Gauge(
+            "prefixstore_max_connections", "The connection cap in force: max_connections, or lower when the "
+            "descriptor limit (RLIMIT_NOFILE) leaves room for fewer (store/runner.py).", registry=r)
+        self.accept_errors = Counter(
+            "prefixstore_accept_errors", "Connections the kernel could not hand over for want of descriptors "
+            "(accept() failing with EMFILE/ENFILE; retried a second later).", registry=r)
         # Data paths: 1 for each path this node serves (http always; nixl when its agent is up).
         self.data_path = Gauge("prefixstore_data_path", "Data paths this node serves (1: served).", ["path"], registry=r)
         self.nixl_disk_reads = Counter(
