@@ -341,6 +341,7 @@ class Store:
             "prefixstore_write_behind_bytes": self.behind.bytes,
             "prefixstore_write_behind_entries": self.behind.entries,
             "prefixstore_write_behind_lag_seconds": self.behind.lag_s(),
+            "prefixstore_lmdb_full": float(self.disk.full),
         }
 
     def stats(self) -> dict[str, object]:
@@ -354,7 +355,7 @@ class Store:
                       "free_bytes": self.arena.num_free * self.arena.page_bytes},
             "disk": {"enabled": tier is not None, "budget_bytes": self.config.disk_bytes,
                      "payload_bytes": idx.disk_bytes(), "path": str(tier.path) if tier is not None else None,
-                     "durability": self.config.durability,
+                     "durability": self.config.durability, "full": self.disk.full,
                      "behind": {"bytes": self.behind.bytes, "entries": self.behind.entries,
                                 "lag_s": round(self.behind.lag_s(), 3)}},
             "leases": len(self.leases),

@@ -50,6 +50,7 @@ transaction goes through the gate that counts them (``_enter``/``_leave``).
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import logging
 import os
@@ -132,6 +133,27 @@ class FormatMismatch(Exception):
 
 class TierDamaged(Exception):
     """An LMDB write met a damaged file; the store resets the tier (:meth:`LmdbTier.reset`)."""
+
+
+class TierFull(Exception):
+    """An LMDB write transaction could not reach the disk: no space left (or a quota, a file size
+    limit, an I/O error on the way). Its commit failed, so nothing of it was written; the file and
+    everything committed before are intact, and a later write may succeed (store/disk.py)."""
+
+
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+_SPACE_TEXTS = tuple(os.strerror(e) for e in _SPACE_ERRNOS)
+
+
+def out_of_space(err: lmdb.Error) -> bool:
+    """Whether an LMDB error is a write that could not reach the disk, as opposed to damage.
+
+    py-lmdb raises a plain ``lmdb.Error`` carrying strerror's text for system errors, and LMDB
+    itself turns a short write (the disk filling in the middle of a commit) into EIO, so a full
+    disk reads "mdb_txn_commit: Input/output error" as often as "No space left on device": both
+    are taken for a full disk. Before, every such error was taken for damage, and the tier --
+    with everything committed before the disk filled -- was deleted."""
+    return isinstance(err, lmdb.DiskError) or any(text in str(err) for text in _SPACE_TEXTS)
 
 
 def db_key(entry_key: bytes) -> bytes:
@@ -315,6 +337,10 @@ class LmdbTier:
         self.epoch = 0  # bumped each time the environment is set aside (reset): what it held is gone
         self.before_grow: list[Callable[[], None]] = []  # run on the loop before the map moves
         self.after_grow: list[Callable[[], None]] = []  # ... and after it moved
+        # The commit seam, for tests: called (on the writer thread) in every write transaction just
+        # before it commits; what it raises fails the transaction as a failed mdb_txn_commit would
+        # (nothing written). tests/security/test_disk_full.py raises ENOSPC's lmdb.Error through it.
+        self.commit_fault: Callable[[], None] | None = None
         self._grow_lock = asyncio.Lock()
         self.region = self._find_region()
 
@@ -422,15 +448,21 @@ class LmdbTier:
     # ------------------------------------------------------------ writes
 
     def _write_txn(self, body: Callable[[lmdb.Transaction], None]) -> bool:
-        """Run one write transaction; False (nothing written) when the map is full. Damage met on
-        the way raises :class:`TierDamaged` (the store then resets the tier)."""
+        """Run one write transaction; False (nothing written) when the map is full. A disk that
+        takes no more raises :class:`TierFull` (nothing written, nothing lost); damage, and any
+        other error LMDB refuses a write with (a page full, an environment that fails every
+        transaction), raises :class:`TierDamaged` (the store then resets the tier)."""
         try:
             with self.env.begin(write=True) as txn:
                 body(txn)
+                if self.commit_fault is not None:
+                    self.commit_fault()
             return True
         except lmdb.MapFullError:
             return False
-        except lmdb.Error as err:  # damage, and anything else LMDB refuses (a page full, a disk full)
+        except lmdb.Error as err:
+            if not isinstance(err, DAMAGE) and out_of_space(err):
+                raise TierFull(f"{type(err).__name__}: {err}") from err
             raise TierDamaged(f"{type(err).__name__}: {err}") from err
 
     async def _write(self, body: Callable[[lmdb.Transaction], None]) -> None:

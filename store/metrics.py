@@ -57,6 +57,8 @@ _GAUGE_HELP = {
     "prefixstore_write_behind_entries": "Committed entries not yet written to LMDB (durability=write-behind).",
     "prefixstore_write_behind_lag_seconds": "Seconds since the oldest committed entry not yet in LMDB was "
                                             "committed (0: none behind).",
+    "prefixstore_lmdb_full": "1 while the LMDB tier's disk is full (its last write found no space; writes are "
+                             "refused and tried again each second), else 0.",
 }
 
 
@@ -109,6 +111,12 @@ class StoreMetrics:
         self.lmdb_resets = Counter(
             "prefixstore_lmdb_resets", "Times the LMDB tier was found damaged (or of another format) and set "
             "aside, the node going on with an empty tier.", registry=r)
+        self.lmdb_full_writes = Counter(
+            "prefixstore_lmdb_full_writes", "LMDB write transactions that found the disk full (nothing of them "
+            "written, nothing committed before lost; tried again a second later).", registry=r)
+        self.lmdb_full_refusals = Counter(
+            "prefixstore_lmdb_full_refusals", "Entries whose commit was refused because the LMDB tier's disk is "
+            "full (durability=sync: at once; write-behind: once its bounds are behind).", registry=r)
         self.malformed_requests = Counter(
             "prefixstore_malformed_requests", "HTTP requests aiohttp could not parse (answered 400 by it).",
             registry=r)

@@ -48,10 +48,10 @@ from ..protocol.wire import REASON_QUOTA, REASON_RECORD, ItemResult, ItemSpec, W
 from .arena import Arena
 from .behind import WriteBehind, puts_of
 from .config import StoreConfig
-from .disk import Disk
+from .disk import DISK_FULL, Disk
 from .index import STORE_KEY_BYTES, Entry, Index, entry_charge, scope, store_key
 from .ledger import TenantLedger
-from .lmdb_tier import StoredRecord
+from .lmdb_tier import StoredRecord, TierFull
 from .metrics import StoreMetrics
 from .namespaces import Namespaces
 from .space import Space
@@ -535,8 +535,9 @@ class WritePath:
         namespace ``ns_id``."""
         self._namespaces.get(ns_id)
         behind = self._disk.enabled and self._behind.enabled
-        if behind:
-            await self._behind.room()  # back-pressure, before anything of this commit is decided
+        # Back-pressure, before anything of this commit is decided; False: the disk is full and the
+        # write-behind at its bounds, so this commit is refused like a sync one (below).
+        disk_full = behind and not await self._behind.room()
         results: list[ItemResult] = [ItemResult(ItemStatus.MISSING, "not put, or expired")] * len(keys)
         batch: list[tuple[int, Entry]] = []
         pending = self.pending
@@ -556,6 +557,8 @@ class WritePath:
             return results
         # Parents before children whatever order the client listed them in.
         batch.sort(key=lambda ie: (_ORDER[ie[1].kind], ie[1].start))
+        if disk_full or (self._disk.enabled and not behind and self._disk.refusing()):
+            return self._refuse(batch, results, DISK_FULL)
         if self._disk.enabled:
             if not self._space.enforce_disk_budget(sum(e.charge for _, e in batch) + self._behind.bytes):
                 for i, e in batch:
@@ -572,6 +575,8 @@ class WritePath:
             try:
                 if not await self._disk.write(puts_of(self._arena, [e for _, e in batch])):
                     failure = "disk tier damaged and reset"
+            except TierFull:
+                return self._refuse(batch, results, DISK_FULL)
             except Exception as err:
                 log.exception("LMDB write failed; %d entries not committed", len(batch))
                 failure = f"disk write failed: {type(err).__name__}"
@@ -616,6 +621,15 @@ class WritePath:
                 queued.append(e)
         if queued:
             self._behind.add(queued)
+        return results
+
+    def _refuse(self, batch: list[tuple[int, Entry]], results: list[ItemResult], reason: str) -> list[ItemResult]:
+        """A commit the disk cannot take: its entries are dropped (their pages freed), refused."""
+        for i, e in batch:
+            if self.pending.get(e.key) is e:
+                self.drop_pending(e)
+            results[i] = ItemResult(ItemStatus.REJECTED, reason)
+        self._metrics.lmdb_full_refusals.inc(len(batch))
         return results
 
     # ------------------------------------------------------------ restart
