@@ -84,7 +84,9 @@ class Store:
         self.disk = Disk(config, self.metrics)
         self.space = Space(self.index, self.arena, self.disk, self.namespaces, self.ledger, self.admission,
                            self.eviction, self.metrics, clock, config.disk_bytes, config.max_entries)
-        self.leases = Leases(self.space.unpin, config.max_leases_per_tenant)
+        leased_bytes = int(config.max_leased_share * config.ram_bytes) if self.tenants is not None else None
+        self.leases = Leases(self.space.unpin, config.max_leases_per_tenant, leased_bytes)
+        self.metrics.tenant_leased = lambda: self.leases.bytes_by_owner
         self.behind = WriteBehind(config, self.index, self.arena, self.space, self.disk, self.metrics, clock)
         self.writes = WritePath(config, self.index, self.arena, self.namespaces, self.ledger, self.space,
                                 self.disk, self.behind, self.admission, self.eviction, self.metrics, clock)
@@ -214,7 +216,8 @@ class Store:
         """What one owner (a tenant, or everyone on an open store) makes the store hold: namespaces,
         leases, remembered offers, and bytes charged to its quota."""
         return {"namespaces": self.ledger.namespaces_of(owner), "leases": self.leases.held_by(owner),
-                "offers": self.writes.offers_of(owner), "bytes": self.ledger.bytes_of(owner)}
+                "leased_bytes": self.leases.bytes_held_by(owner), "offers": self.writes.offers_of(owner),
+                "bytes": self.ledger.bytes_of(owner)}
 
     # ------------------------------------------------------------ introspection seams (tests, CLI)
 
@@ -342,6 +345,7 @@ class Store:
             "prefixstore_write_behind_entries": self.behind.entries,
             "prefixstore_write_behind_lag_seconds": self.behind.lag_s(),
             "prefixstore_lmdb_full": float(self.disk.full),
+            "prefixstore_read_buffer_bytes": self.reads.buffered_bytes,
         }
 
     def stats(self) -> dict[str, object]:

@@ -580,7 +580,7 @@ class LmdbTier:
 
     # ------------------------------------------------------------ reads
 
-    def _read_into(self, key: bytes, size: int, checksum: int, dest: Sequence[memoryview]) -> str:
+    def _read_into(self, key: bytes, size: int, checksum: int, dest: Sequence[memoryview], offset: int) -> str:
         self._enter()
         try:
             with self.env.begin(buffers=True) as txn:
@@ -589,7 +589,7 @@ class LmdbTier:
                     return ReadOutcome.MISSING
                 if len(value) != size or xxhash.xxh3_64_intdigest(value) != checksum:
                     return ReadOutcome.CORRUPT
-                pos = 0
+                pos = offset
                 for run in dest:  # copy out before the transaction ends
                     run[:] = value[pos : pos + len(run)]
                     pos += len(run)
@@ -663,9 +663,11 @@ class LmdbTier:
         before looking). The caller ends the pin (:meth:`MapPin.end`) when its readers are done."""
         return await self._run(self._readers, lambda: self._pin(wanted))
 
-    async def read_into(self, key: bytes, size: int, checksum: int, dest: Sequence[memoryview]) -> str:
-        """Verify the stored payload against ``checksum`` and copy it into ``dest`` (views totalling size)."""
-        return await self._run(self._readers, lambda: self._read_into(key, size, checksum, dest))
+    async def read_into(self, key: bytes, size: int, checksum: int, dest: Sequence[memoryview],
+                        offset: int = 0) -> str:
+        """Verify the whole stored payload against ``checksum`` and copy its bytes from ``offset``
+        on into ``dest`` (views totalling at most ``size - offset``: a range, or all of it)."""
+        return await self._run(self._readers, lambda: self._read_into(key, size, checksum, dest, offset))
 
     def scan(self) -> Scan:
         """Namespaces, decodable records, and keys whose record is unreadable. Start-up only."""
