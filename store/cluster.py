@@ -67,8 +67,9 @@ async def lookup_report(request: web.Request) -> web.Response:
                         Problem.UNKNOWN)
     report = LookupReport.from_header(await control_header(request), store.limits)
     owned(request, report.namespace_id)
-    store.report(report)
-    return frame_response({})
+    # Past the tenant's allowance it teaches nothing, but is answered all the same: a refusal would
+    # open the client's circuit breaker on this node (store/lookups.py, "Reports are bounded by rate").
+    return frame_response({"counted": store.report(report)})
 
 
 async def replica_drop(request: web.Request) -> web.Response:

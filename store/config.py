@@ -110,7 +110,9 @@ class StoreConfig:
     max_entries: int = field(default=1 << 20, metadata=_doc(
         "Most entries the store indexes (RAM and disk together); beyond it the least valuable leaves are "
         "deleted, as for disk_bytes. The index's memory grows with entries, not only with payload bytes "
-        "(about 1.5 KiB each), so tiny entries are bounded by count."))
+        "(about 1.5 KiB each), so tiny entries are bounded by count. With a tenants_file each tenant may "
+        "hold max_entries / the number of tenants (more is refused as over its quota), so one tenant's "
+        "entries never push another's out."))
     max_namespaces_per_tenant: int = field(default=256, metadata=_doc(
         "Most namespaces one tenant may register (every store without a tenants file counts as one "
         "tenant). Each is kept in memory and on disk and charged to the tenant's quota_bytes."))

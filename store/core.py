@@ -67,7 +67,7 @@ class Store:
         self.arena = Arena(config.ram_bytes, config.page_bytes, virtual=virtual_payloads)
         self.metrics = StoreMetrics(self.index, self._gauges)
         self.tenants: Tenants | None = load_tenants(config.tenants_file) if config.tenants_file else None
-        self.ledger = TenantLedger(self.tenants, self.metrics)
+        self.ledger = TenantLedger(self.tenants, self.metrics, config.max_entries)
         self.metrics.tenant_usage = lambda: [
             (name, n, self.tenants.quota_of(name) if self.tenants is not None else None)
             for name, n in sorted(self.ledger.bytes.items())]
@@ -217,7 +217,7 @@ class Store:
         leases, remembered offers, and bytes charged to its quota."""
         return {"namespaces": self.ledger.namespaces_of(owner), "leases": self.leases.held_by(owner),
                 "leased_bytes": self.leases.bytes_held_by(owner), "offers": self.writes.offers_of(owner),
-                "bytes": self.ledger.bytes_of(owner)}
+                "bytes": self.ledger.bytes_of(owner), "entries": self.ledger.entries_of(owner)}
 
     # ------------------------------------------------------------ introspection seams (tests, CLI)
 
@@ -256,8 +256,9 @@ class Store:
         """One hop of a cluster lookup's walk (store/lookups.py)."""
         return self.lookups.probe(req, replicas_of, root_home, copies)
 
-    def report(self, report: LookupReport) -> None:
-        self.lookups.report(report)
+    def report(self, report: LookupReport) -> bool:
+        """Teach a cluster client's lookup report (False: past its tenant's allowance, not taught)."""
+        return self.lookups.report(report)
 
     def release(self, lease_id: bytes) -> bool:
         return self.leases.release(lease_id)
@@ -377,12 +378,14 @@ class Store:
         holders = list(self.index.entries.values()) + list(self.writes.pending.values())
         self.space.check(holders, self.behind.behind())
         held: dict[str, int] = {}
+        counts: dict[str, int] = {}
         for e in holders:
             ns = self.namespaces.find(e.namespace_id)
             if ns is None:
                 raise IndexInvariantError(f"entry {e.key.hex()}: its namespace is not registered")
             held[ns.tenant] = held.get(ns.tenant, 0) + e.charge
-        self.ledger.check(list(self.namespaces), held)
+            counts[ns.tenant] = counts.get(ns.tenant, 0) + 1
+        self.ledger.check(list(self.namespaces), held, counts)
 
 
 __all__ = ["OPEN_TENANT", "GetPlan", "GetSlot", "PutPlan", "Store"]

@@ -129,6 +129,10 @@ class StoreMetrics:
         self.read_buffer_refusals = Counter(
             "prefixstore_read_buffer_refusals", "Get items of disk-only entries answered as misses because no arena "
             "page could be freed for them and read_buffer_bytes were held by gets in flight.", registry=r)
+        self.lookup_reports_dropped = Counter(
+            "prefixstore_lookup_reports_dropped", "Cluster lookup reports that taught nothing because their tenant's "
+            "reports were past its allowance (max_lookup_tokens a second plus what its probes here carried).",
+            registry=r)
         self.malformed_requests = Counter(
             "prefixstore_malformed_requests", "HTTP requests aiohttp could not parse (answered 400 by it).",
             registry=r)

@@ -232,6 +232,7 @@ class WritePath:
         owner = self._ledger.owner_of(ns)
         now = self._clock()
         taken = self._ledger.bytes_of(ns.tenant)  # plus what this batch takes, below
+        counted = self._ledger.entries_of(ns.tenant)  # ... and entries, likewise
         batch: dict[bytes, Entry] = {}
         results: list[ItemResult] = []
         new: list[Entry | None] = []
@@ -282,12 +283,13 @@ class WritePath:
                 batch_forks.add(item.hash)
             if item.record or fork:
                 charge = entry_charge(0, item.tokens, item.extra)
-                if self._ledger.over_quota(ns, charge, taken):
+                if self._ledger.over_quota(ns, charge, taken) or self._ledger.over_entries(ns, counted):
                     results.append(ItemResult(ItemStatus.REJECTED, REASON_QUOTA, fork=fork))
                     new.append(None)
                     continue
                 batch[key] = got
                 taken += charge
+                counted += 1
                 results.append(ItemResult(ItemStatus.WANT, fork=fork))
                 new.append(got)
                 continue
@@ -296,7 +298,7 @@ class WritePath:
                 new.append(None)
                 continue
             charge = entry_charge(item.size, item.tokens, item.extra)
-            if self._ledger.over_quota(ns, charge, taken):
+            if self._ledger.over_quota(ns, charge, taken) or self._ledger.over_entries(ns, counted):
                 results.append(ItemResult(ItemStatus.REJECTED, REASON_QUOTA))
                 new.append(None)
                 continue
@@ -308,6 +310,7 @@ class WritePath:
                 continue
             batch[key] = got
             taken += charge
+            counted += 1
             results.append(ItemResult(ItemStatus.WANT))
             new.append(got)
         return results, new
@@ -361,6 +364,7 @@ class WritePath:
         pending = self.pending
         arena = self._arena
         charged = 0
+        entries = 0
         for i, (item, e) in enumerate(zip(items, new)):
             if e is None:
                 extents.append(None)
@@ -379,6 +383,7 @@ class WritePath:
                 e.expires_s = expires
                 pending[e.key] = e
                 charged += e.charge
+                entries += 1
                 extents.append(None)
                 results[i] = _PENDING
                 continue
@@ -396,11 +401,12 @@ class WritePath:
             e.expires_s = expires
             pending[e.key] = e
             charged += e.charge
+            entries += 1
             extents.append(list(arena.extents(pages, 0, e.size)))
             results[i] = _PENDING
             decisions[item.kind.metric_kind, ItemStatus.WANT] += 1
         if charged:
-            self._ledger.charge(ns, charged)
+            self._ledger.charge(ns, charged, entries)
         self._count(decisions)
         return PutPlan(namespace_id=ns.id, sizes=[it.size for it in items], extents=extents, arena=arena,
                        results=results, entries=new)
@@ -418,9 +424,12 @@ class WritePath:
         over = plan.over_quota
         if over:
             self.abort_put(plan)
+            share = self._ledger.entry_share
             raise WireError("quota", f"tenant {ns.tenant!r} would exceed its quota of {self._ledger.quota_of(ns)} "
-                            f"bytes (holds {self._ledger.bytes_of(ns.tenant)}); items {over[:8]} do not fit; "
-                            "nothing of this put was stored", Problem.QUOTA)
+                            f"bytes (holds {self._ledger.bytes_of(ns.tenant)})"
+                            + (f" or its share of max_entries, {share} entries (holds "
+                               f"{self._ledger.entries_of(ns.tenant)})" if share is not None else "")
+                            + f"; items {over[:8]} do not fit; nothing of this put was stored", Problem.QUOTA)
         return plan
 
     def abort_put(self, plan: PutPlan) -> None:

@@ -278,3 +278,72 @@ def test_leases_charge_bytes_to_their_owner_and_extend_only_within_the_bound() -
     leases.release(big)
     leases.release(other)
     assert leases.bytes_by_owner == {} and all(e.pins == 0 for e in a)
+
+
+# ---------------------------------------------------------------- 4. entry slots
+
+
+async def test_one_tenants_long_prompt_cannot_evict_anothers_entries(start_store: StartStore, tmp_path: Path) -> None:
+    """Two 4 MiB quotas and max_entries=3000. Before: alpha saved one 3,000-block prompt inside its
+    quota and max_entries deleted all 200 of beta's entries (200/200 hits -> 0/200)."""
+    from ..factories import make_namespace
+
+    running = await start_store(tenanted(tmp_path, {"alpha": 4 * MIB, "beta": 4 * MIB}, data_dir="none",
+                                         ram_bytes=64 * MIB, page_bytes=4096, max_entries=3000))
+    alpha, beta = make_namespace(tenant="alpha", block_tokens=1, num_layers=1), \
+        make_namespace(tenant="beta", block_tokens=1, num_layers=1)
+    betas = [[50_000 + 10 * n + i for i in range(4)] for n in range(50)]  # 50 prompts x 4 blocks
+    async with PrefixClient(beta, ClientConfig(url=running.url, token=TOKENS["beta"])) as b, \
+            PrefixClient(alpha, ClientConfig(url=running.url, token=TOKENS["alpha"])) as a:
+        for tokens in betas:
+            res = await b.save(b.prompt(tokens), 4, lambda s, e, t=tokens: kv_payload(beta, t, s, e))
+            assert res.stored == 4, res
+        long = list(range(1, 3001))
+        res = await a.save(a.prompt(long), len(long), lambda s, e: kv_payload(alpha, long, s, e))
+        assert res.dropped == 0
+        hits = sum([(await b.lookup(tokens, lease=False)).kv_tokens == 4 for tokens in betas])
+        assert hits == 50  # before: 0 of 50 prompts (0/200 entries)
+        assert running.store.held_by("beta")["entries"] == 200
+        share = running.store.ledger.entry_share
+        assert share == 1500
+        assert running.store.held_by("alpha")["entries"] == share  # the rest refused as over its share
+    running.store.check()
+
+
+# ---------------------------------------------------------------- 6. lookup reports by rate
+
+
+async def test_lookup_reports_move_the_counters_no_faster_than_a_tenants_lookups(
+        start_store: StartStore, tmp_path: Path) -> None:
+    """Before: 2,000 reports in 0.5 s added 4.19e9 miss tokens to the counters behind every
+    tenant's hit-rate panels (each within max_lookup_tokens; nothing bounded their rate)."""
+    from ..factories import make_namespace
+    from .helpers import raw_post
+
+    running = await start_store(tenanted(tmp_path, data_dir="none", ram_bytes=4 * MIB, page_bytes=4096,
+                                         peers="http://127.0.0.1:1,http://127.0.0.1:2"))
+    ns = make_namespace(tenant="beta", block_tokens=4)
+    assert (await raw_post(running.url, "/v1/namespaces", {"namespace": ns.to_wire()}, TOKENS["beta"])).status == 200
+    counter = running.store.metrics.lookup_tokens.labels("kv", "miss")
+    most = running.store.config.max_lookup_tokens
+    report = {"ns": ns.id, "num_tokens": most, "kv_tokens": 0, "state_tokens": 0, "junction": None, "missing": None}
+    before = counter._value.get()
+    for _ in range(200):
+        answer = await raw_post(running.url, "/v1/lookup_report", report, TOKENS["beta"])
+        assert answer.status == 200  # never an error: a client's breaker must not open on it
+    added = counter._value.get() - before
+    assert added <= 8 * most  # before: 200 x 2,097,152 = 4.2e8 at once
+    dropped = running.store.metrics.registry.get_sample_value("prefixstore_lookup_reports_dropped_total")
+    assert dropped is not None and dropped >= 190
+    # Real lookups earn their reports: a probe carrying a prompt lets one report of it count.
+    p = Prompt(ns, list(range(1, 41)))
+    probe = {"ns": ns.id, "start": 0, "parent": p.root, "hashes": b"".join(p.hashes), "tokens": p.packed,
+             "lease": False}
+    small = {**report, "num_tokens": 40}
+    for _ in range(200):  # spend what is left of the allowance
+        await raw_post(running.url, "/v1/lookup_report", small, TOKENS["beta"])
+    before = counter._value.get()
+    for _ in range(20):
+        assert (await raw_post(running.url, "/v1/probe", probe, TOKENS["beta"])).status == 200
+        assert (await raw_post(running.url, "/v1/lookup_report", small, TOKENS["beta"])).status == 200
+    assert counter._value.get() - before >= 20 * 40 - 40  # each probed prompt's report counted
