@@ -17,8 +17,10 @@ naming one disk-only 1 MiB key 200 times, took RSS from 77 to 878 MiB and kept i
 * a buffer holds the items' byte range (the union of their layer ranges), not the whole entry --
   ``max_get_bytes`` counts ranges, so a whole-entry load let a 4 MiB get hold 200 MiB;
 * all gets together hold at most ``read_buffer_bytes``; an item past it is a miss;
-* buffers are anonymous mappings of their own, unmapped when the answer is done, so RSS falls back
-  once the readers go (a bytearray came from the C heap, which kept it).
+* buffers are private anonymous mappings of their own whose pages are given back
+  (``MADV_DONTNEED``) when the answer is done, so RSS falls back once the readers go (a bytearray
+  came from the C heap, which kept it; a mapping alone is unmapped only once the last view of it
+  is collected, which an exception's traceback can put off for a long while).
 """
 
 from __future__ import annotations
@@ -255,7 +257,10 @@ class ReadPath:
             if slot.entry is not None:
                 self._space.unpin(slot.entry)
                 slot.entry = None
-            slot.buffer = None  # unmapped once the last view of it (a send in progress) is gone
+            if slot.buffer is not None:
+                # Sent (or cut off): its pages go back now; the mapping goes with its last view.
+                slot.buffer.madvise(mmap.MADV_DONTNEED)
+                slot.buffer = None
         self.buffered_bytes -= plan.buffered
         plan.buffered = 0
 
@@ -276,7 +281,7 @@ class ReadPath:
             if self.buffered_bytes + n > self._config.read_buffer_bytes or n == 0:
                 self._metrics.read_buffer_refusals.inc(len(slots))
                 return ItemStatus.MISSING
-            buffer = mmap.mmap(-1, n)
+            buffer = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.buffered_bytes += n  # before the read: finish_get gives it back whatever happens
             plan.buffered += n
             dest = [memoryview(buffer)]

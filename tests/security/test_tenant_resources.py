@@ -347,3 +347,39 @@ async def test_lookup_reports_move_the_counters_no_faster_than_a_tenants_lookups
         assert (await raw_post(running.url, "/v1/probe", probe, TOKENS["beta"])).status == 200
         assert (await raw_post(running.url, "/v1/lookup_report", small, TOKENS["beta"])).status == 200
     assert counter._value.get() - before >= 20 * 40 - 40  # each probed prompt's report counted
+
+
+def _mapped_rss(path: Path) -> int:
+    """This process's resident bytes of its mappings of ``path`` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) << 10
+    return total
+
+
+async def test_values_read_out_of_lmdb_do_not_stay_in_rss(tmp_path: Path) -> None:
+    """Every value copied out of LMDB's map left its pages mapped: RSS grew by all that was ever
+    read (360 MiB in two minutes of benchmarks/pin_soak.py) -- pages nobody needed. The tier lets
+    go of its map every UNMAP_EVERY_BYTES copied out."""
+    import xxhash
+
+    from prefixstore.store.lmdb_tier import UNMAP_EVERY_BYTES, LmdbTier, StoredRecord
+
+    tier = LmdbTier(tmp_path / "lmdb", disk_bytes=512 * MIB)
+    try:
+        values = [bytes([i]) * MIB for i in range(192)]
+        keys = [bytes([1]) + bytes(8) + i.to_bytes(16, "little") for i in range(len(values))]
+        sums = [xxhash.xxh3_64_intdigest(v) for v in values]
+        await tier.write([(StoredRecord(key=k, namespace_id=bytes(8), parent=None, start=0, tokens=b"", extra=b"",
+                                        container=None, boundary=0, size=MIB, checksum=c), [memoryview(v)])
+                          for k, v, c in zip(keys, values, sums)], [])
+        out = memoryview(bytearray(MIB))
+        data = (tmp_path / "lmdb" / "data.mdb").resolve()
+        for k, c, v in zip(keys, sums, values):
+            assert await tier.read_into(k, MIB, c, [out]) == "ok" and out[:8] == v[:8]
+        assert _mapped_rss(data) <= UNMAP_EVERY_BYTES + 8 * MIB  # before: 192 MiB, every value read
+    finally:
+        tier.close()
