@@ -204,9 +204,9 @@ def plot(timed: list[Timed], restarts: list[Restart], summary: dict[str, object]
     ax.plot(xs, ys, lw=1.2)
     for r in restarts:
         ax.axvspan(r.down_at_s, r.up_at_s, color="red", alpha=0.15)
-    first = min((x.started_s for x in timed if x.phase == "before"), default=0.0)
-    ax.axvline(first, color="grey", ls=":", lw=0.8)
-    ax.set_xlabel("seconds (red: a node stopped and starting again)")
+    for phase in ("before", "during", "after"):  # where each phase began
+        ax.axvline(min((x.started_s for x in timed if x.phase == phase), default=0.0), color="grey", ls=":", lw=0.8)
+    ax.set_xlabel("seconds (dotted: before, during, after begin; red: a node stopped and starting again)")
     ax.set_ylabel("token hit rate")
     ax.set_ylim(0, 1)
     ax.set_title(f"rolling restart of {summary['nodes']} nodes under a multi-turn load")
