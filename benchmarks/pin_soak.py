@@ -238,12 +238,13 @@ def main(argv: list[str] | None = None) -> int:
                         "k x KEYS on, modulo its disk-only ones). Default: 64.")
     p.add_argument("--hold-s", type=float, default=3.0, help="Seconds each round's gets are held open. Default: 3.")
     p.add_argument("--quota", default="1GiB", help="quota_bytes of each tenant. Default: 1GiB.")
-    p.add_argument("--overhead", type=H.parse_size, default=256 * MIB,
-                   help="The fixed overhead the bound allows RSS over ram_bytes: read_buffer_bytes (64 MiB), the "
+    p.add_argument("--overhead", type=H.parse_size, default=320 * MIB,
+                   help="The fixed overhead the bound allows RSS over ram_bytes: read_buffer_bytes (64 MiB); the "
                         "LMDB map pages reads may leave mapped before the tier lets them go (64 MiB, "
-                        "store/lmdb_tier.py UNMAP_EVERY_BYTES), and 128 MiB of the process's own (interpreter, "
-                        "aiohttp, numpy, shared libraries, the NIXL agent, heap_keep_bytes, request buffers, LMDB's "
-                        "B-tree pages). Default: 256MiB.")
+                        "store/lmdb_tier.py UNMAP_EVERY_BYTES); the dirty pages LMDB allocates for one write-behind "
+                        "transaction, which the C heap may keep after it (64 MiB, store/behind.py TXN_BYTES); and "
+                        "128 MiB of the process's own (interpreter, aiohttp, numpy, shared libraries, the NIXL agent, "
+                        "heap_keep_bytes, request buffers, LMDB's B-tree pages). Default: 320MiB.")
     p.add_argument("--serve-flag", action="append", default=[], metavar="FLAG",
                    help="A flag passed to prefixstore serve as it is (repeat it; e.g. --serve-flag=--nixl=off). "
                         "Default: none: the defaults are what is soaked.")
