@@ -7,7 +7,7 @@ it works unchanged)::
     GET  /v1/members[?key=HEX]   -> JSON {members, epoch, self, previous, changed_s_ago, owner_grace_s,
                                           refresh_s[, order]}   (order: rendezvous order of KEY)
     POST /v1/probe        {ns, levels, lease}            -> ProbeAnswer    (protocol/probe.py, store/lookups.py)
-    POST /v1/lookup_report {ns, num_tokens, kv_tokens, state_tokens, junction, missing} -> {}
+    POST /v1/lookup_report {ns, num_tokens, kv_tokens, state_tokens, junction, missing} -> {counted}
     POST /v1/replica/drop {ns, keys}                     -> {dropped}      (store/replication.py)
 """
 
