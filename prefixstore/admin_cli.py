@@ -564,6 +564,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
             print(format_cluster(per_member))
         failed = [u for u, s in per_member.items() if isinstance(s, str)]
         if failed:
+            for url in failed:  # why each did not (a refused redirect says where it pointed)
+                print(f"prefixstore stats: {url}: {per_member[url]}", file=sys.stderr)
             print(f"prefixstore stats: {len(failed)} of {len(per_member)} members did not answer", file=sys.stderr)
             return EXIT_FAILURE
         return EXIT_OK
