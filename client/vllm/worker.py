@@ -120,6 +120,8 @@ class PrefixStoreWorker:
         finished request's blocks and the lookups that wait for its save (issue 29)."""
         self._log = RateLimitedLog(log)
         self._save_buffers = BufferPool(SAVE_BUFFERS_KEPT_BYTES)
+        self._started: tuple[PrefixStoreMetadata | None, set[int]] = (None, set())
+        """(this step's plans, the ids of its loads already started): a load starts once per step."""
         self._decode_pass: tuple[float, int, bool] | None = None
         """(started, batch, load in flight) of the decode-only step in progress (start_load_kv)."""
 
@@ -221,11 +223,22 @@ class PrefixStoreWorker:
 
     def begin_step(self, meta: PrefixStoreMetadata) -> None:
         """vLLM bound this step's plans, before its forward pass. A decode-only step is timed from
-        here to the end of wait_for_save (after the forward), by whether a load is in flight."""
+        here to the end of wait_for_save (after the forward), by whether a load is in flight.
+
+        Asynchronous loads into host memory start here, before the forward pass, not after it
+        where vLLM 0.32 calls start_load_kv: the load then runs beside this step's forward pass
+        (on another core, loop.py) instead of beside the next one's, is more often done by the end
+        of this step, and its request is scheduled a step earlier. Safe on the CPU: vLLM zeroes
+        new blocks in ``_update_states``, synchronously, before it binds the plans, and the
+        forward pass touches only the blocks of scheduled requests, which a request waiting for
+        its remote KV is not. On a GPU the zeroing is a kernel queued on the compute stream, so
+        loads keep vLLM's order there."""
+        loading = any(not fut.done() for _, fut in self._async_loads)
         self._decode_pass = None
         if meta.num_reqs and meta.num_tokens == meta.num_reqs:
-            loading = any(not fut.done() for _, fut in self._async_loads)
             self._decode_pass = (time.perf_counter(), meta.num_reqs, loading)
+        if self._kv is not None and self._kv.attention[0].view.device.type == "cpu":
+            self._start_async_loads(meta)
 
     def start_load_kv(self, meta: PrefixStoreMetadata | None) -> None:
         """Start this step's loads on the client loop; sync loads release layers one by one. A
@@ -244,13 +257,24 @@ class PrefixStoreWorker:
                     self._failed_blocks.update(self._blocks_of(plan))
             return
         sync = [p for p in meta.loads if not p.is_async]
-        for plan in (p for p in meta.loads if p.is_async):
-            self._async_loads.append((plan, self._loop.submit(self._bounded_load([plan], None))))
+        self._start_async_loads(meta)
         if sync:
             assert self._kv is not None
             self._events = [threading.Event() for _ in self._kv.attention]
             self._sync_plans = sync
             self._sync_load = self._loop.submit(self._bounded_load(sync, self._events))
+
+    def _start_async_loads(self, meta: PrefixStoreMetadata) -> None:
+        """Start the plan's asynchronous loads on the client loop, each once."""
+        if self._loop is None:
+            return
+        if self._started[0] is not meta:
+            self._started = (meta, set())
+        started = self._started[1]
+        for plan in meta.loads:
+            if plan.is_async and id(plan) not in started:
+                started.add(id(plan))
+                self._async_loads.append((plan, self._loop.submit(self._bounded_load([plan], None))))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)

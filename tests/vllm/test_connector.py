@@ -475,3 +475,26 @@ def test_snapshots_are_offered_with_their_origin(engine_factory) -> None:  # typ
     assert seen == [(32, Origin.PERIODIC), (47, Origin.GENERATION_END)]
     # The store kept them: the next turn resumes at the generation end.
     assert e.scheduler.get_num_new_matched_tokens(request("t2", list(r.all_token_ids) + [9, 9]), 0) == (47, True)
+
+
+def test_an_async_load_into_host_memory_starts_before_the_forward_pass(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """On the CPU a hybrid load starts when vLLM binds the step's plans, before its forward pass
+    (vLLM 0.32 calls start_load_kv after it), so it runs beside this step's forward pass and its
+    request can be scheduled a step earlier."""
+    e = engine_factory("early-load", hybrid=True)
+    kv, states = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=75)
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, True)
+    e.scheduler.update_state_after_alloc(r, KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in [40, 41, 42]],
+                                                                  [KVCacheBlock(block_id=b) for b in [0, 0, 52]])), 40)
+    e.worker.bind_connector_metadata(e.scheduler.build_connector_meta(SchedulerOutput.make_empty()))
+    e.worker.drain()  # no start_load_kv: the load ran from the bind alone
+    results = e.worker.get_transfer_results(set())
+    assert results.finished_recving == {"a"} and results.failed_recving == set()
+    e.worker.start_load_kv(None)  # type: ignore[arg-type]  # vLLM's call after the forward: no second load
+    e.worker.drain()
+    assert e.worker.get_transfer_results(set()).finished_recving == set()
+    e.worker.clear_connector_metadata()
+    assert same_bytes(e.blocks([40, 41, 42]), e.expected([40, 41, 42], kv, 40))
+    for name in MAMBA:
+        assert torch.equal(e.views[name][52], states[2][name])
