@@ -83,6 +83,7 @@ class PrefixStoreScheduler:
         self._saves: list[SavePlan] = []
         self._requests: dict[str, Request] = {}  # live requests (on_new_request .. finished)
         self._saved_upto: dict[str, int] = {}  # req -> tokens a prompt-end save covered
+        self._copied_upto: dict[str, int] = {}  # req -> tokens earlier saves of it copied out of its blocks
         self._junctions: dict[str, int] = {}  # req -> the junction a prefill chunk ends at (checkpoint_hint)
         self._in_flight: dict[str, tuple[np.ndarray, list[bytes], float]] = {}  # save id -> (tokens, extra keys, planned at)
         self._done_reports: dict[str, int] = {}  # save id -> workers that reported its end
@@ -301,6 +302,7 @@ class PrefixStoreScheduler:
                 if plan is not None:
                     self._stats.count("junction_stops")
                     self._queue(plan)
+                    self._copied_upto[req_id] = len(plan.tokens)
         if req_id in self._saved_upto or computed_after_step < request.num_prompt_tokens:
             return
         self._saved_upto[req_id] = 0
@@ -312,9 +314,11 @@ class PrefixStoreScheduler:
         snapshots = {self._grid_floor(P): Origin.PERIODIC}
         if computed_after_step == P:
             snapshots[P] = Origin.PROMPT_END  # wins over the grid's label where P is on the grid
-        plan = self._save_plan(request, P, self._block_ids_of(req_id), hold=False, snapshots=snapshots)
+        plan = self._save_plan(request, P, self._block_ids_of(req_id), hold=False, snapshots=snapshots,
+                               start_at=self._copied_upto.get(req_id, 0))
         if plan is not None:
             self._saved_upto[req_id] = len(plan.tokens)
+            self._copied_upto[req_id] = len(plan.tokens)
             self._queue(plan)
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
@@ -327,6 +331,7 @@ class PrefixStoreScheduler:
         self._requests.pop(req_id, None)
         self._junctions.pop(req_id, None)
         self._failed_loads.discard(req_id)
+        copied = self._copied_upto.pop(req_id, 0)
         saved = self._saved_upto.pop(req_id, 0)
         if req_id in self._loading or self.refused is not None:
             # Finished while its load is in flight (its blocks hold nothing computed, and vLLM frees
@@ -352,7 +357,8 @@ class PrefixStoreScheduler:
             P = request.num_prompt_tokens
             snapshots[computed] = (Origin.GENERATION_END if computed > P
                                    else Origin.PROMPT_END if computed == P else Origin.UNKNOWN)
-        plan = self._save_plan(request, computed, block_ids, hold=True, snapshots=snapshots)
+        plan = self._save_plan(request, computed, block_ids, hold=True, snapshots=snapshots,
+                               start_at=copied)
         self._store_start.pop(req_id, None)
         if plan is None or len(plan.tokens) <= saved:
             return False, None  # nothing beyond what the prompt-end save covered
@@ -389,7 +395,7 @@ class PrefixStoreScheduler:
         return t // grid * grid if grid else 0
 
     def _save_plan(self, request: Request, computed: int, block_ids: tuple[list[int], ...], *, hold: bool,
-                   snapshots: dict[int, Origin]) -> SavePlan | None:
+                   snapshots: dict[int, Origin], start_at: int = 0) -> SavePlan | None:
         """A save of the request's KV [0, computed) and, on a hybrid model, the states after each
         boundary of ``snapshots`` (0 ignored) whose Mamba block vLLM still holds, each offered with
         its origin: the prompt end, the generation end, a hinted junction, or a state on vLLM's
@@ -408,7 +414,10 @@ class PrefixStoreScheduler:
                 if 0 < t <= computed and all(index < len(block_ids[g]) and block_ids[g][index] != 0
                                              for g, _, _ in self.groups.mamba):
                     kept.append(t)  # else that state block is gone (vLLM keeps only the latest ones)
-        start = self._store_start.get(request.request_id, 0)
+        # From what earlier saves of the request already copied (the worker rounds down to the
+        # store's block): the request-end save of a turn copied its prompt again, 15 ms of the
+        # engine's step per 2,239 wide-model tokens, for blocks the store answered "have" to.
+        start = max(self._store_start.get(request.request_id, 0), start_at)
         return SavePlan(req_id=request.request_id, save_id=f"{request.request_id}#{next(self._save_ids)}",
                         tokens=list(request.all_token_ids[:computed]), start=min(start, computed),
                         block_ids=tuple(list(b) for b in block_ids), snapshots=tuple(kept),

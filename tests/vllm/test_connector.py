@@ -498,3 +498,43 @@ def test_an_async_load_into_host_memory_starts_before_the_forward_pass(engine_fa
     assert same_bytes(e.blocks([40, 41, 42]), e.expected([40, 41, 42], kv, 40))
     for name in MAMBA:
         assert torch.equal(e.views[name][52], states[2][name])
+
+
+def test_a_request_end_save_copies_only_what_its_prompt_end_save_did_not(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """A turn's prompt-end save copied its 40-token prompt (blocks 0 and 1 of the store's 16, a
+    tail of 8); its request-end save, after 8 sampled tokens, copies from the store block the
+    prompt ended in (32) on: one tail of 15 tokens, not the prompt's blocks again (the engine's
+    step waits for every copy)."""
+    from vllm.v1.core.sched.output import NewRequestData
+
+    from prefixstore.protocol.keys import Kind
+
+    e = engine_factory("copy-once", hybrid=True)
+    client = e.worker.worker_side.client.impl
+    offer = client.offer
+    kv_items: list[int] = []
+
+    async def recording(items):  # type: ignore[no-untyped-def]
+        kv_items.append(sum(1 for i in items if i.kind is not Kind.STATE))
+        return await offer(items)
+
+    client.offer = recording
+    blocks = ([3, 7, 9], [11, 12, 13])
+    e.scheduler.bind_kv_cache_manager(BlockTable({"r": blocks}))  # type: ignore[arg-type]
+    r = request("r", PROMPT)
+    e.scheduler.on_new_request(r)
+    e.write(blocks[0], random_kv(seed=85), 0, 40)
+    step = SchedulerOutput.make_empty()
+    step.scheduled_new_reqs = [NewRequestData.from_request(r, blocks)]
+    step.num_scheduled_tokens = {"r": 40}
+    e.worker.bind_connector_metadata(e.scheduler.build_connector_meta(step))
+    e.worker.wait_for_save()
+    e.worker.drain()
+    e.worker.clear_connector_metadata()
+    r.append_output_token_ids(list(range(8)))
+    r.num_computed_tokens = 47
+    e.write(blocks[0], random_kv(seed=86), 40, 47)
+    e.finish(r, blocks)
+    assert kv_items == [3, 1]
+    # Both saves together hold the whole turn: 47 tokens and the state after them.
+    assert e.scheduler.get_num_new_matched_tokens(request("t2", PROMPT + list(range(8)) + [5, 6]), 0) == (47, True)
