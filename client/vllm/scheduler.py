@@ -19,6 +19,7 @@ from ...protocol.keys import Origin
 from ..client import PrefixClient
 from ..results import LookupResult
 from .loop import ClientLoop
+from .costs import CostFigures
 from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for
 from .settings import ConnectorSettings
 from .stats import RateLimitedLog, StatsBox
@@ -97,6 +98,8 @@ class PrefixStoreScheduler:
         self._failed_loads: set[str] = set()
         """Requests whose load failed: vLLM recomputes them and asks again, and they are not loaded
         again (a failure that repeats would otherwise loop)."""
+        self.costs = CostFigures()
+        """The workers' latest figures of what loads and recomputing cost (costs.py)."""
         self.refused: str | None = None
         """Why the workers refuse to move anything (their views could not be mapped), once one said
         so: the scheduler then plans no load and no save."""
@@ -213,8 +216,13 @@ class PrefixStoreScheduler:
                 self._stats.count("save_waits")
                 return None, False
             lookup, loadable = self.lookup(tokens, extra_keys(request))
-        self._lookups[request.request_id] = (lookup, num_computed_tokens, loadable)
         extra = loadable - num_computed_tokens
+        if (extra > 0 and self.groups.hybrid and self.settings.load_policy == "when_faster"
+                and not self.costs.load_pays(extra)):
+            # An asynchronous load of this many tokens would not beat recomputing them here.
+            self._stats.count("loads_skipped")
+            loadable, extra = num_computed_tokens, 0
+        self._lookups[request.request_id] = (lookup, num_computed_tokens, loadable)
         self._plan_junction(request, lookup, max(loadable, num_computed_tokens))
         if extra <= 0:
             return 0, False
@@ -378,6 +386,8 @@ class PrefixStoreScheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PrefixStoreWorkerMeta):
             return
+        if meta.costs is not None:
+            self.costs = meta.costs
         if meta.refused and self.refused is None:
             self.refused = meta.refused[0]
             log.warning("prefixstore: a worker refuses to move KV (%s); this engine stops loading and saving",

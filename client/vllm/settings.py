@@ -22,6 +22,8 @@ from ..config import ClientConfig
 
 ReuseMode = Literal["exact", "replay"]
 REUSE_MODES: tuple[ReuseMode, ...] = ("exact", "replay")
+LoadPolicy = Literal["when_faster", "always"]
+LOAD_POLICIES: tuple[LoadPolicy, ...] = ("when_faster", "always")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +48,11 @@ class ConnectorSettings:
     """Staging region for loads (gpu_staging.StagingBuffer), allocated once per worker."""
     load: bool = True
     """Look up and load prefixes from the store."""
+    load_policy: LoadPolicy = "when_faster"
+    """when_faster: load only where the engine's measured figures say a load (and the step that
+    reports it) beats recomputing the same tokens (client/vllm/costs.py; a small model recomputes
+    a short hit faster than a hybrid load returns); skipped loads are counted (``loads_skipped``).
+    always: load every hit."""
     save: bool = True
     """Offer finished requests' KV (and snapshots) to the store."""
     save_wait_s: float = 2.0
@@ -77,6 +84,8 @@ class ConnectorSettings:
     def __post_init__(self) -> None:
         if self.mode not in REUSE_MODES:
             raise ValueError(f"mode: {self.mode!r} is not one of {list(REUSE_MODES)}")
+        if self.load_policy not in LOAD_POLICIES:
+            raise ValueError(f"load_policy: {self.load_policy!r} is not one of {list(LOAD_POLICIES)}")
         for name in ("block_tokens", "staging_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -142,4 +151,4 @@ def _urls(kwargs: dict[str, object], fields: Mapping[str, dataclasses.Field[obje
                          "with a member list (ClientConfig has none)")
 
 
-__all__ = ["REUSE_MODES", "ConnectorSettings", "ReuseMode"]
+__all__ = ["LOAD_POLICIES", "REUSE_MODES", "ConnectorSettings", "LoadPolicy", "ReuseMode"]

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from ..client import PrefixClient
 from .loop import ClientLoop
+from .costs import CostFigures, CostMeter
 from .layout import AttentionLayer, LayoutUnsupported, Payload, VllmKV, learn_cpu_layout
 from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for
 from .settings import ConnectorSettings
@@ -120,10 +121,13 @@ class PrefixStoreWorker:
         finished request's blocks and the lookups that wait for its save (issue 29)."""
         self._log = RateLimitedLog(log)
         self._save_buffers = BufferPool(SAVE_BUFFERS_KEPT_BYTES)
+        self.costs = CostMeter()
+        """What loads and prefill cost on this engine (costs.py), reported to the scheduler."""
+        self._costs_sent = CostFigures()
+        self._step: tuple[float, int, int, bool] | None = None
+        """(started, requests, tokens, load in flight) of the step in progress (begin_step)."""
         self._started: tuple[PrefixStoreMetadata | None, set[int]] = (None, set())
         """(this step's plans, the ids of its loads already started): a load starts once per step."""
-        self._decode_pass: tuple[float, int, bool] | None = None
-        """(started, batch, load in flight) of the decode-only step in progress (start_load_kv)."""
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for saves and asynchronous loads in flight (shutdown; tests). Their outcomes are
@@ -234,9 +238,7 @@ class PrefixStoreWorker:
         its remote KV is not. On a GPU the zeroing is a kernel queued on the compute stream, so
         loads keep vLLM's order there."""
         loading = any(not fut.done() for _, fut in self._async_loads)
-        self._decode_pass = None
-        if meta.num_reqs and meta.num_tokens == meta.num_reqs:
-            self._decode_pass = (time.perf_counter(), meta.num_reqs, loading)
+        self._step = (time.perf_counter(), meta.num_reqs, meta.num_tokens, loading) if meta.num_reqs else None
         if self._kv is not None and self._kv.attention[0].view.device.type == "cpu":
             self._start_async_loads(meta)
 
@@ -293,12 +295,16 @@ class PrefixStoreWorker:
                 if plan.req_id in failures:
                     self._failed_blocks.update(self._blocks_of(plan))
             self._sync_load, self._events, self._sync_plans = None, None, []
-        if self._decode_pass is not None:
-            started, batch, loading = self._decode_pass
-            steps, micros = decode_step_keys(batch, loading)
-            self._stats.count(steps)
-            self._stats.count(micros, int((time.perf_counter() - started) * 1e6))
-            self._decode_pass = None
+        if self._step is not None:
+            started, num_reqs, num_tokens, loading = self._step
+            took = time.perf_counter() - started
+            if num_tokens == num_reqs:  # a decode-only step
+                steps, micros = decode_step_keys(num_reqs, loading)
+                self._stats.count(steps)
+                self._stats.count(micros, int(took * 1e6))
+            if not loading:  # a load beside it would tax it: not the engine's own cost
+                self.costs.step(took, num_reqs, num_tokens)
+            self._step = None
         if meta is None:
             return
         for save in meta.saves:
@@ -327,10 +333,14 @@ class PrefixStoreWorker:
         before it looks up a prompt they would lengthen), and whether this worker refuses."""
         with self._ended_lock:
             ended, self._saves_ended = self._saves_ended, []
-        if not ended and self.refused is None:
+        costs = self.costs.figures()
+        changed = costs != self._costs_sent
+        if not ended and self.refused is None and not changed:
             return None
+        self._costs_sent = costs
         return PrefixStoreWorkerMeta(saves_done=dict.fromkeys(ended, 1),
-                                     refused=[self.refused] if self.refused is not None else [])
+                                     refused=[self.refused] if self.refused is not None else [],
+                                     costs=costs if changed else None)
 
     def _blocks_of(self, plan: LoadPlan) -> set[int]:
         """Blocks of the attention groups holding tokens [start, end) of a load."""
@@ -403,6 +413,7 @@ class PrefixStoreWorker:
         assert self._kv is not None and self._load_lock is not None and self._loop is not None
         failures: dict[str, str] = {}
         num_layers = len(self._kv.attention)
+        started = time.perf_counter()
         try:
             async with self._load_lock:  # one staging region: loads of different steps take turns
                 tables = {p.req_id: [np.asarray(ids, dtype=np.int64) for ids in p.block_ids] for p in plans}
@@ -429,11 +440,14 @@ class PrefixStoreWorker:
             if events is not None:
                 for event in events:
                     event.set()
+        took = time.perf_counter() - started
         for plan in plans:
             if plan.req_id in failures:
                 self._stats.count("load_failures")
             else:
                 self._stats.count("loaded_tokens", plan.end - plan.start)
+        if not failures and events is None:  # an asynchronous load's own time (a sync one shares its step)
+            self.costs.load(sum(p.end - p.start for p in plans), took)
         return failures
 
     async def _relookup(self, plan: LoadPlan, failures: dict[str, str]) -> LoadPlan:
