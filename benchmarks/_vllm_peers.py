@@ -137,6 +137,22 @@ class LMCacheSide(Side):
         return Backends(kv_transfer_config=config, processes=[proc], env=env)
 
 
+LMCACHE_MP_HYBRID_CPU = {
+    "lmcache_driven": "'migrate_to_shm_and_wrap requires a contiguous tensor' (lmcache/v1/platform/devices/cpu/"
+                      "shm.py: vLLM's CPU KV tensors of a hybrid are strided views of one shared buffer)",
+    "engine_driven": "'engine-driven transfer does not support multiple KV transfer groups now' (lmcache/v1/"
+                     "multiprocess/transfer_context/worker_transfer.py)"}
+"""What LMCache's MP connector says at start on vLLM's CPU build with a hybrid model, per transfer mode
+(seen in the replicas' logs with BENCH_PEERS_NO_PRECHECK=1; docs/benchmarks.md)."""
+
+
+def is_hybrid(model: Model) -> bool:
+    """Whether the model has layers other than (sliding-window) attention: LFM2's short convolutions,
+    Qwen3-Next's gated delta nets (their configs' ``layer_types``)."""
+    config = json.loads((Path(model.path) / "config.json").read_text())
+    return any(t not in ("full_attention", "sliding_attention") for t in config.get("layer_types") or ())
+
+
 class LMCacheMPSide(Side):
     name = "lmcache-mp"
     description = ("LMCache 0.5.6 multi-process mode: one `lmcache server` (L1 in RAM, LRU), LMCache's own "
@@ -144,6 +160,11 @@ class LMCacheMPSide(Side):
 
     def start(self, tmp: Path, model: Model, device: str) -> Backends:
         _require("lmcache.integration.vllm.lmcache_mp_connector", "tests/lmcache/install_lmcache.sh installs LMCache")
+        if device == "cpu" and is_hybrid(model) and os.environ.get(NO_PRECHECK) != "1":
+            mode = os.environ.get("BENCH_LMCACHE_MP_MODE", "lmcache_driven")
+            raise SideUnavailable(f"LMCache 0.5.6 MP on vLLM's CPU build, hybrid model {model.name!r}: the worker "
+                                  "fails to register its KV caches with " + LMCACHE_MP_HYBRID_CPU[mode] +
+                                  "; attention-only models run (the llama model); run hybrids with --device cuda")
         port, http_port, prom_port = _ports(3)
         log = tmp / f"lmcache-mp-{port}.log"
         # ``lmcache server`` is LMCache's CLI (lmcache.cli.main); the module runs it from this Python.
@@ -272,6 +293,14 @@ class SimpleCPUSide(Side):
     description = "vLLM's SimpleCPUOffloadConnector: a CPU tier per replica, not shared (a local reference)"
 
     def start(self, tmp: Path, model: Model, device: str) -> Backends:
+        import torch
+
+        if device == "cpu" and not torch.cuda.is_available() and os.environ.get(NO_PRECHECK) != "1":
+            # Its worker asks CUDA for stream priorities first (SimpleCPUOffloadWorker, v1/simple_kv_offload/
+            # worker.py: torch.cuda.Stream.priority_range()), then pins with cudaHostRegister.
+            raise SideUnavailable("SimpleCPUOffloadConnector on vLLM's CPU build: the worker fails at start with "
+                                  "\"type object '_StreamPlaceholder' has no attribute 'priority_range'\" "
+                                  "(torch.cuda.Stream on a CPU-only torch); run it with --device cuda")
         config = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
                   "kv_connector_extra_config": {"cpu_bytes_to_use": TIER_BYTES}}
         return Backends(kv_transfer_config=config)
