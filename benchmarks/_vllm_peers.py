@@ -49,11 +49,16 @@ import _harness as h
 import _vllm_sides as sides
 from _vllm_sides import SIDES, Backends, Model, Side, SideUnavailable, spawn, tail
 
-LMCACHE_CHUNK_TOKENS = 32
-"""LMCache's chunk (tokens per stored object) in both modes: vLLM's block, the granularity
-vLLM's own prefix cache, prefixstore and the other peers match at. LMCache's default, 256,
-would store nothing of a prompt under 256 tokens (--quick's are) and give every longer prompt
-up to 255 tokens less to reuse; a smaller chunk is the peer's best case, at a per-chunk cost."""
+def lmcache_chunk_tokens(model: Model) -> int:
+    """LMCache's chunk (tokens per stored object) in both modes: vLLM's block, the granularity vLLM's
+    own prefix cache, prefixstore and the other peers match at: 32 tokens, but 288 for ``gdn``,
+    whose attention block vLLM grows to 288 tokens to match its gated-delta-net state page (LMCache's
+    MP connector requires a multiple: "LMCache chunk size 32 must be a multiple of 288"). LMCache's
+    default, 256, would store nothing of a prompt under 256 tokens (--quick's are) and give every
+    longer prompt up to 255 tokens less to reuse: a small chunk is the peer's best case, at a
+    per-chunk cost. ``BENCH_LMCACHE_CHUNK_TOKENS`` overrides (another GPU kernel, another block)."""
+    return int(os.environ.get("BENCH_LMCACHE_CHUNK_TOKENS", 288 if model.name == "gdn" else 32))
+
 
 TIER_BYTES = 1 << 30
 """The shared tier's memory on CPU (LMCache's server L1, Mooncake's pool: half per replica,
@@ -130,7 +135,7 @@ class LMCacheSide(Side):
         # LMCache's own server: ``lmcache_server <host> <port> <storage>``; its RAM on CPU and GPU.
         proc = spawn([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"], log)
         _wait_tcp(port, proc, "lmcache_server", log)
-        env = {"LMCACHE_CHUNK_SIZE": str(LMCACHE_CHUNK_TOKENS), "LMCACHE_LOCAL_CPU": "False",
+        env = {"LMCACHE_CHUNK_SIZE": str(lmcache_chunk_tokens(model)), "LMCACHE_LOCAL_CPU": "False",
                "LMCACHE_REMOTE_URL": f"lm://127.0.0.1:{port}", "LMCACHE_REMOTE_SERDE": "naive",
                "LMCACHE_DISABLE_BANNER": "1"}
         config = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
@@ -171,7 +176,7 @@ class LMCacheMPSide(Side):
         args = [sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1", "--port", str(port),
                 "--http-host", "127.0.0.1", "--http-port", str(http_port), "--prometheus-port", str(prom_port),
                 "--l1-size-gb", str(TIER_BYTES / (1 << 30)), "--eviction-policy", "LRU",
-                "--chunk-size", str(LMCACHE_CHUNK_TOKENS)]
+                "--chunk-size", str(lmcache_chunk_tokens(model))]
         proc = spawn(args, log, {**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
         _wait_tcp(port, proc, "lmcache server", log)
         config = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
