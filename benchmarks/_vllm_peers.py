@@ -49,6 +49,7 @@ import _harness as h
 import _vllm_sides as sides
 from _vllm_sides import SIDES, Backends, Model, Side, SideUnavailable, spawn, tail
 
+
 def lmcache_chunk_tokens(model: Model) -> int:
     """LMCache's chunk (tokens per stored object) in both modes: vLLM's block, the granularity vLLM's
     own prefix cache, prefixstore and the other peers match at: 32 tokens, but 288 for ``gdn``,
@@ -123,6 +124,13 @@ class LMCacheSide(Side):
 
     def start(self, tmp: Path, model: Model, device: str) -> Backends:
         _require("lmcache.v1.server", "tests/lmcache/install_lmcache.sh installs LMCache")
+        if is_hybrid(model) and os.environ.get(NO_PRECHECK) != "1":
+            # On any device: LMCacheConnectorV1 is not SupportsHMA, so vLLM turns its hybrid KV cache
+            # manager off ("hybrid SSM models ... require HMA and will fail at startup without it").
+            raise SideUnavailable(f"LMCacheConnectorV1 with hybrid model {model.name!r}: vLLM turns off its hybrid "
+                                  "KV cache manager for a connector without SupportsHMA, and the engine fails at "
+                                  "start: 'Failed to promote local KV cache specs to one unified type.' "
+                                  "(LMCache's docs give hybrids to MP mode: side lmcache-mp)")
         if device == "cpu" and os.environ.get(NO_PRECHECK) != "1":
             # LMCacheConnectorV1 picks a copy kernel by the engine's device (CreateGPUConnector):
             # cuda, xpu, musa, hpu. On CPU it logs this, runs "in degraded mode (recompute)", stores
@@ -138,7 +146,7 @@ class LMCacheSide(Side):
         env = {"LMCACHE_CHUNK_SIZE": str(lmcache_chunk_tokens(model)), "LMCACHE_LOCAL_CPU": "False",
                "LMCACHE_REMOTE_URL": f"lm://127.0.0.1:{port}", "LMCACHE_REMOTE_SERDE": "naive",
                "LMCACHE_DISABLE_BANNER": "1"}
-        config = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+        config: dict[str, object] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
         return Backends(kv_transfer_config=config, processes=[proc], env=env)
 
 
@@ -179,7 +187,7 @@ class LMCacheMPSide(Side):
                 "--chunk-size", str(lmcache_chunk_tokens(model))]
         proc = spawn(args, log, {**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
         _wait_tcp(port, proc, "lmcache server", log)
-        config = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+        config: dict[str, object] = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                   "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
                   "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
         # LMCache moves KV itself (the server maps the engine's KV pages: CUDA IPC on GPU, POSIX shared
@@ -195,7 +203,7 @@ class LMCacheMPSide(Side):
 # ---------------------------------------------------------------- Mooncake
 
 
-class PerReplica(dict):  # type: ignore[type-arg]
+class PerReplica(dict[str, object]):
     """A ``--kv-transfer-config`` whose ``kv_connector_extra_config.lookup_rpc_port`` is the next
     replica's each time it is serialised. Mooncake's store connector names its scheduler-to-worker
     lookup socket after that port and the host alone (``ipc://…/lookup_rpc_port_{port}_host_…``), so
@@ -204,12 +212,12 @@ class PerReplica(dict):  # type: ignore[type-arg]
     every replica the same config and serialises it once per replica, in order (json.dumps reads a
     dict subclass through its ``items()``); rejected: one config for both (the take-over)."""
 
-    def __init__(self, base: dict[str, Any], first_port: int) -> None:
+    def __init__(self, base: dict[str, object], first_port: int) -> None:
         super().__init__(base)
         self._next = first_port
 
-    def items(self):  # type: ignore[no-untyped-def, override]
-        extra = {**self["kv_connector_extra_config"], "lookup_rpc_port": self._next}
+    def items(self) -> list[tuple[str, object]]:  # type: ignore[override]
+        extra = {**self["kv_connector_extra_config"], "lookup_rpc_port": self._next}  # type: ignore[dict-item]
         self._next += 1
         return [*((k, v) for k, v in super().items() if k != "kv_connector_extra_config"),
                 ("kv_connector_extra_config", extra)]
@@ -285,9 +293,11 @@ class OffloadSide(Side):
             _cuda_or_xpu_only(device, "OffloadingConnector")
         shared = tmp / "offload-fs"
         shared.mkdir(exist_ok=True)
-        config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                  "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": TIER_BYTES,
-                                                "secondary_tiers": [{"type": "fs", "root_dir": str(shared)}]}}
+        tiers = [{"type": "fs", "root_dir": str(shared)}]
+        config: dict[str, object] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                     "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+                                                                   "cpu_bytes_to_use": TIER_BYTES,
+                                                                   "secondary_tiers": tiers}}
         # The fs tier names files by vLLM's block hashes, whose seed is fixed unless PYTHONHASHSEED
         # is set; the tier's docs ask for one value on every instance: the replicas share the environment.
         return Backends(kv_transfer_config=config)
@@ -306,8 +316,8 @@ class SimpleCPUSide(Side):
             raise SideUnavailable("SimpleCPUOffloadConnector on vLLM's CPU build: the worker fails at start with "
                                   "\"type object '_StreamPlaceholder' has no attribute 'priority_range'\" "
                                   "(torch.cuda.Stream on a CPU-only torch); run it with --device cuda")
-        config = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
-                  "kv_connector_extra_config": {"cpu_bytes_to_use": TIER_BYTES}}
+        config: dict[str, object] = {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+                                     "kv_connector_extra_config": {"cpu_bytes_to_use": TIER_BYTES}}
         return Backends(kv_transfer_config=config)
 
 
@@ -426,7 +436,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     # The llama model for both modes: registered before vllm_serving binds _vllm_sides' names.
-    sides.MODELS = (*sides.MODELS, "llama")
+    setattr(sides, "MODELS", (*sides.MODELS, "llama"))  # a wider tuple than the declared one
     sides.build_model = build_model
     if argv[:1] == ["serve"]:
         import vllm_serving
