@@ -152,7 +152,7 @@ class LMCacheSide(Side):
 
 LMCACHE_MP_HYBRID_CPU = {
     "lmcache_driven": "'migrate_to_shm_and_wrap requires a contiguous tensor' (lmcache/v1/platform/devices/cpu/"
-                      "shm.py: vLLM's CPU KV tensors of a hybrid are strided views of one shared buffer)",
+                      "shm.py: a hybrid's KV tensors on vLLM's CPU build are not contiguous)",
     "engine_driven": "'engine-driven transfer does not support multiple KV transfer groups now' (lmcache/v1/"
                      "multiprocess/transfer_context/worker_transfer.py)"}
 """What LMCache's MP connector says at start on vLLM's CPU build with a hybrid model, per transfer mode
