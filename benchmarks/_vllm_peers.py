@@ -420,7 +420,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     "  serve [flags]   benchmarks/vllm_serving.py with these flags, plus a `llama` model (the\n"
                     "                  tests' tiny Llama, attention only): e.g. serve --quick --models llama\n"
                     "                  --sides vllm,lmcache")
-    p.add_argument("mode", choices=("probe", "serve"))
+    p.add_argument("mode", choices=("probe", "serve"), help="probe: the cross-replica check below; serve: "
+                                                            "vllm_serving.py with the llama model (its own flags).")
     p.add_argument("--sides", default=",".join(PEER_SIDES), help="probe: comma-separated sides. Default: every peer.")
     p.add_argument("--models", default="tiny", help="probe: comma-separated models (tiny, wide, gdn, llama). "
                                                      "Default: tiny.")
