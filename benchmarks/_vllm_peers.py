@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -203,24 +204,18 @@ class LMCacheMPSide(Side):
 # ---------------------------------------------------------------- Mooncake
 
 
-class PerReplica(dict[str, object]):
-    """A ``--kv-transfer-config`` whose ``kv_connector_extra_config.lookup_rpc_port`` is the next
-    replica's each time it is serialised. Mooncake's store connector names its scheduler-to-worker
-    lookup socket after that port and the host alone (``ipc://…/lookup_rpc_port_{port}_host_…``), so
-    two replicas on one host with one config bind the same socket and the second takes it over
-    (Mooncake's and vLLM-Ascend's docs: "each instance requires a unique port"). _vllm_sides gives
-    every replica the same config and serialises it once per replica, in order (json.dumps reads a
-    dict subclass through its ``items()``); rejected: one config for both (the take-over)."""
+def _own_lookup_port(first_port: int) -> Callable[[int, dict[str, object]], dict[str, object]]:
+    """Replica i's Mooncake config: ``kv_connector_extra_config.lookup_rpc_port`` of its own. Mooncake's
+    store connector names its scheduler-to-worker lookup socket after that port and the host alone
+    (``ipc://…/lookup_rpc_port_{port}_host_…``), so two replicas on one host with one config bind the
+    same socket and the second takes it over (Mooncake's and vLLM-Ascend's docs: "each instance
+    requires a unique port")."""
 
-    def __init__(self, base: dict[str, object], first_port: int) -> None:
-        super().__init__(base)
-        self._next = first_port
+    def config(replica: int, base: dict[str, object]) -> dict[str, object]:
+        extra = dict(base.get("kv_connector_extra_config") or {})  # type: ignore[call-overload]
+        return {**base, "kv_connector_extra_config": {**extra, "lookup_rpc_port": first_port + replica}}
 
-    def items(self) -> list[tuple[str, object]]:  # type: ignore[override]
-        extra = {**self["kv_connector_extra_config"], "lookup_rpc_port": self._next}  # type: ignore[dict-item]
-        self._next += 1
-        return [*((k, v) for k, v in super().items() if k != "kv_connector_extra_config"),
-                ("kv_connector_extra_config", extra)]
+    return config
 
 
 class MooncakeSide(Side):
@@ -248,9 +243,9 @@ class MooncakeSide(Side):
                 "device_name": os.environ.get("MOONCAKE_DEVICE", "")}
         path = tmp / f"mooncake-{rpc}.json"
         path.write_text(json.dumps(conf))
-        config = PerReplica({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-                             "kv_connector_extra_config": {}}, first_port=lookup)
-        return Backends(kv_transfer_config=config, processes=[proc],
+        config: dict[str, object] = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                                     "kv_connector_extra_config": {}}
+        return Backends(kv_transfer_config=config, processes=[proc], per_replica=_own_lookup_port(lookup),
                         env={"MOONCAKE_CONFIG_PATH": str(path), "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
 
 
@@ -326,29 +321,9 @@ PEER_SIDES: dict[str, type[Side]] = {s.name: s for s in (LMCacheSide, LMCacheMPS
 SIDES.update(PEER_SIDES)
 
 
-# ---------------------------------------------------------------- run directly: llama, probe
+# ---------------------------------------------------------------- run directly: the cross-replica probe
 
 
-def build_model(kind: str, root: Path, max_model_len: int) -> Model:
-    """_vllm_sides' models plus ``llama``: the tests' tiny Llama (tests/vllm/test_engine_e2e.py,
-    attention only), for a peer that refuses hybrid models."""
-    if kind != "llama":
-        return LEAD_BUILD_MODEL(kind, root, max_model_len)
-    from tests.vllm.models import save_tiny
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_model_len,
-                         initializer_range=0.5)
-    path = save_tiny(LlamaForCausalLM, config, root / "llama")
-    # _vllm_sides gives every replica ``--mamba-cache-mode align`` (its models are all hybrids); on a
-    # model without Mamba layers vLLM's worker then fails its first step ("no mamba layers in the
-    # model", v1/worker/mamba_utils.py). The model's arguments come last: vLLM's parser keeps the last.
-    return Model(name=kind, path=path, dtype="float32", kv_bytes_per_token=2 * 2 * 2 * 64 * 4,
-                 extra_args=("--mamba-cache-mode", "none"))
-
-
-LEAD_BUILD_MODEL = sides.build_model
 
 
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -436,9 +411,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
-    # The llama model for both modes: registered before vllm_serving binds _vllm_sides' names.
-    setattr(sides, "MODELS", (*sides.MODELS, "llama"))  # a wider tuple than the declared one
-    sides.build_model = build_model
     if argv[:1] == ["serve"]:
         import vllm_serving
 
@@ -448,7 +420,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="vllm-peers-") as tmpdir:
         tmp = Path(tmpdir)
         for model_name in args.models.split(","):
-            model = build_model(model_name, tmp / "models", 1024)
+            model = sides.build_model(model_name, tmp / "models", 1024)
             for side_name in args.sides.split(","):
                 h.progress(f"probe {model_name}/{side_name}: {SIDES[side_name].description}")
                 r = probe_side(side_name, model, args, tmp)

@@ -30,8 +30,11 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def test_serving_replicas_survive_failed_loads_and_a_dead_store(tmp_path: Path) -> None:
     out = tmp_path / "out"
+    # load_policy always: on this tiny model most hits recompute faster than they load (costs.py), and
+    # this test is about loads and their failures.
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "vllm_serving.py"), "--quick", "--sides", "vllm,store,flaky",
-                           "--kill-store", "--concurrency", "3", "--conversations", "6", "--out", str(out)],
+                           "--kill-store", "--concurrency", "3", "--conversations", "6", "--out", str(out),
+                           "--connector-extra", '{"load_policy": "always"}'],
                           capture_output=True, text=True, timeout=1500, cwd=BENCHMARKS.parent)
     assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     report = json.loads((out / "vllm_serving.json").read_text())
@@ -66,5 +69,5 @@ def test_vllm_serving_help_documents_every_flag() -> None:
     for flag in ("--out", "--quick", "--reps", "--seed", "--models", "--sides", "--concurrency", "--conversations",
                  "--turns", "--systems", "--system-tokens", "--zipf", "--rate", "--max-user-tokens",
                  "--max-answer-tokens", "--max-model-len", "--kv-cache-tokens", "--max-num-seqs", "--kill-store",
-                 "--kill-concurrency", "--tie-logprob", "--device", "--timeout-s"):
+                 "--kill-concurrency", "--tie-logprob", "--device", "--timeout-s", "--connector-extra"):
         assert flag in proc.stdout
