@@ -411,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for side_name in order:
                     out = run_side(side_name, model, trace, args, tmp, rep)
                     if isinstance(out, str):
-                        h.progress(f"{model_name}/{side_name}: unavailable: {out.splitlines()[0]}")
+                        h.progress(f"{model_name}/{side_name}: unavailable: " + out.replace("\n", "\n    "))
                         report["unavailable"][side_name] = out
                         continue
                     collected.setdefault(side_name, []).append(out)
