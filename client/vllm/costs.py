@@ -47,12 +47,18 @@ class CostFigures:
 
     def load_pays(self, tokens: int) -> bool:
         """Whether loading ``tokens`` beats recomputing them (True while a figure is missing)."""
+        gain = self.load_gain_s(tokens)
+        return gain is None or gain > 0
+
+    def load_gain_s(self, tokens: int) -> float | None:
+        """Seconds a load of ``tokens`` saves the request against recomputing them (negative: it
+        loses; None while a figure is missing). What a lookup may spend waiting for a save that
+        would let it load them: waiting longer loses more than the load gains."""
         if None in (self.prefill_s_per_token, self.step_s, self.load_s_per_token, self.load_fixed_s):
-            return True
+            return None
         assert self.prefill_s_per_token is not None and self.step_s is not None
         assert self.load_s_per_token is not None and self.load_fixed_s is not None
-        recompute = tokens * self.prefill_s_per_token
-        return recompute > tokens * self.load_s_per_token + self.load_fixed_s + self.step_s
+        return tokens * (self.prefill_s_per_token - self.load_s_per_token) - self.load_fixed_s - self.step_s
 
     def worst(self, other: CostFigures) -> CostFigures:
         """Tensor-parallel ranks each report: the load is as slow as the slowest rank's, the

@@ -96,6 +96,7 @@ class PrefixStoreScheduler:
         when the load is reported, so the connector must not also hold them for a save: a second
         release of a freed request is the AssertionError that killed the engine core (issue 29)."""
         self._failed_loads: set[str] = set()
+        self._wait_since: dict[str, float] = {}  # req -> when its lookup first waited for a save in flight
         """Requests whose load failed: vLLM recomputes them and asks again, and they are not loaded
         again (a failure that repeats would otherwise loop)."""
         self.costs = CostFigures()
@@ -179,22 +180,43 @@ class PrefixStoreScheduler:
             results = answer(least)
         return results[0] if results is not None else LookupResult(prompt=clients[0].prompt(tokens, extra), ok=False), 0
 
-    def _save_in_flight_extends(self, tokens: Sequence[int], extra: list[bytes], local: int) -> bool:
-        """Whether a save this engine has planned and not seen end shares at least one more of
-        vLLM's blocks of ``tokens`` than the engine's local hit (the previous turn of this
-        conversation, its blocks evicted, say): then the lookup waits for it rather than miss what
-        is on its way. Less than a block is not worth a wait: every wait costs the request an
-        engine step, and vLLM's own cache, which still holds the previous turn's blocks, leaves
-        at most a block's tokens to recompute (measured under concurrent load: 209 waits in 80
-        requests, TTFT no better than recomputing). Saves older than ``save_wait_s`` are not
-        waited on."""
+    def _save_in_flight_extends(self, req_id: str, tokens: Sequence[int], extra: list[bytes], local: int) -> bool:
+        """Whether the lookup of ``req_id`` waits (vLLM asks again next step) for a save this engine
+        has planned and not seen end, one that shares at least one more of vLLM's blocks of
+        ``tokens`` than the engine's local hit (the previous turn of this conversation, its blocks
+        evicted, say): rather than miss what is on its way.
+
+        Every wait costs the request at least an engine step, so it is bounded twice:
+        * less than a block is not worth a wait: vLLM's own cache, which still holds the previous
+          turn's blocks, leaves at most a block's tokens to recompute (measured under concurrent
+          load: 209 waits in 80 requests, TTFT no better than recomputing);
+        * a request waits no longer, in all, than loading the tokens the save adds would gain it
+          against recomputing them (``CostFigures.load_gain_s``; ``save_wait_s`` while the figures
+          are missing, and never past it): a save queued behind others must not cost more than
+          it brings (measured on two busy replicas: lookups held 1.5 s for 130 tokens that
+          recompute in 0.1 s).
+        Saves older than ``save_wait_s`` are not waited on."""
         self._forget_stale_saves()
         if not self._in_flight:
+            self._wait_since.pop(req_id, None)
             return False
         query = np.asarray(tokens, dtype=np.int64)
-        worth = local + self.groups.max_block_tokens
-        return any(keys == extra and common_prefix(saved, query) >= worth
-                   for saved, keys, _ in self._in_flight.values())
+        shared = max((common_prefix(saved, query) for saved, keys, _ in self._in_flight.values() if keys == extra),
+                     default=0)
+        gain_tokens = shared - local
+        if gain_tokens < self.groups.max_block_tokens:
+            self._wait_since.pop(req_id, None)
+            return False
+        now = time.monotonic()
+        since = self._wait_since.setdefault(req_id, now)
+        gain_s = self.costs.load_gain_s(gain_tokens)
+        budget = self.settings.save_wait_s if gain_s is None else min(gain_s, self.settings.save_wait_s)
+        if now - since >= budget:
+            if now > since:  # it did wait, and stops: counted once (the memo answers later asks)
+                self._stats.count("save_waits_ended")
+            self._wait_since.pop(req_id, None)
+            return False
+        return True
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """One lookup (counted by the store, never changing a later answer); the tokens the store
@@ -212,7 +234,7 @@ class PrefixStoreScheduler:
             # lookup, which the store's admission would count as a second sighting of the prefix.
             lookup, loadable = memo[0], memo[2]
         else:
-            if self._save_in_flight_extends(tokens, extra_keys(request), num_computed_tokens):
+            if self._save_in_flight_extends(request.request_id, tokens, extra_keys(request), num_computed_tokens):
                 self._stats.count("save_waits")
                 return None, False
             lookup, loadable = self.lookup(tokens, extra_keys(request))
@@ -339,6 +361,7 @@ class PrefixStoreScheduler:
         self._requests.pop(req_id, None)
         self._junctions.pop(req_id, None)
         self._failed_loads.discard(req_id)
+        self._wait_since.pop(req_id, None)
         copied = self._copied_upto.pop(req_id, 0)
         saved = self._saved_upto.pop(req_id, 0)
         if req_id in self._loading or self.refused is not None:

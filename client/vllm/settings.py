@@ -58,7 +58,9 @@ class ConnectorSettings:
     save_wait_s: float = 2.0
     """Longest a new request's lookup is held back (vLLM asks again next step) while a save of this
     engine that shares more of its prompt than vLLM holds locally is still being offered: the next
-    turn of a conversation arrives as the previous turn's save leaves. 0: never wait."""
+    turn of a conversation arrives as the previous turn's save leaves. Within it, a request waits no
+    longer than loading what the save adds would gain it against recomputing (the engine's measured
+    costs, client/vllm/costs.py). 0: never wait."""
     lookup_timeout_s: float = 0.25
     """Longest the scheduler waits for a new request's lookup. vLLM's scheduler, and so every
     request of the engine, waits while it is asked; a store slower than this is a miss for that

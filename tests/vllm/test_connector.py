@@ -288,6 +288,34 @@ def test_a_save_in_flight_that_adds_less_than_a_block_is_not_waited_on(engine_fa
     e.step()
 
 
+def test_a_save_wait_ends_once_it_costs_more_than_the_load_gains(engine_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A lookup waits for a save in flight no longer, in all, than loading what the save adds would
+    gain against recomputing it (the engine's measured figures): the save adds 24 tokens beyond
+    the engine's 16, at 10 ms a token to recompute and 1 ms to load, with 20 ms fixed and a 100 ms
+    step: 24 * 9 ms - 120 ms = 96 ms of waiting, then the lookup answers what the store holds."""
+    from prefixstore.client.vllm import scheduler as scheduler_module
+    from prefixstore.client.vllm.costs import CostFigures
+
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
+    e = engine_factory("wait-bounded")
+    e.write([3, 7, 9], random_kv(seed=67), 0, 40)
+    assert e.scheduler.request_finished_all_groups(request("r1", PROMPT + [5], computed=40), ([3, 7, 9],)) == (True, None)
+    e.scheduler.scheduler_side.costs = CostFigures(prefill_s_per_token=0.010, step_s=0.100, load_s_per_token=0.001, load_fixed_s=0.020)
+    nxt = PROMPT + [5, 6, 7]
+    assert e.scheduler.get_num_new_matched_tokens(request("t2", nxt), 16) == (None, False)
+    clock[0] += 0.090
+    assert e.scheduler.get_num_new_matched_tokens(request("t2", nxt), 16) == (None, False)
+    clock[0] += 0.010  # 100 ms waited: more than the 96 ms the load gains
+    assert e.scheduler.get_num_new_matched_tokens(request("t2", nxt), 16) == (0, False)  # the save has not ended
+    stats = e.scheduler.get_kv_connector_stats().data  # type: ignore[union-attr]
+    assert stats["save_waits"] == 2 and stats["save_waits_ended"] == 1
+    # A load that would not gain at all is never waited for.
+    e.scheduler.scheduler_side.costs = CostFigures(prefill_s_per_token=0.001, step_s=0.100, load_s_per_token=0.001, load_fixed_s=0.020)
+    assert e.scheduler.get_num_new_matched_tokens(request("t3", nxt), 16) == (0, False)
+    e.step()
+
+
 def test_tensor_parallel_answer_is_the_least_over_ranks(store: ServeProcess) -> None:
     """Each rank keys its own shard (tp_rank in the namespace); the scheduler asks every rank's
     namespace and answers what all of them hold: a rank never loads a prefix another lacks."""
