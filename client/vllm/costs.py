@@ -60,6 +60,12 @@ class CostFigures:
         assert self.load_s_per_token is not None and self.load_fixed_s is not None
         return tokens * (self.prefill_s_per_token - self.load_s_per_token) - self.load_fixed_s - self.step_s
 
+    def as_us(self) -> dict[str, int]:
+        """The figures there are, in whole microseconds, keyed as the connector's stats report them."""
+        pairs = (("cost_us:prefill_per_token", self.prefill_s_per_token), ("cost_us:decode_step", self.step_s),
+                 ("cost_us:load_per_token", self.load_s_per_token), ("cost_us:load_fixed", self.load_fixed_s))
+        return {key: round(v * 1e6) for key, v in pairs if v is not None}
+
     def worst(self, other: CostFigures) -> CostFigures:
         """Tensor-parallel ranks each report: the load is as slow as the slowest rank's, the
         recompute as slow as the slowest rank's too (the ranks compute in lockstep)."""

@@ -239,11 +239,13 @@ class PrefixStoreScheduler:
                 return None, False
             lookup, loadable = self.lookup(tokens, extra_keys(request))
         extra = loadable - num_computed_tokens
-        if (extra > 0 and self.groups.hybrid and self.settings.load_policy == "when_faster"
-                and not self.costs.load_pays(extra)):
-            # An asynchronous load of this many tokens would not beat recomputing them here.
-            self._stats.count("loads_skipped")
-            loadable, extra = num_computed_tokens, 0
+        if extra > 0 and self.groups.hybrid and self.settings.load_policy == "when_faster":
+            for key, value in self.costs.as_us().items():  # what the decision used, for the operator
+                self._stats.set(key, value)
+            if not self.costs.load_pays(extra):
+                # An asynchronous load of this many tokens would not beat recomputing them here.
+                self._stats.count("loads_skipped")
+                loadable, extra = num_computed_tokens, 0
         self._lookups[request.request_id] = (lookup, num_computed_tokens, loadable)
         self._plan_junction(request, lookup, max(loadable, num_computed_tokens))
         if extra <= 0:

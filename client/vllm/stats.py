@@ -25,6 +25,12 @@ EVENT_KEYS = ("lookups", "lookup_failures", "lookup_timeouts", "load_failures", 
               "snapshots_withheld", "loads_skipped")
 
 
+#: The cost figures a load decision used (client/vllm/costs.py), in microseconds, reported with the
+#: decision: the latest value wins in a report (not a sum), and is exported as a gauge.
+COST_KEYS = {"cost_us:prefill_per_token": "prefill_per_token", "cost_us:decode_step": "decode_step",
+             "cost_us:load_per_token": "load_per_token", "cost_us:load_fixed": "load_fixed"}
+
+
 #: Batch sizes (requests) of a decode step, in the buckets the step-time counters use.
 BATCH_BUCKETS: tuple[tuple[int, int, str], ...] = ((1, 1, "1"), (2, 2, "2"), (3, 4, "3-4"), (5, 8, "5-8"),
                                                   (9, 16, "9-16"), (17, 1 << 30, "17+"))
@@ -53,9 +59,12 @@ class PrefixStoreStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {key: 0 for key in STAT_KEYS}
 
+    def set(self, key: str, value: int) -> None:
+        self.data[key] = value
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            self.data[key] = value if key in COST_KEYS else self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -112,7 +121,15 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
         self._steps: dict[tuple[int, str], tuple[Any, Any]] = {
             (idx, f"{flag}:{name}"): (steps.labels(*values, flag, name), step_s.labels(*values, flag, name))
             for idx, values in per_engine_labelvalues.items() for flag in ("yes", "no") for _, _, name in BATCH_BUCKETS}
-        PrefixStorePromMetrics._collectors = [tokens, events, moved, steps, step_s]
+        costs = self._gauge_cls(name="prefixstore_vllm_cost_seconds",
+                                documentation="The figures the connector's last load decision used (docs/vllm.md, "
+                                              "load_policy): prefill_per_token and load_per_token (seconds per "
+                                              "token), decode_step and load_fixed (seconds).",
+                                labelnames=[*labelnames, "figure"], multiprocess_mode="mostrecent")
+        self._costs: dict[tuple[int, str], Any] = {
+            (idx, key): costs.labels(*values, figure)
+            for idx, values in per_engine_labelvalues.items() for key, figure in COST_KEYS.items()}
+        PrefixStorePromMetrics._collectors = [tokens, events, moved, steps, step_s, costs]
 
     @classmethod
     def _unregister_previous(cls) -> None:
@@ -136,7 +153,9 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
         self._bytes[(engine_idx, "load")].inc(d.get("loaded_bytes", 0))
         self._bytes[(engine_idx, "save")].inc(d.get("saved_bytes", 0))
         for key, value in d.items():
-            if key.startswith("decode_steps:"):
+            if key in COST_KEYS:
+                self._costs[(engine_idx, key)].set(value / 1e6)
+            elif key.startswith("decode_steps:"):
                 which = key.split(":", 1)[1]
                 count, seconds = self._steps[(engine_idx, which)]
                 count.inc(value)
@@ -154,6 +173,10 @@ class StatsBox:
     def count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self._stats.add(key, n)
+
+    def set(self, key: str, value: int) -> None:
+        with self._lock:
+            self._stats.set(key, value)
 
     def take(self) -> PrefixStoreStats | None:
         with self._lock:
@@ -187,4 +210,4 @@ class RateLimitedLog:
         self._logger.warning(msg + "%s", *args, suffix, stacklevel=2)
 
 
-__all__ = ["BATCH_BUCKETS", "EVENT_KEYS", "STAT_KEYS", "PrefixStorePromMetrics", "PrefixStoreStats", "RateLimitedLog", "StatsBox", "decode_step_keys"]
+__all__ = ["BATCH_BUCKETS", "COST_KEYS", "EVENT_KEYS", "STAT_KEYS", "PrefixStorePromMetrics", "PrefixStoreStats", "RateLimitedLog", "StatsBox", "decode_step_keys"]

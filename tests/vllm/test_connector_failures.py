@@ -186,6 +186,11 @@ def test_a_load_that_would_not_beat_recomputing_is_not_made(engine_factory: Engi
         assert e.scheduler.get_num_new_matched_tokens(request("a", PROMPT + [8] * 10), 0) == expected
         stats = e.scheduler.get_kv_connector_stats()
         assert (stats.data["loads_skipped"] if stats is not None else 0) == (1 if policy == "when_faster" else 0)
+        if policy == "when_faster":  # the figures the decision used reach the operator, in microseconds
+            assert stats is not None
+            assert {k: v for k, v in stats.data.items() if k.startswith("cost_us:")} == {
+                "cost_us:prefill_per_token": 15, "cost_us:decode_step": 6000, "cost_us:load_per_token": 2,
+                "cost_us:load_fixed": 2000}
 
 
 def test_the_worker_reports_what_its_loads_cost(engine_factory: EngineFactory) -> None:
