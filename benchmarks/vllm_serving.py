@@ -196,6 +196,19 @@ def connector_events(replicas: Sequence[Replica]) -> dict[str, float]:
     return out
 
 
+def connector_costs(replicas: Sequence[Replica]) -> list[dict[str, float]]:
+    """Per replica, the cost figures its connector's last load decision used (prefixstore_vllm_cost_seconds):
+    why hits were loaded or recomputed."""
+    out = []
+    for r in replicas:
+        try:
+            samples = r.metrics()
+        except OSError:
+            samples = {}
+        out.append({_label(k, "figure"): v for k, v in samples.items() if k.startswith("prefixstore_vllm_cost_seconds{")})
+    return out
+
+
 def step_counters(replicas: Sequence[Replica]) -> dict[str, float]:
     """The connectors' decode-step counters, summed over replicas: {'yes:5-8:n': steps, 'yes:5-8:s': seconds}."""
     out: dict[str, float] = {}
@@ -247,7 +260,7 @@ def run_once(trace: Trace, replicas: Sequence[Replica], model: Model, backends: 
     wall = time.perf_counter() - t0
     return {"results": results, "wall_s": wall, "hits": _diff(store_hits(backends.store_urls), hits0),
             "steps": _diff(step_counters(replicas), steps0), "killed": killed,
-            "events": _diff(connector_events(replicas), events0)}
+            "events": _diff(connector_events(replicas), events0), "costs": connector_costs(replicas)}
 
 
 # ---------------------------------------------------------------- figures
@@ -282,6 +295,7 @@ def figures(run: dict[str, Any], turns: int) -> dict[str, Any]:
         "decode_tax": decode_tax(run["steps"]),
         "killed": run["killed"],
         "connector_events": {k: v for k, v in run["events"].items() if v},
+        "connector_costs": run["costs"],
         "requests_detail": [{"conversation": r.conversation, "turn": r.turn + 1, "replica": r.replica,
                              "prompt": len(r.prompt), "cached": r.cached_tokens, "ttft_ms": round(r.ttft_s * 1e3, 1),
                              "tpot_ms": round(r.tpot_s * 1e3, 2), "error": r.error} for r in results],
