@@ -191,8 +191,8 @@ class PrefixStoreScheduler:
           turn's blocks, leaves at most a block's tokens to recompute (measured under concurrent
           load: 209 waits in 80 requests, TTFT no better than recomputing);
         * a request waits no longer, in all, than loading the tokens the save adds would gain it
-          against recomputing them (``CostFigures.load_gain_s``; ``save_wait_s`` while the figures
-          are missing, and never past it): a save queued behind others must not cost more than
+          against recomputing them (``CostFigures.load_gain_s``: at most what recomputing them
+          costs; ``save_wait_s`` until prefill has been measured, and never past it): a save queued behind others must not cost more than
           it brings (measured on two busy replicas: lookups held 1.5 s for 130 tokens that
           recompute in 0.1 s).
         Saves older than ``save_wait_s`` are not waited on."""

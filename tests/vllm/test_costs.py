@@ -44,6 +44,28 @@ def test_the_meter_measures_steps_prefill_and_loads() -> None:
     assert f.load_s_per_token == pytest.approx(10e-6) and f.load_fixed_s == pytest.approx(0.002)
 
 
+def test_a_few_slow_loads_do_not_make_every_load_look_slow() -> None:
+    """Loads queued behind saves take far longer than the rest: three of ten such outliers leave the
+    line the other seven give (a least-squares line gave them 1.5 s fixed: no load was made)."""
+    meter = CostMeter()
+    for n in (100, 200, 300, 400, 500, 600, 700):
+        meter.load(n, 0.002 + n * 10e-6)
+    for n in (100, 150, 250):
+        meter.load(n, 1.5)
+    f = meter.figures()
+    assert f.load_s_per_token == pytest.approx(10e-6) and f.load_fixed_s == pytest.approx(0.002)
+    assert WIDE.load_pays(1000)
+
+
+def test_a_wait_never_outlasts_recomputing_while_load_figures_are_missing() -> None:
+    """Prefill measured, loads not yet: the gain is what recomputing would cost less the step
+    (an upper bound); before prefill is measured, unknown."""
+    assert CostFigures(prefill_s_per_token=1e-3, step_s=0.02).load_gain_s(1000) == pytest.approx(0.98)
+    assert CostFigures(prefill_s_per_token=1e-3).load_gain_s(1000) == pytest.approx(1.0)
+    assert CostFigures(step_s=0.02).load_gain_s(1000) is None
+    assert WIDE.load_gain_s(2239) == pytest.approx(2239 * 259e-6 - 0.032)
+
+
 def test_tensor_parallel_ranks_report_their_worst() -> None:
     a = CostFigures(prefill_s_per_token=1.0, step_s=2.0, load_s_per_token=None, load_fixed_s=3.0)
     b = CostFigures(prefill_s_per_token=2.0, step_s=1.0, load_s_per_token=4.0, load_fixed_s=None)
