@@ -83,6 +83,13 @@ class ConnectorSettings:
     in that same step. The cost: a request arriving at an otherwise idle engine is scheduled up
     to this much later. 0: never wait."""
 
+    switch_interval_s: float = 0.0
+    """When above 0, the worker process's Python switch interval (``sys.setswitchinterval``; Python's
+    default is 5 ms). The connector's loads run on its own thread beside vLLM's engine thread, and
+    while the engine runs Python every hand-off of the GIL to the load waits up to this interval:
+    under concurrent load a 25 ms load took 0.3-0.5 s (docs/benchmarks.md, "vLLM serving"). A
+    shorter interval hands over sooner, at the price of more switches for the engine. 0: leave it."""
+
     def __post_init__(self) -> None:
         if self.mode not in REUSE_MODES:
             raise ValueError(f"mode: {self.mode!r} is not one of {list(REUSE_MODES)}")
@@ -102,6 +109,9 @@ class ConnectorSettings:
         if (not isinstance(self.idle_wait_s, (int, float)) or isinstance(self.idle_wait_s, bool)
                 or not 0 <= self.idle_wait_s <= 1):
             raise ValueError(f"idle_wait_s: must be a number of seconds in [0, 1], got {self.idle_wait_s!r}")
+        if (not isinstance(self.switch_interval_s, (int, float)) or isinstance(self.switch_interval_s, bool)
+                or not 0 <= self.switch_interval_s <= 0.1):
+            raise ValueError(f"switch_interval_s: must be a number of seconds in [0, 0.1], got {self.switch_interval_s!r}")
         for name in ("load", "save"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")

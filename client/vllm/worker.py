@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -190,6 +191,8 @@ class PrefixStoreWorker:
             self.refuse(str(err))
             return
         self._kv = kv
+        if self.settings.switch_interval_s > 0:  # the process's, on purpose: the engine thread hands the GIL over
+            sys.setswitchinterval(self.settings.switch_interval_s)
         self._layer_index = {layer.name: i for i, layer in enumerate(attention)}
         self.staging = StagingBuffer(self.settings.staging_bytes, attention[0].view.device)
         self._loop = ClientLoop()

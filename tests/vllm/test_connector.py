@@ -574,3 +574,18 @@ def test_a_request_end_save_copies_only_what_its_prompt_end_save_did_not(engine_
     assert kv_items == [3, 1]
     # Both saves together hold the whole turn: 47 tokens and the state after them.
     assert e.scheduler.get_num_new_matched_tokens(request("t2", PROMPT + list(range(8)) + [5, 6]), 0) == (47, True)
+
+
+def test_switch_interval_is_set_for_the_worker_process_only_when_asked(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """switch_interval_s > 0 sets the worker process's switch interval when the KV caches are
+    registered (the GIL hand-offs to the connector's loads); 0, the default, leaves Python's."""
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        engine_factory("switch-default")
+        assert sys.getswitchinterval() == before
+        engine_factory("switch-set", switch_interval_s=0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)

@@ -32,6 +32,8 @@ def test_every_client_field_is_accepted() -> None:
     ({"timeout_s": -1}, "timeout_s"),
     ({"save": "yes"}, "save"),
     ({"idle_wait_s": -0.001}, "idle_wait_s"),
+    ({"switch_interval_s": 1.0}, "switch_interval_s"),
+    ({"switch_interval_s": True}, "switch_interval_s"),
     ({"idle_wait_s": "5ms"}, "idle_wait_s"),
     ({"url": []}, "url"),
 ])
