@@ -237,7 +237,11 @@ async def replay(trace: Trace, replicas: Sequence[str], model: str, *, concurren
     rr = itertools.count()
     state = RunState()
     t0 = time.perf_counter()
-    connector = aiohttp.TCPConnector(limit=0)
+    # Idle connections are dropped before the server's keep-alive timeout (uvicorn's, 5 s) can close
+    # them: a request sent on a connection the server is closing fails with ServerDisconnectedError
+    # on any side (seen with vLLM alone at 8 conversations in flight), a fault of the client, not
+    # of the side measured.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def conversation(index: int, conv: Conversation) -> None:
