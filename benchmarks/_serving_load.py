@@ -226,7 +226,7 @@ class RunState:
 
 
 async def replay(trace: Trace, replicas: Sequence[str], model: str, *, concurrency: int, salt: str,
-                 logprobs: int = 2, timeout_s: float = 600.0,
+                 logprobs: int = 5, timeout_s: float = 600.0,
                  on_result: Callable[[Result, RunState], None] | None = None) -> list[Result]:
     """Replay ``trace`` over ``replicas``: at most ``concurrency`` conversations in flight, each
     closed loop (turn k + 1 = turn k's prompt + its answer + the new user tokens, sent when turn k
