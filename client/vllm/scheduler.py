@@ -1,7 +1,7 @@
-"""The connector's scheduler side: one lookup per request (every tensor-parallel rank's
-namespace), load plans for what the store adds beyond the engine's local hit, save plans at
-prompt ends, at junctions the store hints, and at request ends (see client/vllm/connector.py
-for the whole life of a request)."""
+"""The connector's scheduler side: one lookup per request (one namespace for every
+tensor-parallel rank: the layout names the model's heads, not a rank's), load plans for what the
+store adds beyond the engine's local hit, save plans at prompt ends, at junctions the store
+hints, and at request ends (see client/vllm/connector.py for the whole life of a request)."""
 
 from __future__ import annotations
 
@@ -31,12 +31,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-#: Rounds of per-rank lookups, each over the prefix the previous one agreed on, before a hybrid
-#: model's ranks are taken to share no state boundary (they save the same boundaries, so one
-#: round is the rule and a second one follows an eviction on one rank).
-TP_LOOKUP_ROUNDS = 3
-
 
 def keyable(request: Request) -> bool:
     """Whether the token ids alone identify this request's KV (else: neither load nor save)."""
@@ -76,7 +70,7 @@ class PrefixStoreScheduler:
         (vLLM picks the accepted one on the worker, at the next step), so no decode-phase
         snapshot is ever offered; prefill-phase ones (prompt end, junction) still are."""
         self._loop: ClientLoop | None = None
-        self._clients: list[PrefixClient] = []  # one per tensor-parallel rank's namespace
+        self._client: PrefixClient | None = None
         self._lookups: dict[str, tuple[LookupResult, int, int]] = {}  # req -> (lookup, local hit, loadable)
         self._store_start: dict[str, int] = {}  # req -> tokens loaded from the store (save start)
         self._loads: list[LoadPlan] = []
@@ -114,17 +108,17 @@ class PrefixStoreScheduler:
 
     def shutdown(self) -> None:
         if self._loop is not None:
-            self._loop.close(*self._clients)
-            self._loop, self._clients = None, []
+            self._loop.close(self._client)
+            self._loop, self._client = None, None
 
     # ------------------------------------------------------------ lookups
 
-    def _lookup_clients(self) -> tuple[ClientLoop, list[PrefixClient]]:
-        if self._loop is None:
+    def _lookup_client(self) -> tuple[ClientLoop, PrefixClient]:
+        if self._loop is None or self._client is None:
             self._loop = ClientLoop()
-            self._clients = [PrefixClient(namespace_for(self._vllm_config, self.groups, self.settings, rank),
-                                          self.settings.client) for rank in range(self.tp_size)]
-        return self._loop, self._clients
+            self._client = PrefixClient(namespace_for(self._vllm_config, self.groups, self.settings),
+                                        self.settings.client)
+        return self._loop, self._client
 
     def loadable_tokens(self, lookup: LookupResult) -> int:
         """How much of one rank's lookup the engine can take: KV alone on a plain transformer; on
@@ -140,40 +134,23 @@ class PrefixStoreScheduler:
         return lookup.state_tokens
 
     def lookup(self, tokens: Sequence[int], extra: list[bytes]) -> tuple[LookupResult, int]:
-        """Rank 0's lookup and the tokens every rank can load: a rank never loads a prefix
-        another rank's shard lacks. Plain models: the least KV over ranks (KV is causal, so any
-        shorter prefix is there too). Hybrid: a state boundary every rank holds; if the ranks'
-        largest ones differ, they are asked again for the prefix up to the least of them."""
-        loop, clients = self._lookup_clients()
-        deadline = time.monotonic() + self.settings.lookup_timeout_s
-
-        async def ask(upto: int) -> list[LookupResult]:
-            return list(await asyncio.gather(*(c.lookup(c.prompt(tokens[:upto], extra), lease=False)
-                                               for c in clients)))
-
-        def answer(upto: int) -> list[LookupResult] | None:
+        """The store's answer for ``tokens`` and the tokens the engine can load: one lookup
+        whatever the tensor-parallel size (every rank reads its own heads of the same entries;
+        before the canonical layout, one per rank's namespace, and a rank's shard could lack what
+        another's held). Bounded by ``lookup_timeout_s``: the engine's scheduler waits for it."""
+        loop, client = self._lookup_client()
+        future = loop.submit(client.lookup(client.prompt(tokens, extra), lease=False))
+        try:
+            result: LookupResult = future.result(timeout=self.settings.lookup_timeout_s)
+        except concurrent.futures.TimeoutError:
             # The engine's scheduler waits for this answer, and every request of the engine with
             # it: a store slower than lookup_timeout_s is a miss, not a stalled engine.
-            future = loop.submit(ask(upto))
-            try:
-                return list(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-                self._stats.count("lookup_timeouts")
-                self._log.warning("prefixstore lookup took longer than lookup_timeout_s (%g s): a miss",
-                                  self.settings.lookup_timeout_s)
-                return None
-
-        results = answer(len(tokens))
-        for _ in range(TP_LOOKUP_ROUNDS):
-            if results is None:
-                return LookupResult(prompt=clients[0].prompt(tokens, extra), ok=False), 0
-            each = [self.loadable_tokens(r) for r in results]
-            least = min(each)
-            if least == max(each) or not self.groups.hybrid or least == 0:
-                return results[0], least
-            results = answer(least)
-        return results[0] if results is not None else LookupResult(prompt=clients[0].prompt(tokens, extra), ok=False), 0
+            future.cancel()
+            self._stats.count("lookup_timeouts")
+            self._log.warning("prefixstore lookup took longer than lookup_timeout_s (%g s): a miss",
+                              self.settings.lookup_timeout_s)
+            return LookupResult(prompt=client.prompt(tokens, extra), ok=False), 0
+        return result, self.loadable_tokens(result)
 
     def _save_in_flight_extends(self, tokens: Sequence[int], extra: list[bytes], local: int) -> bool:
         """Whether a save this engine has planned and not seen end shares at least one more of
@@ -414,4 +391,4 @@ class PrefixStoreScheduler:
                         block_ids=tuple(list(b) for b in block_ids), snapshots=tuple(kept),
                         origins={t: int(snapshots[t]) for t in kept}, extra_keys=extra_keys(request), hold=hold)
 
-__all__ = ["PrefixStoreScheduler", "TP_LOOKUP_ROUNDS", "common_prefix", "extra_keys", "keyable"]
+__all__ = ["PrefixStoreScheduler", "common_prefix", "extra_keys", "keyable"]

@@ -39,7 +39,7 @@ MODEL = "tiny-sglang"
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
 #: Axes of SGLang's ``get_data_page(index, flat=False)`` per host layout (c: K/V, l: layer,
-#: t: token in page, h: head, d: dim, p: the one page). The store's payload is "l c t h d".
+#: t: token in page, h: head, d: dim, p: the one page). The store's payload is "l c h t d" (head-major).
 PAGE_AXES = {"layer_first": "clthd", "page_first": "ctlhd", "page_first_direct": "cplthd",
              "page_head": "cphtld"}
 
@@ -69,8 +69,8 @@ def page_values(axes: str, first_pos: int) -> torch.Tensor:
 
 
 def canonical_page(first_pos: int) -> torch.Tensor:
-    """What the store must hold for the page starting at ``first_pos``: [layers, 2, P, heads, dim]."""
-    return page_values("lcthd", first_pos)
+    """What the store must hold for the page starting at ``first_pos``: [layers, 2, heads, P, dim]."""
+    return page_values("lchtd", first_pos)
 
 
 def state_values(slot_seed: int, shapes: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
@@ -193,13 +193,13 @@ def fill_pages(host: Any, host_indices: torch.Tensor, first_pos: int) -> None:
 
 
 def read_page(host: Any, index: int) -> torch.Tensor:
-    """A host page through SGLang's own ``get_data_page``, permuted to the store's l c t h d."""
+    """A host page through SGLang's own ``get_data_page``, permuted to the store's l c h t d."""
     axes = PAGE_AXES[host.layout]
     page = host.get_data_page(index, flat=False)
     if "p" in axes:
         page = page.squeeze(axes.index("p"))
         axes = axes.replace("p", "")
-    return page.permute(*[axes.index(a) for a in "lcthd"])
+    return page.permute(*[axes.index(a) for a in "lchtd"])
 
 
 def mamba_shapes(mamba: Any) -> list[tuple[torch.Size, torch.dtype]]:
