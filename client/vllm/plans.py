@@ -4,16 +4,20 @@ entries under, and the plans the scheduler side hands the worker side each step
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from ...protocol.namespace import KVLayout, Namespace, StateLayout
+from ..client import PrefixClient
 from ..heads import HeadGroup, StateShards, StateTensor, gated_delta_net_shards, kv_heads, uniform_shards
+from ..pagekeys import KEYSPACE, SALT_PREFIX, keyed_prompt
+from ..prompt import Prompt
 from ..results import LookupResult
 from .layout import DTYPE_NAMES, LayoutUnsupported
-from .settings import ConnectorSettings
+from .settings import ConnectorSettings, KeySpace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -191,7 +195,8 @@ def state_shards_of(spec: Any, hf_config: Any, tp_size: int) -> tuple[StateShard
 
 def namespace_for(vllm_config: VllmConfig, groups: CacheGroups, settings: ConnectorSettings) -> Namespace:
     """The namespace both roles key entries under (they must build the same one); every rank of
-    every tensor-parallel size of the model builds the same one (no rank in it)."""
+    every tensor-parallel size of the model builds the same one (no rank in it), and so does
+    SGLang's backend for the same model, dtype and page size when ``keys`` is ``sglang-pages``."""
     import vllm
 
     model = vllm_config.model_config
@@ -199,11 +204,22 @@ def namespace_for(vllm_config: VllmConfig, groups: CacheGroups, settings: Connec
     if not name:
         raise ValueError("model_id: vLLM names no model here; set model_id in kv_connector_extra_config")
     revision = str(getattr(model, "revision", None) or "")
+    if settings.keys == "sglang-pages":
+        revision += "|" + KEYSPACE
     if groups.hybrid and groups.state_shards is None:
         # Opaque snapshot bytes are vLLM's own state blocks: their meaning changes with vLLM's kernels.
         revision += f"|state:vllm-{vllm.__version__}"
     return Namespace(model=name, revision=revision, kv=groups.kv, state=groups.state,
                      block_tokens=settings.block_tokens, tenant=settings.tenant)
+
+
+def store_prompt(client: PrefixClient, keys: KeySpace, tokens: Sequence[int], extra_keys: list[bytes]) -> Prompt:
+    """The store's view of ``tokens`` in the connector's keyspace (settings ``keys``): the one place
+    both roles build a prompt, so a lookup, a load's relookup and a save key the same chain."""
+    if keys == "tokens":
+        return client.prompt(tokens, extra_keys)
+    salt = next((k[len(SALT_PREFIX):].decode() for k in extra_keys if k.startswith(SALT_PREFIX)), None)
+    return keyed_prompt(client.namespace, tokens, salt)
 
 
 # ---------------------------------------------------------------- plans (scheduler -> worker)
@@ -220,6 +236,12 @@ class LoadPlan:
     state_index: int | None = None
     """Position of the Mamba block the snapshot at ``end`` goes to (hybrid only)."""
     is_async: bool = False
+    tokens: tuple[int, ...] = ()
+    """The request's tokens [0, end): the worker keys its own lookup of them (in SGLang's keyspace
+    the scheduler's prompt holds page keys, not tokens)."""
+    commit_wait: bool = False
+    """Prefill/decode: the prefill instance said it saved [0, end) and the store did not hold it
+    yet; the worker's lookup waits up to ``commit_wait_s`` for the commit (an asynchronous load)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,4 +301,5 @@ class PrefixStoreWorkerMeta(KVConnectorWorkerMetadata):
         return self
 
 
-__all__ = ["CacheGroups", "LoadPlan", "PrefixStoreMetadata", "PrefixStoreWorkerMeta", "SavePlan", "namespace_for"]
+__all__ = ["CacheGroups", "LoadPlan", "PrefixStoreMetadata", "PrefixStoreWorkerMeta", "SavePlan", "namespace_for",
+           "store_prompt"]

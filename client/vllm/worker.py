@@ -20,10 +20,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from ...protocol.namespace import Namespace
 from ..client import PrefixClient
+from ..prompt import Prompt
 from .loop import ClientLoop
 from ..heads import head_owners, kv_heads
 from .layout import TORCH_DTYPES, AttentionLayer, LayoutUnsupported, Payload, StateCodec, VllmKV, learn_cpu_layout
-from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for
+from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for, store_prompt
 from .settings import ConnectorSettings
 from .stats import RateLimitedLog, StatsBox, decode_step_keys
 from .tp import TpGroup, vllm_tp_group
@@ -396,12 +397,16 @@ class PrefixStoreWorker:
         assert self._kv is not None and self._load_lock is not None and self._loop is not None
         failures: dict[str, str] = {}
         num_layers = len(self._kv.attention)
+        for plan in plans:
+            if plan.commit_wait:  # before the lock: a wait for another instance's commit holds up no other load
+                await self._wait_for_commit(plan, failures)
+        plans = [p for p in plans if p.req_id not in failures] + [p for p in plans if p.req_id in failures]
         try:
             async with self._load_lock:  # one staging region: loads of different steps take turns
                 tables = {p.req_id: [np.asarray(ids, dtype=np.int64) for ids in p.block_ids] for p in plans}
                 for plan in plans:  # before any layer is released: the forward pass writes after it
                     await self._guarded(plan, failures, self._zero_block_rest(plan, tables[plan.req_id]))
-                plans = [await self._relookup(plan, failures) for plan in plans]
+                plans = [plan if plan.req_id in failures else await self._relookup(plan, failures) for plan in plans]
                 if events is None:
                     for plan in plans:
                         if plan.req_id not in failures:
@@ -446,9 +451,7 @@ class PrefixStoreWorker:
         A store that lost part of the prefix meanwhile fails the load (vLLM recomputes), never
         serves a shorter one as if it were whole."""
         assert self.client is not None
-        scheduled = plan.lookup.prompt
-        prompt = self.client.prompt(scheduled.tokens(0, plan.end), scheduled.extra_keys)
-        lookup = await self.client.lookup(prompt, lease=True)
+        lookup = await self.client.lookup(self._planned_prompt(plan), lease=True)
         if not lookup.ok or lookup.kv_tokens < plan.end or (plan.state_index is not None
                                                              and lookup.state_tokens != plan.end):
             failures[plan.req_id] = (f"the store now holds kv={lookup.kv_tokens} state={lookup.state_tokens} "
@@ -457,6 +460,41 @@ class PrefixStoreWorker:
                               failures[plan.req_id])
             await self.client.release(lookup.lease_id)
         return dataclasses.replace(plan, lookup=lookup)
+
+    def _planned_prompt(self, plan: LoadPlan) -> Prompt:
+        """The store's view of the planned prefix, tokens [0, end), in the connector's keyspace."""
+        assert self.client is not None
+        tokens = plan.tokens or np.frombuffer(plan.lookup.prompt.tokens(0, plan.end), dtype="<u4").tolist()
+        return store_prompt(self.client, self.settings.keys, tokens, plan.lookup.prompt.extra_keys)
+
+    async def _wait_for_commit(self, plan: LoadPlan, failures: dict[str, str]) -> None:
+        """A decode instance's load of what its prefill instance said it saved: poll the store
+        (lease-free lookups of the planned prefix, every 2 ms growing to 50 ms) until it holds
+        the KV and the state the load needs, or ``commit_wait_s`` passes; then the load fails and
+        vLLM recomputes. Outside the load lock: other loads go on meanwhile."""
+        assert self.client is not None
+        prompt = self._planned_prompt(plan)
+        started = time.monotonic()
+        deadline = started + self.settings.commit_wait_s
+        pause = 0.002
+        polls = 0
+        while True:
+            lookup = await self.client.lookup(prompt, lease=False)
+            polls += 1
+            if lookup.ok and lookup.kv_tokens >= plan.end and (plan.state_index is None
+                                                               or lookup.state_tokens == plan.end):
+                break
+            if time.monotonic() + pause > deadline:
+                self._stats.count("commit_wait_timeouts")
+                failures[plan.req_id] = (f"the prefill instance's save of {plan.end} tokens was not committed "
+                                         f"within commit_wait_s={self.settings.commit_wait_s:g} s")
+                self._log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id,
+                                  failures[plan.req_id])
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        self._stats.count("commit_wait_polls", polls)
+        self._stats.count("commit_wait_ms", int((time.monotonic() - started) * 1000))
 
     async def _guarded(self, plan: LoadPlan, failures: dict[str, str], step: Any) -> None:
         try:
@@ -535,7 +573,7 @@ class PrefixStoreWorker:
         assert self._kv is not None and self._loop is not None and self.client is not None
         assert self.groups is not None and self.tp is not None
         client, kv = self.client, self._kv
-        prompt = client.prompt(plan.tokens, plan.extra_keys)
+        prompt = store_prompt(client, self.settings.keys, plan.tokens, plan.extra_keys)
         T = len(plan.tokens)
         B = prompt.block_tokens
         start = plan.start - plan.start % B

@@ -42,15 +42,17 @@ class Engine:
 
     def __init__(self, url: str | list[str], model_id: str, *, hybrid: bool = False, tensor_parallel_size: int = 1,
                  kernel: KernelWrite | None = None, dtype: torch.dtype = torch.float16, tp: TpGroup | None = None,
-                 state: str = "opaque", **extra: object) -> None:
+                 state: str = "opaque", role: str = "kv_both", block_size: int = 16, **extra: object) -> None:
         """``tensor_parallel_size`` > 1 with ``tp`` (this rank's member of a group joining several
         Engines: tests/vllm/test_cross_tp.py): this Engine is that rank, with its share of the
         model's 2 KV heads and of its state. ``state``: "opaque" (a Mamba2 spec vLLM's config does
         not describe: moved as raw bytes, TP=1 only) or "short_conv" (8 channels x 3, split by
-        channel: LFM2's state)."""
+        channel: LFM2's state). ``role``: vLLM's kv_role (kv_producer: a prefill instance,
+        kv_consumer: a decode instance); ``block_size``: vLLM's (the store's stays 16)."""
         self.kernel = kernel
         """The cache-write kernel the forward pass uses (default: vLLM's own CPU kernel)."""
-        kt = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role="kv_both",
+        BS = block_size
+        kt = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role=role,  # type: ignore[arg-type]
                               kv_connector_module_path="prefixstore.client.vllm.connector",
                               kv_connector_extra_config={"url": url, "model_id": model_id, "timeout_s": 2.0,
                                                          "connect_timeout_s": 0.5, **extra})
@@ -138,7 +140,7 @@ def write_kv(view: torch.Tensor, block_ids: list[int], kv: torch.Tensor, start: 
     blocks, heads, n, c = view.shape
     key_cache, value_cache = view.view(blocks, heads, 2 * n, c // 2).chunk(2, dim=2)  # as the kernel does
     pos = torch.arange(start, start + kv.shape[1])
-    slots = torch.tensor(block_ids)[pos // BS] * BS + pos % BS
+    slots = torch.tensor(block_ids)[pos // n] * n + pos % n  # the kernel's blocks: n tokens each
     write = kernel if kernel is not None else cpu_kernel_write(view.dtype, n, c // 2)
     write(kv[0].contiguous(), kv[1].contiguous(), key_cache, value_cache, slots)
 
