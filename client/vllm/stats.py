@@ -95,6 +95,11 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
         self._events: dict[tuple[int, str], Any] = {
             (idx, key): events.labels(*values, key)
             for idx, values in per_engine_labelvalues.items() for key in self._events_keys}
+        loaded = self._counter_cls(name="prefixstore_vllm_loaded_tokens_total",
+                                   documentation="Prompt tokens loads wrote into vLLM's blocks (KV, and the state "
+                                                 "after them on a hybrid model), so not computed.",
+                                   labelnames=labelnames)
+        self._loaded: dict[int, Any] = {idx: loaded.labels(*values) for idx, values in per_engine_labelvalues.items()}
         moved = self._counter_cls(name="prefixstore_vllm_transfer_bytes_total",
                                   documentation="Payload bytes moved between vLLM and prefixstore.",
                                   labelnames=[*labelnames, "direction"])
@@ -112,7 +117,7 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
         self._steps: dict[tuple[int, str], tuple[Any, Any]] = {
             (idx, f"{flag}:{name}"): (steps.labels(*values, flag, name), step_s.labels(*values, flag, name))
             for idx, values in per_engine_labelvalues.items() for flag in ("yes", "no") for _, _, name in BATCH_BUCKETS}
-        PrefixStorePromMetrics._collectors = [tokens, events, moved, steps, step_s]
+        PrefixStorePromMetrics._collectors = [tokens, events, loaded, moved, steps, step_s]
 
     @classmethod
     def _unregister_previous(cls) -> None:
@@ -133,6 +138,7 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
             self._tokens[(engine_idx, kind, "miss")].inc(max(q - hits, 0))
         for key in self._events_keys:
             self._events[(engine_idx, key)].inc(d.get(key, 0))
+        self._loaded[engine_idx].inc(d.get("loaded_tokens", 0))
         self._bytes[(engine_idx, "load")].inc(d.get("loaded_bytes", 0))
         self._bytes[(engine_idx, "save")].inc(d.get("saved_bytes", 0))
         for key, value in d.items():
