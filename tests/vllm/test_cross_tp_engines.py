@@ -2,11 +2,14 @@
 
 Three engines in turn, the tests' LFM2 (float32, attention beside short conv) on one store:
 
-1. TP=1 computes prompt X (saved) and, salted, a reference of prompt Y.
-2. TP=2 (two worker processes, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``) loads X -- each rank its own
-   KV head and conv channels -- and generates what TP=1 generated; then computes Y and saves it
-   (each rank's slice gathered to rank 0, which writes the canonical entries).
-3. TP=1 again loads Y as TP=2 saved it, and generates what its reference recompute generated.
+1. TP=1 runs prompt X (saved: prompt + answer, and the state after them) and, salted, a reference
+   of the conversation's next turn.
+2. TP=2 (two worker processes, ``VLLM_CPU_OMP_THREADS_BIND="0|1"``) takes that next turn: loads
+   X's turn -- each rank its own KV head and conv channels -- and generates what TP=1's
+   recompute generated; then runs prompt Y and saves it (each rank's slice gathered to rank 0,
+   which writes the canonical entries).
+3. TP=1 again takes Y's next turn, loading what TP=2 saved, and generates what its own recompute
+   of that turn generates.
 
 The connector-level tests of the same (byte for byte, both directions) are in test_cross_tp.py.
 """
@@ -84,20 +87,25 @@ def settle(llm: Any) -> None:
 
 
 def test_cross_tp_engines_tp1_to_tp2_and_back(store: ServeProcess, tmp_path: Path) -> None:
+    """Each engine takes up the next turn of a conversation the other size ran: the store holds the
+    previous turn's prompt + answer with the state after it (exact reuse needs a snapshot there)."""
     model = lfm2(tmp_path / "lfm2")
     with engine(model, store, 1) as one:
-        reference_y = generate(one, Y, salt="reference")
         x1 = generate(one, X)
+        x_next = X + list(x1.outputs[0].token_ids) + [5, 6, 7]
+        reference_x = generate(one, x_next, salt="reference")  # TP=1 computing the next turn itself
         assert x1.num_cached_tokens == 0
         settle(one)
     with engine(model, store, 2) as two:
-        x2 = generate(two, X)  # each rank reads its head and channels of what TP=1 saved
-        assert x2.num_cached_tokens == len(X) - 1
-        assert_same_generation(x2, x1)
-        y2 = generate(two, Y)
-        assert y2.num_cached_tokens == 0
+        x2 = generate(two, x_next)  # each rank reads its head and channels of what TP=1 saved
+        assert x2.num_cached_tokens == len(X) + 8 - 1  # the previous turn less its last sampled token
+        assert_same_generation(x2, reference_x)
+        y1 = generate(two, Y)
+        assert y1.num_cached_tokens == 0
         settle(two)
     with engine(model, store, 1) as again:
-        y1 = generate(again, Y)  # what TP=2 saved: the whole entry, from both ranks
-        assert y1.num_cached_tokens == len(Y) - 1
-        assert_same_generation(y1, reference_y)
+        y_next = Y + list(y1.outputs[0].token_ids) + [8, 9]
+        reference_y = generate(again, y_next, salt="reference")
+        y2 = generate(again, y_next)  # what TP=2 saved: the whole entry, from both ranks
+        assert y2.num_cached_tokens == len(Y) + 8 - 1
+        assert_same_generation(y2, reference_y)
