@@ -600,7 +600,7 @@ class PrefixStoreWorker:
             failed = f"{type(err).__name__}: {err}"
             buf[total] = 0
         if self.tp.size > 1:
-            slices = self.tp.gather(buf if device.type != "cpu" else buf.contiguous())
+            slices = self.tp.gather(buf)
             if self.tp.rank != 0:
                 self._save_buffers.give(buf)
                 self._save_ended(plan.save_id)  # this rank's part of the save is its slice
