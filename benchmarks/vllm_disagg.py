@@ -17,7 +17,10 @@ sequence ignored):
 * one instance: time to first token (TTFT) of vLLM alone doing prefill and decode;
 * P/D: the prefill call's duration plus the decode instance's TTFT (what the user waits for);
 * decode-side TTFT: the decode instance's own TTFT with the load, against the same decode instance
-  recomputing the same prompt itself (another ``cache_salt``: nothing in the store matches);
+  recomputing the same prompt itself (another ``cache_salt``: nothing in the store matches); the
+  load's TTFT includes its wait for the prefill's commit (the prefill answers as its step ends,
+  its save still on its way), which is also reported apart (``commit wait``: its connector's
+  ``prefixstore_vllm_commit_wait_seconds_total``), and the load without it;
 * the tokens the decode instance loaded from the store (its connector's
   ``prefixstore_vllm_loaded_tokens_total``: vLLM reports a disaggregated request's cached tokens as
   the prefill instance's own hits), the waits for a commit and their timeouts (its connector's
@@ -117,6 +120,9 @@ class Row:
     decode_recompute: Result
     prefill_s: float
     handoff: dict[str, object] = field(default_factory=dict)
+    commit_wait_s: float = 0.0
+    """How long the decode instance's load waited for the prefill's save to be committed (its
+    connector's counter): part of its TTFT, the price of a handoff through a store."""
     loaded_tokens: float = 0.0
     """Tokens the decode instance's loads wrote for this prompt (its connector's counter): vLLM
     reports a disaggregated request's cached tokens as the prefill instance's own hits."""
@@ -145,17 +151,20 @@ async def serve_one(session: aiohttp.ClientSession, model: Model, one: Server, p
     started = time.perf_counter()
     handoff = await PD.prefill(session, prefill.url, "/v1/completions", body)
     prefill_s = time.perf_counter() - started
-    before = loaded_tokens(decode.url)
+    before = counter(decode.url, "prefixstore_vllm_loaded_tokens_total")
+    waited = counter(decode.url, "prefixstore_vllm_commit_wait_seconds_total")
     await complete(session, decode.url, model.name, loaded, f"{run}-pd", args.logprobs, args.timeout_s,
                    extra={"kv_transfer_params": handoff} if handoff else None)
-    after = await settled(lambda: loaded_tokens(decode.url), before)
+    after = await settled(lambda: counter(decode.url, "prefixstore_vllm_loaded_tokens_total"), before)
+    waited = counter(decode.url, "prefixstore_vllm_commit_wait_seconds_total") - waited
     await complete(session, decode.url, model.name, recomputed, f"{run}-recompute", args.logprobs, args.timeout_s)
     return Row(length=length, rep=rep, one=alone, decode_load=loaded, decode_recompute=recomputed,
-               prefill_s=prefill_s, handoff=handoff, loaded_tokens=after - before)
+               prefill_s=prefill_s, handoff=handoff, loaded_tokens=after - before, commit_wait_s=waited)
 
 
-def loaded_tokens(url: str) -> float:
-    return sum(v for k, v in scrape(url + "/metrics").items() if k.startswith("prefixstore_vllm_loaded_tokens_total"))
+def counter(url: str, name: str) -> float:
+    """A counter of a server's /metrics, summed over its label sets."""
+    return sum(v for k, v in scrape(url + "/metrics").items() if k == name or k.startswith(name + "{"))
 
 
 async def settled(read: Any, before: float, bound_s: float = 3.0) -> float:
@@ -229,7 +238,8 @@ def run_model(kind: str, args: argparse.Namespace, tmp: Path, logs: Path) -> dic
                         h.progress(f"{kind} {length} tokens rep {rep}: one {row.one.ttft_s * 1e3:.0f} ms, "
                                    f"P/D {row.pd_ttft_s * 1e3:.0f} ms (prefill {row.prefill_s * 1e3:.0f}), "
                                    f"decode load {row.decode_load.ttft_s * 1e3:.0f} ms / recompute "
-                                   f"{row.decode_recompute.ttft_s * 1e3:.0f} ms, loaded "
+                                   f"{row.decode_recompute.ttft_s * 1e3:.0f} ms, commit wait "
+                                   f"{row.commit_wait_s * 1e3:.0f} ms, loaded "
                                    f"{row.loaded_tokens:.0f}{' ERRORS ' + str(bad) if bad else ''}")
 
         asyncio.run(drive())
@@ -244,7 +254,8 @@ def row_json(r: Row, tie: float) -> dict[str, object]:
     return {"length": r.length, "rep": r.rep, "prefill_ms": r.prefill_s * 1e3,
             "one_ttft_ms": r.one.ttft_s * 1e3, "pd_ttft_ms": r.pd_ttft_s * 1e3,
             "decode_load_ttft_ms": r.decode_load.ttft_s * 1e3, "decode_recompute_ttft_ms": r.decode_recompute.ttft_s * 1e3,
-            "decode_loaded_tokens": r.loaded_tokens, "recompute_cached_tokens": r.decode_recompute.cached_tokens,
+            "decode_loaded_tokens": r.loaded_tokens, "commit_wait_ms": r.commit_wait_s * 1e3,
+            "decode_load_after_commit_ttft_ms": (r.decode_load.ttft_s - r.commit_wait_s) * 1e3, "recompute_cached_tokens": r.decode_recompute.cached_tokens,
             "tokens_vs_one": same_tokens(r.decode_load, r.one, tie), "handoff": r.handoff,
             "errors": [x.error for x in (r.one, r.decode_load, r.decode_recompute) if x.error],
             "one_tokens": r.one.output, "decode_tokens": r.decode_load.output}
@@ -260,15 +271,17 @@ def summarize(models: list[dict[str, Any]]) -> list[list[object]]:
                 return statistics.median(r[key] for r in rows)
 
             table.append([m["model"], length, med("one_ttft_ms"), med("pd_ttft_ms"), med("prefill_ms"),
-                          med("decode_load_ttft_ms"), med("decode_recompute_ttft_ms"),
-                          f"{med('decode_load_ttft_ms') / med('decode_recompute_ttft_ms'):.2f}x",
+                          med("commit_wait_ms"), med("decode_load_ttft_ms"), med("decode_load_after_commit_ttft_ms"),
+                          med("decode_recompute_ttft_ms"),
+                          f"{med('decode_load_after_commit_ttft_ms') / med('decode_recompute_ttft_ms'):.2f}x",
                           f"{min(r['decode_loaded_tokens'] for r in rows):.0f}/{length}",
                           sum(r["tokens_vs_one"] != "different" for r in rows), len(rows)])
     return table
 
 
-COLUMNS = ("model", "prompt", "one TTFT ms", "P/D TTFT ms", "prefill ms", "decode TTFT load ms",
-           "decode TTFT recompute ms", "load/recompute", "loaded (min)", "tokens ok", "n")
+COLUMNS = ("model", "prompt", "one TTFT ms", "P/D TTFT ms", "prefill ms", "commit wait ms", "decode TTFT load ms",
+           "decode TTFT load after commit ms", "decode TTFT recompute ms", "load/recompute", "loaded (min)",
+           "tokens ok", "n")
 
 
 def plot(models: list[dict[str, Any]], path: Path) -> None:
@@ -277,7 +290,9 @@ def plot(models: list[dict[str, Any]], path: Path) -> None:
     for ax, m in zip(axes[0], models):
         lengths = sorted({r["length"] for r in m["rows"]})
         series = {"one instance": "one_ttft_ms", "P/D (prefill + decode TTFT)": "pd_ttft_ms",
-                  "decode TTFT, load": "decode_load_ttft_ms", "decode TTFT, recompute": "decode_recompute_ttft_ms"}
+                  "decode TTFT, load (with its commit wait)": "decode_load_ttft_ms",
+                  "decode TTFT, load after the commit": "decode_load_after_commit_ttft_ms",
+                  "decode TTFT, recompute": "decode_recompute_ttft_ms"}
         width = 0.8 / len(series)
         for i, (label, key) in enumerate(series.items()):
             ys = [statistics.median(r[key] for r in m["rows"] if r["length"] == n) for n in lengths]
@@ -339,7 +354,7 @@ def main() -> None:
     table = summarize(models)
     text = h.print_table("P/D through the store against one instance doing both (medians)", COLUMNS, table)
     h.write_json(args.out, "vllm_disagg", {
-        "machine": h.machine_note(), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "benchmark": "vllm_disagg", "machine": h.machine_note(), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "models": models, "table": text})
     plot(models, args.out / "vllm_disagg.png")
 

@@ -193,9 +193,10 @@ class PrefixStoreScheduler:
 
         On a decode instance (prefill/decode disaggregation), a request whose prefill instance
         said what it saved (``kv_transfer_params``, :meth:`request_finished`) is promised that
-        much: if the store does not hold it yet (the prefill's save may still be on its way), the
-        load is planned anyway, asynchronous, and waits for the commit on the worker (bounded by
-        ``commit_wait_s``, then vLLM recomputes): never a race with the prefill instance."""
+        much: if the store does not hold it yet (the prefill's save may still be on its way, or the
+        lookup was slower than ``lookup_timeout_s``), the load is planned anyway, asynchronous, and
+        waits for the commit on the worker (bounded by ``commit_wait_s``, then vLLM recomputes):
+        never a race with the prefill instance."""
         memo = self._lookups.pop(request.request_id, None)
         if (not self.loads or not keyable(request) or self.refused is not None
                 or request.request_id in self._failed_loads):
@@ -213,7 +214,10 @@ class PrefixStoreScheduler:
                 return None, False
             lookup, loadable = self.lookup(tokens, extra_keys(request))
             promised = self._promise(request, len(tokens))
-            if promised > loadable and lookup.ok and self.settings.commit_wait_s > 0:
+            # Even when this lookup failed or timed out: a store busy taking the prefill's put
+            # answers late (lookup_timeout_s bounds the scheduler, not the worker); the worker's
+            # wait ends at its first failed poll, so a store that is down costs one round trip.
+            if promised > loadable and self.settings.commit_wait_s > 0:
                 self._promised[request.request_id] = promised
                 loadable = promised
         self._lookups[request.request_id] = (lookup, num_computed_tokens, loadable)

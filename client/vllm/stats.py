@@ -100,6 +100,11 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
                                                  "after them on a hybrid model), so not computed.",
                                    labelnames=labelnames)
         self._loaded: dict[int, Any] = {idx: loaded.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        waited = self._counter_cls(name="prefixstore_vllm_commit_wait_seconds_total",
+                                   documentation="Seconds a decode instance's loads waited for the prefill instance's "
+                                                 "save to be committed (prefill/decode disaggregation).",
+                                   labelnames=labelnames)
+        self._waited: dict[int, Any] = {idx: waited.labels(*values) for idx, values in per_engine_labelvalues.items()}
         moved = self._counter_cls(name="prefixstore_vllm_transfer_bytes_total",
                                   documentation="Payload bytes moved between vLLM and prefixstore.",
                                   labelnames=[*labelnames, "direction"])
@@ -117,7 +122,7 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
         self._steps: dict[tuple[int, str], tuple[Any, Any]] = {
             (idx, f"{flag}:{name}"): (steps.labels(*values, flag, name), step_s.labels(*values, flag, name))
             for idx, values in per_engine_labelvalues.items() for flag in ("yes", "no") for _, _, name in BATCH_BUCKETS}
-        PrefixStorePromMetrics._collectors = [tokens, events, loaded, moved, steps, step_s]
+        PrefixStorePromMetrics._collectors = [tokens, events, loaded, waited, moved, steps, step_s]
 
     @classmethod
     def _unregister_previous(cls) -> None:
@@ -139,6 +144,7 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
         for key in self._events_keys:
             self._events[(engine_idx, key)].inc(d.get(key, 0))
         self._loaded[engine_idx].inc(d.get("loaded_tokens", 0))
+        self._waited[engine_idx].inc(d.get("commit_wait_ms", 0) / 1e3)
         self._bytes[(engine_idx, "load")].inc(d.get("loaded_bytes", 0))
         self._bytes[(engine_idx, "save")].inc(d.get("saved_bytes", 0))
         for key, value in d.items():

@@ -470,8 +470,9 @@ class PrefixStoreWorker:
     async def _wait_for_commit(self, plan: LoadPlan, failures: dict[str, str]) -> None:
         """A decode instance's load of what its prefill instance said it saved: poll the store
         (lease-free lookups of the planned prefix, every 2 ms growing to 50 ms) until it holds
-        the KV and the state the load needs, or ``commit_wait_s`` passes; then the load fails and
-        vLLM recomputes. Outside the load lock: other loads go on meanwhile."""
+        the KV and the state the load needs, or ``commit_wait_s`` passes, or a lookup fails (the
+        store is down: no point waiting); then the load fails and vLLM recomputes. Outside the
+        load lock: other loads go on meanwhile."""
         assert self.client is not None
         prompt = self._planned_prompt(plan)
         started = time.monotonic()
@@ -483,6 +484,11 @@ class PrefixStoreWorker:
             polls += 1
             if lookup.ok and lookup.kv_tokens >= plan.end and (plan.state_index is None
                                                                or lookup.state_tokens == plan.end):
+                break
+            if not lookup.ok:  # the store cannot be asked: recompute now, not after commit_wait_s
+                failures[plan.req_id] = "the store did not answer while waiting for the prefill instance's commit"
+                self._log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id,
+                                  failures[plan.req_id])
                 break
             if time.monotonic() + pause > deadline:
                 self._stats.count("commit_wait_timeouts")

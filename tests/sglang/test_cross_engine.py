@@ -239,3 +239,29 @@ def test_cross_engine_another_dtype_is_another_namespace(store: ServeProcess, mo
         assert keyed_prompt(vllm_ns, tokens).hashes[:3] != keyed_prompt(b.namespace, tokens).hashes[:3]
     finally:
         b.close()
+
+
+def test_an_sglang_rank_at_tp_2_keeps_a_namespace_of_its_own(store: ServeProcess, model_dir: str) -> None:
+    """SGLang hands each rank's backend only its own heads and no group to gather them over, so a
+    rank of a TP=2 SGLang cannot write the shared layout's whole pages: its namespace names the
+    rank (never equal to the shared one), and its state stays SGLang's own bytes."""
+    import dataclasses
+
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    assert store.url is not None
+    host, mamba = sglang_pools()
+    config = dataclasses.replace(engine.storage_config(store.url, model_dir, model_id="cross-engine-lfm2"),
+                                 tp_rank=1, tp_size=2)
+    b = StorageBackendFactory.create_backend("dynamic", config, host)
+    b.register_mem_pool_host(host)
+    b.register_mem_host_pool_v2(host, PoolName.KV)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    b.on_host_pools_registered()
+    shared = backend(store, model_dir, *sglang_pools())
+    try:
+        assert b.namespace is not None and "|tp:1/2" in b.namespace.revision
+        assert b.namespace.id != shared.namespace.id and b.namespace.state.num_heads == 0
+    finally:
+        b.close()
+        shared.close()

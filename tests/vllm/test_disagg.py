@@ -189,3 +189,41 @@ def test_disagg_roles_producer_never_loads_consumer_never_saves(store: ServeProc
     assert consumer.scheduler.get_num_new_matched_tokens(request("b", PROMPT + [1]), 0) == (40, False)
     assert consumer.scheduler.request_finished_all_groups(request("c", [7] * 40, computed=40), ([1, 2, 3],)) == \
         (False, None)
+
+
+def test_disagg_a_slow_lookup_still_waits_for_the_promise(store: ServeProcess, closing: list[Engine]) -> None:
+    """The store is busy taking the prefill's put and the decode's lookup comes back after
+    lookup_timeout_s (the scheduler's bound): the promise still stands, the worker waits for the
+    commit with its own bound and loads. Before, a timed-out lookup made the decode recompute."""
+    model = "disagg-slow-lookup"
+    p, params, kv, _ = prefill(store, closing, model, PROMPT, hybrid=True, seed=66)
+    d = Engine(store.url, model, hybrid=True, state="short_conv", role="kv_consumer", block_size=32,
+               lookup_timeout_s=1e-9)  # every scheduler lookup times out
+    closing.append(d)
+    r = request("d1", list(PROMPT))
+    r.kv_transfer_params = params
+    assert d.scheduler.get_num_new_matched_tokens(r, 0) == (39, True)
+    d.load(r, 0, 39, ([4, 6], [0, 8]))
+    assert d.worker.get_finished(set())[1] == {"d1"}
+    assert all(torch.equal(d.views[n][[4, 6]].view(torch.uint8),
+                           d.expected([4, 6], kv, 39)[n].view(torch.uint8)) for n in ATTN)
+    stats = d.scheduler.get_kv_connector_stats()
+    assert stats is not None and stats.data["lookup_timeouts"] == 1 and stats.data["commit_waits"] == 1
+
+
+def test_disagg_a_dead_store_is_not_waited_on(store: ServeProcess, closing: list[Engine]) -> None:
+    """With the store down the decode recomputes at once: the worker's first poll fails and the
+    wait ends there, however long commit_wait_s is."""
+    from .harness import dead_url
+
+    _, params, _, _ = prefill(store, closing, "disagg-dead", PROMPT, hybrid=True, seed=67)
+    d = Engine(dead_url(), "disagg-dead", hybrid=True, state="short_conv", role="kv_consumer", block_size=32,
+               commit_wait_s=600)
+    closing.append(d)
+    r = request("d1", list(PROMPT))
+    r.kv_transfer_params = params
+    assert d.scheduler.get_num_new_matched_tokens(r, 0) == (39, True)
+    d.load(r, 0, 39, ([4, 6], [0, 8]))
+    assert d.worker.get_transfer_results(set()).failed_recving == {"d1"}
+    stats = d.worker.get_kv_connector_stats()
+    assert stats is not None and stats.data["commit_wait_polls"] == 1 and stats.data["commit_wait_timeouts"] == 0
