@@ -72,18 +72,29 @@ def wait_healthy(url: str, deadline: float) -> None:
         time.sleep(0.05)
 
 
+def start_node(url: str, urls: Sequence[str], knobs: Sequence[str], tmp: Path, ram: str = "64MiB",
+               page: str = "4KiB", log: Path | None = None) -> subprocess.Popen[bytes]:
+    """One member of a static cluster (``urls``), its LMDB tier in ``tmp/PORT``: started again with
+    the same arguments, it comes back on its own data directory. ``log``: where its output goes
+    (appended; default: discarded)."""
+    port = url.rsplit(":", 1)[1]
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "prefixstore", "serve", "--port", port, "--node-url", url,
+             "--peers", ",".join(urls), "--data-dir", str(tmp / port), "--ram-bytes", ram, "--page-bytes", page,
+             "--log-level", "WARNING", "--nixl", "off", *knobs], stdout=out, stderr=subprocess.STDOUT)
+    finally:
+        if log is not None:
+            out.close()  # type: ignore[union-attr]  # the child holds its own descriptor
+
+
 def start_processes(n: int, knobs: Sequence[str], tmp: Path, ram: str = "64MiB", page: str = "4KiB"
                     ) -> tuple[list[str], list[subprocess.Popen[bytes]]]:
     """N ``prefixstore serve`` processes, every one listing all (static membership); ready on return.
     Small pages: the benchmarks' entries are a few KiB (``knobs`` given later win)."""
     urls = [f"http://127.0.0.1:{p}" for p in free_ports(n)]
-    procs = []
-    for url in urls:
-        port = url.rsplit(":", 1)[1]
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "prefixstore", "serve", "--port", port, "--node-url", url,
-             "--peers", ",".join(urls), "--data-dir", str(tmp / port), "--ram-bytes", ram, "--page-bytes", page,
-             "--log-level", "WARNING", "--nixl", "off", *knobs], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    procs = [start_node(url, urls, knobs, tmp, ram, page) for url in urls]
     deadline = time.monotonic() + 180  # a loaded 2-core machine starts 8 processes slowly
     for url in urls:
         wait_healthy(url, deadline)
@@ -345,5 +356,5 @@ def tmpdir(prefix: str) -> tempfile.TemporaryDirectory[str]:
 
 
 __all__ = ["WORKLOADS", "InProcessCluster", "RunningCluster", "running_cluster", "Outcome", "Request", "client_config", "drive", "free_ports",
-           "hit_rate", "multiturn", "namespace", "payload", "rolling", "serve_request", "snapshot", "start_processes",
+           "hit_rate", "multiturn", "namespace", "payload", "rolling", "serve_request", "snapshot", "start_node", "start_processes",
            "stop_processes", "sysprompt", "tmpdir", "wait_healthy", "workload"]

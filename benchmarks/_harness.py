@@ -134,7 +134,7 @@ class Samples:
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Print a fixed-width table and return it as text (also a Markdown table)."""
     cells = [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(columns[i]), *(len(r[i]) for r in cells)) for i in range(len(columns))]
+    widths = [max([len(columns[i]), *(len(r[i]) for r in cells)]) for i in range(len(columns))]
     line = "| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = ["| " + " | ".join(c.rjust(w) if _numeric(c) else c.ljust(w) for c, w in zip(r, widths)) + " |"

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +48,10 @@ class Model:
     dtype: str
     kv_bytes_per_token: int
     """Bytes of attention KV per token (all attention layers, K and V), to size vLLM's KV cache."""
+    hybrid: bool = True
+    """Recurrent-state layers beside attention: vLLM then runs ``--mamba-cache-mode align`` (the
+    mode its prefix cache and the connector need); a plain transformer must not (vLLM's worker
+    fails its first step on a Mamba mode without Mamba layers)."""
     extra_args: tuple[str, ...] = ()
 
     @property
@@ -56,13 +60,14 @@ class Model:
         return f"bench-{self.name}"
 
 
-MODELS = ("tiny", "wide", "gdn")
+MODELS = ("tiny", "wide", "gdn", "llama")
 
 
 def build_model(kind: str, root: Path, max_model_len: int) -> Model:
     """``tiny``: the tests' LFM2 (hidden 128, 4 layers); ``wide``: an LFM2 of hidden 512 and 8 layers
     (KV 16 KiB per token); ``gdn``: the tests' Qwen3-Next-shaped gated-delta-net model (bfloat16:
-    vLLM's CPU GDN kernel takes nothing else). Conv / GDN state beside attention: all hybrids."""
+    vLLM's CPU GDN kernel takes nothing else): conv / GDN state beside attention, all hybrids.
+    ``llama``: the tests' tiny Llama, attention only (the peers that take no hybrid model)."""
     native_rope = ("--compilation-config", json.dumps(NATIVE_ROPE))
     if kind == "tiny":
         path = lfm2(root / "tiny", max_position_embeddings=max_model_len)
@@ -75,6 +80,16 @@ def build_model(kind: str, root: Path, max_model_len: int) -> Model:
         path = qwen3_next(root / "gdn", max_position_embeddings=max_model_len)
         return Model(name=kind, path=path, dtype="bfloat16", kv_bytes_per_token=1 * 2 * 2 * 64 * 2,
                      extra_args=native_rope)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from tests.vllm.models import save_tiny
+
+        config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_model_len,
+                             initializer_range=0.5)
+        path = save_tiny(LlamaForCausalLM, config, root / "llama")
+        return Model(name=kind, path=path, dtype="float32", kv_bytes_per_token=2 * 2 * 2 * 64 * 4, hybrid=False)
     raise ValueError(f"model: {kind!r} is not one of {list(MODELS)}")
 
 
@@ -148,6 +163,14 @@ class Backends:
     store_urls: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every replica of this side."""
+    per_replica: Callable[[int, dict[str, object]], dict[str, object]] | None = None
+    """Replica i's ``--kv-transfer-config`` made from the side's (a peer whose replicas on one host
+    each need a port of their own, say); None: every replica gets the same."""
+
+    def config_for(self, replica: int) -> dict[str, object] | None:
+        if self.kv_transfer_config is None or self.per_replica is None:
+            return self.kv_transfer_config
+        return self.per_replica(replica, self.kv_transfer_config)
 
     def stop(self) -> None:
         stop(self.processes)
@@ -158,10 +181,15 @@ class SideUnavailable(RuntimeError):
 
 
 class Side:
-    """One configuration of the engines: what back-end it starts, what connector each replica gets."""
+    """One configuration of the engines: what back-end it starts, what connector each replica gets.
+    ``connector_extra``: keys added to prefixstore's ``kv_connector_extra_config`` (the benchmark's
+    ``--connector-extra``; the peers ignore it)."""
 
     name = "vllm"
     description = "vLLM alone: its own prefix cache, no connector"
+
+    def __init__(self, connector_extra: Mapping[str, object] | None = None) -> None:
+        self.connector_extra = dict(connector_extra or {})
 
     def start(self, tmp: Path, model: Model, device: str) -> Backends:
         return Backends(kv_transfer_config=None)
@@ -194,9 +222,10 @@ class StoreSide(Side):
     def start(self, tmp: Path, model: Model, device: str) -> Backends:
         urls, procs = prefixstore_nodes(self.nodes, tmp)
         url: str | list[str] = urls[0] if self.nodes == 1 else urls
-        config = {"kv_connector": "PrefixStoreConnector", "kv_role": "kv_both",
-                  "kv_connector_module_path": "prefixstore.client.vllm.connector",
-                  "kv_connector_extra_config": {"url": url, "model_id": model.model_id}}
+        config: dict[str, object] = {"kv_connector": "PrefixStoreConnector", "kv_role": "kv_both",
+                                     "kv_connector_module_path": "prefixstore.client.vllm.connector",
+                                     "kv_connector_extra_config": {"url": url, "model_id": model.model_id,
+                                                                   **self.connector_extra}}
         return Backends(kv_transfer_config=config, processes=procs, store_urls=urls)
 
 
@@ -219,9 +248,10 @@ class FlakySide(Side):
             stop([proxy, *procs])
             raise SideUnavailable(f"the fault proxy did not start: {line!r} {tail(log)}")
         url = f"http://127.0.0.1:{int(line.split()[1])}"
-        config = {"kv_connector": "PrefixStoreConnector", "kv_role": "kv_both",
-                  "kv_connector_module_path": "prefixstore.client.vllm.connector",
-                  "kv_connector_extra_config": {"url": url, "model_id": model.model_id, "data_path": "http"}}
+        config: dict[str, object] = {"kv_connector": "PrefixStoreConnector", "kv_role": "kv_both",
+                                     "kv_connector_module_path": "prefixstore.client.vllm.connector",
+                                     "kv_connector_extra_config": {"url": url, "model_id": model.model_id,
+                                                                   "data_path": "http", **self.connector_extra}}
         return Backends(kv_transfer_config=config, processes=[proxy, *procs], store_urls=urls)
 
 
@@ -262,15 +292,17 @@ def start_replicas(n: int, tmp: Path, model: Model, backends: Backends, *, devic
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model.path,
                 "--served-model-name", model.name, "--skip-tokenizer-init", "--port", str(port),
                 "--max-model-len", str(max_model_len), "--block-size", str(VLLM_BLOCK_TOKENS),
-                "--dtype", model.dtype, "--enable-prefix-caching", "--mamba-cache-mode", "align",
+                "--dtype", model.dtype, "--enable-prefix-caching",
+                *(("--mamba-cache-mode", "align") if model.hybrid else ()),
                 "--max-num-seqs", str(max_num_seqs), "--enable-prompt-tokens-details", "--seed", "0",
                 "--disable-uvicorn-access-log", *model.extra_args]
         if device == "cpu":
             args += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_tokens * model.kv_bytes_per_token)]
         else:
             args += ["--gpu-memory-utilization", f"{0.9 / n:.2f}"]
-        if backends.kv_transfer_config is not None:
-            args += ["--kv-transfer-config", json.dumps(backends.kv_transfer_config)]
+        config = backends.config_for(i)
+        if config is not None:
+            args += ["--kv-transfer-config", json.dumps(config)]
         log = tmp / f"replica-{tag}-{i}.log"
         replicas.append(Replica(url=f"http://127.0.0.1:{port}", proc=spawn(args, log, env), log=log))
     for r in replicas:

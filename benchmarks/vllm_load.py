@@ -94,8 +94,9 @@ class Rig:
         for name in self.attn:
             self.views[name].normal_()  # written once, as a served engine's pages are
         self.groups = len(kv_config.kv_cache_groups)
-        self.scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_config)
-        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_config)
+        # PrefixStoreConnector, both roles (typed as such: the factory's return type is the base class)
+        self.scheduler: Any = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_config)
+        self.worker: Any = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_config)
         self.worker.register_kv_caches(self.views)
         self.n = 0
 

@@ -103,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Default: 0.")
     p.add_argument("--store-block-tokens", type=int, default=16,
                    help="The store's block size B (the connector's block_tokens). Default: 16.")
+    p.add_argument("--load-policy", choices=("when_faster", "always"), default="when_faster",
+                   help="The connector's load_policy: when_faster (its default) loads a hit only where the "
+                        "engine's measured figures say the load beats recomputing; always loads every hit. "
+                        "Default: when_faster.")
     p.add_argument("--state-admission", default="adaptive",
                    help="The store's state_admission policy (the product default: adaptive). Default: adaptive.")
     p.add_argument("--omp-bind", default="0",
@@ -176,7 +180,8 @@ def engine(args: argparse.Namespace, model: str, store_url: str | None, model_id
         transfer = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role="kv_both",
                                     kv_connector_module_path="prefixstore.client.vllm.connector",
                                     kv_connector_extra_config={"url": store_url, "model_id": model_id,
-                                                               "block_tokens": args.store_block_tokens})
+                                                               "block_tokens": args.store_block_tokens,
+                                                               "load_policy": args.load_policy})
     attention_layers = args.layers // 2
     kv_bytes_per_token = attention_layers * 2 * 2 * (args.hidden_size // 2) * 4  # layers, K+V, heads, head, f32
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=args.max_model_len, block_size=BLOCK_SIZE,

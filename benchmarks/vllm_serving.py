@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import signal
 import statistics
@@ -63,14 +64,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     h.add_common_args(p, reps="2 (quick: 1)", warmup="1 per replica")
     p.add_argument("--models", default=None,
                    help=f"Comma-separated models of {list(MODELS)}: tiny (the tests' LFM2), wide (LFM2 of hidden "
-                        "512 and 8 layers), gdn (the tests' Qwen3-Next-shaped gated-delta-net model, bfloat16). "
-                        "Default: all (quick: tiny).")
+                        "512 and 8 layers), gdn (the tests' Qwen3-Next-shaped gated-delta-net model, bfloat16), "
+                        "llama (the tests' tiny Llama, attention only: for the peers that take no hybrid). "
+                        "Default: tiny,wide,gdn (quick: tiny).")
     p.add_argument("--sides", default=None,
-                   help=f"Comma-separated sides of {sorted(SIDES)} (vllm: vLLM alone, always run first of a pair; "
-                        "store: one prefixstore node; cluster: three; flaky: one node behind a proxy that fails "
-                        "every other load, a robustness run; the rest are peers). A side that cannot run here is "
-                        "reported with its exact error. Default: vllm,store,cluster and every peer (quick: "
-                        "vllm,store).")
+                   help="Comma-separated sides (vllm, vLLM alone, always runs, first of a pair): "
+                        + "; ".join(f"{name}: {side.description}" for name, side in SIDES.items())
+                        + ". A side that cannot run here is reported with its exact error. Default: vllm, store, "
+                          "cluster and every peer (quick: vllm,store).")
+    p.add_argument("--connector-extra", default="{}",
+                   help="JSON object of keys added to prefixstore's kv_connector_extra_config on its sides "
+                        "(e.g. {\"load_policy\": \"always\"}). Default: {} (the connector as docs/vllm.md "
+                        "configures it).")
     p.add_argument("--concurrency", default=None,
                    help="Comma-separated conversations in flight. Default: 1,4,8,16 (quick: 2).")
     p.add_argument("--conversations", type=int, default=None,
@@ -114,11 +119,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900.0, help="Per request. Default: 900.")
     args = p.parse_args(argv)
     q = args.quick
-    args.models = _names(args.models or ("tiny" if q else ",".join(MODELS)), MODELS, "--models", p)
+    args.models = _names(args.models or ("tiny" if q else "tiny,wide,gdn"), MODELS, "--models", p)
     default_sides = "vllm,store" if q else ",".join(["vllm", "store", "cluster", *(s for s in SIDES
                                                                                    if s not in ("vllm", "store", "cluster",
                                                                                                 "flaky"))])
     args.sides = _names(args.sides or default_sides, tuple(SIDES), "--sides", p)
+    try:
+        args.connector_extra = json.loads(args.connector_extra)
+    except ValueError as err:
+        p.error(f"--connector-extra: not JSON: {err}")
+    if not isinstance(args.connector_extra, dict):
+        p.error("--connector-extra: a JSON object")
     if "vllm" not in args.sides:
         args.sides.insert(0, "vllm")  # every ratio is against vLLM alone, in the same run
     try:
@@ -330,7 +341,7 @@ def compare_tokens(side: list[Result], alone: list[Result], tie: float) -> dict[
 def run_side(side_name: str, model: Model, trace: Trace, args: argparse.Namespace, tmp: Path, rep: int,
              kill: bool = False) -> dict[int, dict[str, Any]] | str:
     """Every concurrency on one freshly started side; or the exact error of a side that cannot run."""
-    side = SIDES[side_name]()
+    side = SIDES[side_name](args.connector_extra)
     tag = f"{model.name}-{side_name}-{rep}{'-kill' if kill else ''}"
     h.progress(f"{tag}: starting ({side.description})")
     try:
@@ -400,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for side_name in order:
                     out = run_side(side_name, model, trace, args, tmp, rep)
                     if isinstance(out, str):
-                        h.progress(f"{model_name}/{side_name}: unavailable: {out.splitlines()[0]}")
+                        h.progress(f"{model_name}/{side_name}: unavailable: " + out.replace("\n", "\n    "))
                         report["unavailable"][side_name] = out
                         continue
                     collected.setdefault(side_name, []).append(out)
@@ -513,9 +524,10 @@ def print_tables(report: dict[str, Any]) -> None:
     rows = [[r["model"], r["concurrency"], r["side"], _num(r["ttft_p50_ratio_turn2plus"]), _num(r["tpot_p99_ratio"]),
              _num(r["throughput_ratio"]), _num(r["decode_step_tax"]), r["wrong_tokens"], r["near_ties"],
              r["failed_requests"]] for r in report["summary"]["by_cell"]]
-    h.print_table("Against vLLM alone (same model, concurrency, run)",
-                  ["model", "conc", "side", "TTFT p50 turns 2+ (x faster)", "TPOT p99 (x alone)", "out tok/s (x)",
-                   "decode tax", "wrong tok", "near ties", "failed"], rows)
+    if rows:  # a run of vLLM alone has nothing to compare
+        h.print_table("Against vLLM alone (same model, concurrency, run)",
+                      ["model", "conc", "side", "TTFT p50 turns 2+ (x faster)", "TPOT p99 (x alone)", "out tok/s (x)",
+                       "decode tax", "wrong tok", "near ties", "failed"], rows)
     for side, why in report["unavailable"].items():
         print(f"{side}: unavailable here: {why.splitlines()[0]}")
 

@@ -81,10 +81,15 @@ class Target:
             headers["Content-Type"] = CONTENT_TYPE
         request = urllib.request.Request(self.url + path, data=data, headers=headers,
                                          method="GET" if frame is None else "POST")
+        opener = urllib.request.build_opener(_NoRedirects, urllib.request.HTTPSHandler(context=self._context()))
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s, context=self._context()) as resp:
+            with opener.open(request, timeout=self.timeout_s) as resp:
                 body = json.loads(resp.read())
         except urllib.error.HTTPError as err:
+            if 300 <= err.code < 400:
+                raise AdminError(f"{self.url}{path} answered {err.code} {err.reason}, a redirect to "
+                                 f"{err.headers.get('Location', '(no Location)')}; not followed (the admin token "
+                                 "goes to the URL given only): give the store's own URL") from None
             raise AdminError(f"{self.url}{path} answered {err.code} {err.reason}{_refusal(err)}") from None
         except urllib.error.URLError as err:
             raise AdminError(f"cannot reach the store at {self.url}: {err.reason}") from None
@@ -102,6 +107,16 @@ class Target:
         if not isinstance(members, list) or not all(isinstance(m, str) for m in members) or not members:
             raise AdminError(f"{self.url}/v1/members did not answer a member list")
         return [str(m) for m in members]
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects are answered, never followed: urllib would resend the request, Authorization
+    header included, to wherever a Location points (another host, plain http). A store never
+    redirects; something between the operator and it that does is worth an error line."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: object, code: int, msg: str,
+                         headers: object, newurl: str) -> None:
+        return None  # urllib then raises the 3xx as an HTTPError
 
 
 def _refusal(err: urllib.error.HTTPError) -> str:
@@ -549,6 +564,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
             print(format_cluster(per_member))
         failed = [u for u, s in per_member.items() if isinstance(s, str)]
         if failed:
+            for url in failed:  # why each did not (a refused redirect says where it pointed)
+                print(f"prefixstore stats: {url}: {per_member[url]}", file=sys.stderr)
             print(f"prefixstore stats: {len(failed)} of {len(per_member)} members did not answer", file=sys.stderr)
             return EXIT_FAILURE
         return EXIT_OK

@@ -201,7 +201,9 @@ async def serve(config: StoreConfig, ready: Callable[[str], None] | None = None,
     try:
         try:
             await runner.setup()  # opens the LMDB tier and loads its index
-        except (OSError, RuntimeError, lmdb.Error) as err:
+        except (OSError, RuntimeError, lmdb.Error, ConfigError) as err:
+            # A data directory another store holds (store/lmdb_tier.py), a descriptor limit that leaves
+            # no room for connections (store/runner.py): one line naming what to change, exit 1.
             # LMDB maps its whole file size up front, sized from disk_bytes: an impossible
             # disk_bytes fails here as "Cannot allocate memory", which names no knob by itself
             # (nor would the arena's mmap, were it ever made here rather than in create_app).

@@ -20,6 +20,12 @@ meanwhile (capacity, a flush, a corruption cascade): a dead entry is skipped, an
 its transaction was in flight (pinned by the writer: its pages stay valid under the write) is
 deleted from LMDB right after. A write that fails deletes its entries (a miss, never wrong bytes);
 one the tier's reset overtook finds them dropped already. ``close`` drains the queue.
+
+A write that finds the disk full (:class:`TierFull`, store/disk.py) wrote nothing: its entries go
+back to the head of the queue with their commit times, stay visible (served from RAM, never
+demoted), and the writer tries again every ``FULL_RETRY_S``. Commits go on while the queue is
+within its bounds; past them ``room`` refuses instead of waiting (a commit would otherwise wait
+for as long as the disk stays full), so a full disk costs new saves, never what was committed.
 """
 
 from __future__ import annotations
@@ -31,9 +37,9 @@ from collections.abc import Callable, Sequence
 
 from .arena import Arena
 from .config import StoreConfig
-from .disk import Disk
+from .disk import FULL_RETRY_S, Disk
 from .index import Entry, Index
-from .lmdb_tier import StoredRecord
+from .lmdb_tier import StoredRecord, TierFull
 from .metrics import StoreMetrics
 from .space import Space
 
@@ -100,16 +106,22 @@ class WriteBehind:
     def over(self) -> bool:
         return self.entries > 0 and (self.bytes > self.max_bytes or self.lag_s() > self.max_s)
 
-    async def room(self) -> None:
-        """Back-pressure: return once the entries behind are within both bounds."""
+    async def room(self) -> bool:
+        """Back-pressure: True once the entries behind are within both bounds; False, at once, while
+        they are not and the disk is full (the caller refuses the commit)."""
         if not self.over():
-            return
+            return True
+        if self._disk.full:
+            return False
         self._metrics.write_behind_waits.inc()
         while self.over():
             if self._task is None or self._task.done():
                 raise RuntimeError("the LMDB write-behind task is not running")
+            if self._disk.full:
+                return False
             progress = self._progress
             await progress.wait()
+        return True
 
     # ------------------------------------------------------------ the writer
 
@@ -119,8 +131,9 @@ class WriteBehind:
             self._task.add_done_callback(_died)
 
     async def drain(self) -> None:
-        """Return once every entry committed so far is written (or found deleted)."""
-        while self.entries and self._task is not None and not self._task.done():
+        """Return once every entry committed so far is written (or found deleted), or once a write
+        found the disk full (what is behind then waits for space)."""
+        while self.entries and self._task is not None and not self._task.done() and not self._disk.full:
             progress = self._progress
             await progress.wait()
 
@@ -129,6 +142,9 @@ class WriteBehind:
         if self._task is None:
             return
         await self.drain()
+        if self.entries:
+            log.error("%d committed entries (%d bytes) were never written to LMDB, its disk being full: they end "
+                      "with the process (misses after the restart)", self.entries, self.bytes)
         self._task.cancel()
         try:
             await self._task
@@ -136,8 +152,8 @@ class WriteBehind:
             pass
         self._task = None
 
-    def _take(self) -> list[Entry]:
-        batch: list[Entry] = []
+    def _take(self) -> list[tuple[Entry, float]]:
+        batch: list[tuple[Entry, float]] = []
         size = 0
         while self._queue and (not batch or size + self._queue[0][0].size <= TXN_BYTES):
             e, committed_s = self._queue.popleft()
@@ -147,7 +163,7 @@ class WriteBehind:
             if not batch:
                 self._in_flight_since = committed_s
             e.pins += 1  # its pages stay valid under the write, whatever deletes it meanwhile
-            batch.append(e)
+            batch.append((e, committed_s))
             size += e.size
         return batch
 
@@ -160,16 +176,22 @@ class WriteBehind:
             if not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
-            self._in_flight = self._take()
+            taken = self._take()
+            self._in_flight = [e for e, _ in taken]
+            full = False
             try:
-                if self._in_flight:
-                    await self._write(self._in_flight)
+                if taken:
+                    full = not await self._write(taken)
             finally:
                 self._in_flight = []
                 progress, self._progress = self._progress, asyncio.Event()
                 progress.set()
+            if full:
+                await asyncio.sleep(FULL_RETRY_S)
 
-    async def _write(self, batch: list[Entry]) -> None:
+    async def _write(self, taken: list[tuple[Entry, float]]) -> bool:
+        """One transaction of the queue's head; False when the disk was full (the batch requeued)."""
+        batch = [e for e, _ in taken]
         written: bool | None
         self._metrics.write_behind_txns.inc()
         try:
@@ -178,6 +200,11 @@ class WriteBehind:
             for e in batch:
                 self._space.unpin(e)
             raise
+        except TierFull:  # nothing written: back to the head of the queue, in order, commit times kept
+            for e in batch:
+                self._space.unpin(e)
+            self._queue.extendleft(reversed(taken))
+            return False
         except Exception as err:
             log.exception("LMDB write-behind of %d entries failed (%s); they are deleted (misses)", len(batch),
                           type(err).__name__)
@@ -196,6 +223,7 @@ class WriteBehind:
             else:  # not on disk: its RAM copy must not be demoted to nothing; a miss from now on
                 self._space.delete(e, "unpersisted")
         self._metrics.write_behind_written.inc(persisted)
+        return True
 
     # ------------------------------------------------------------ checking
 

@@ -7,7 +7,7 @@ it works unchanged)::
     GET  /v1/members[?key=HEX]   -> JSON {members, epoch, self, previous, changed_s_ago, owner_grace_s,
                                           refresh_s[, order]}   (order: rendezvous order of KEY)
     POST /v1/probe        {ns, levels, lease}            -> ProbeAnswer    (protocol/probe.py, store/lookups.py)
-    POST /v1/lookup_report {ns, num_tokens, kv_tokens, state_tokens, junction, missing} -> {}
+    POST /v1/lookup_report {ns, num_tokens, kv_tokens, state_tokens, junction, missing} -> {counted}
     POST /v1/replica/drop {ns, keys}                     -> {dropped}      (store/replication.py)
 """
 
@@ -67,8 +67,9 @@ async def lookup_report(request: web.Request) -> web.Response:
                         Problem.UNKNOWN)
     report = LookupReport.from_header(await control_header(request), store.limits)
     owned(request, report.namespace_id)
-    store.report(report)
-    return frame_response({})
+    # Past the tenant's allowance it teaches nothing, but is answered all the same: a refusal would
+    # open the client's circuit breaker on this node (store/lookups.py, "Reports are bounded by rate").
+    return frame_response({"counted": store.report(report)})
 
 
 async def replica_drop(request: web.Request) -> web.Response:

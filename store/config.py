@@ -102,10 +102,17 @@ class StoreConfig:
         "Most prompt tokens in one lookup."))
     max_get_bytes: int = field(default=1 << 30, metadata=_doc(
         "Most payload bytes one get may return; ask in several batches beyond it.", "size"))
+    read_buffer_bytes: int = field(default=64 << 20, metadata=_doc(
+        "Most bytes the store holds outside the RAM arena for gets of disk-only entries when no arena page "
+        "can be freed for them (every page pinned): those ranges are read into buffers of their own until "
+        "the answer is sent. A get item past it is answered as a miss. Bounds what gets add to the process's "
+        "memory beyond ram_bytes (docs/operations.md).", "size"))
     max_entries: int = field(default=1 << 20, metadata=_doc(
         "Most entries the store indexes (RAM and disk together); beyond it the least valuable leaves are "
         "deleted, as for disk_bytes. The index's memory grows with entries, not only with payload bytes "
-        "(about 1.5 KiB each), so tiny entries are bounded by count."))
+        "(about 1.5 KiB each), so tiny entries are bounded by count. With a tenants_file each tenant may "
+        "hold max_entries / the number of tenants (more is refused as over its quota), so one tenant's "
+        "entries never push another's out."))
     max_namespaces_per_tenant: int = field(default=256, metadata=_doc(
         "Most namespaces one tenant may register (every store without a tenants file counts as one "
         "tenant). Each is kept in memory and on disk and charged to the tenant's quota_bytes."))
@@ -120,6 +127,13 @@ class StoreConfig:
         "`prefixstore stats` and the dashboard): the first ones the tenant's lookups name; the lookups of any "
         "further model count under model=\"(other)\", so a tenant minting model names cannot multiply the "
         "series. 0: every model under (other)."))
+    max_leased_share: float = field(default=0.25, metadata=_doc(
+        "Most of the RAM arena one tenant's leases may pin at once, as a share of ram_bytes (0 < share <= 1), "
+        "counting each leased entry's payload bytes whatever its tier. A lease past it ends the tenant's "
+        "oldest leases first, and NIXL placements are handed out only within it (the rest is read over "
+        "HTTP); a pinned entry is never evicted, so without it one tenant's leases could pin the whole arena "
+        "and every other tenant's saves would be refused. Only with a tenants_file: an open store's clients "
+        "are one tenant."))
     max_child_scan: int = field(default=1024, metadata=_doc(
         "Most stored children of one block a lookup compares token by token (most recent first)."))
     request_timeout_s: float = field(default=60.0, metadata=_doc(
@@ -202,12 +216,15 @@ class StoreConfig:
         positive = ("ram_bytes", "page_bytes", "sighting_filter_bytes", "disk_bytes", "max_body_bytes", "max_header_bytes",
                     "max_items", "max_lookup_tokens", "max_get_bytes", "max_child_scan", "max_connections",
                     "max_namespaces_per_tenant", "max_offers_per_tenant", "max_leases_per_tenant", "max_entries",
-                    "replication_max_replicas", "replication_bytes_per_s", "replicas", "write_behind_bytes")
+                    "replication_max_replicas", "replication_bytes_per_s", "replicas", "write_behind_bytes",
+                    "read_buffer_bytes")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)!r}")
         if self.model_metrics_per_tenant < 0:
             raise ConfigError(f"model_metrics_per_tenant: must be 0 or more, got {self.model_metrics_per_tenant!r}")
+        if not 0 < self.max_leased_share <= 1:
+            raise ConfigError(f"max_leased_share: must be a share of ram_bytes in (0, 1], got {self.max_leased_share!r}")
         if self.heap_keep_bytes < 0:
             raise ConfigError(f"heap_keep_bytes: must be 0 (off) or positive, got {self.heap_keep_bytes!r}")
         if self.ram_bytes < self.page_bytes:

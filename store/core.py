@@ -67,7 +67,7 @@ class Store:
         self.arena = Arena(config.ram_bytes, config.page_bytes, virtual=virtual_payloads)
         self.metrics = StoreMetrics(self.index, self._gauges, config.model_metrics_per_tenant)
         self.tenants: Tenants | None = load_tenants(config.tenants_file) if config.tenants_file else None
-        self.ledger = TenantLedger(self.tenants, self.metrics)
+        self.ledger = TenantLedger(self.tenants, self.metrics, config.max_entries)
         for tenant in self.tenants.tenants if self.tenants is not None else ():
             self.metrics.quota_rejections.labels(tenant.name)  # at 0 from start: listed tenants only
         self.metrics.tenant_usage = lambda: [
@@ -86,7 +86,9 @@ class Store:
         self.disk = Disk(config, self.metrics)
         self.space = Space(self.index, self.arena, self.disk, self.namespaces, self.ledger, self.admission,
                            self.eviction, self.metrics, clock, config.disk_bytes, config.max_entries)
-        self.leases = Leases(self.space.unpin, config.max_leases_per_tenant)
+        leased_bytes = int(config.max_leased_share * config.ram_bytes) if self.tenants is not None else None
+        self.leases = Leases(self.space.unpin, config.max_leases_per_tenant, leased_bytes)
+        self.metrics.tenant_leased = lambda: self.leases.bytes_by_owner
         self.behind = WriteBehind(config, self.index, self.arena, self.space, self.disk, self.metrics, clock)
         self.writes = WritePath(config, self.index, self.arena, self.namespaces, self.ledger, self.space,
                                 self.disk, self.behind, self.admission, self.eviction, self.metrics, clock)
@@ -216,7 +218,8 @@ class Store:
         """What one owner (a tenant, or everyone on an open store) makes the store hold: namespaces,
         leases, remembered offers, and bytes charged to its quota."""
         return {"namespaces": self.ledger.namespaces_of(owner), "leases": self.leases.held_by(owner),
-                "offers": self.writes.offers_of(owner), "bytes": self.ledger.bytes_of(owner)}
+                "leased_bytes": self.leases.bytes_held_by(owner), "offers": self.writes.offers_of(owner),
+                "bytes": self.ledger.bytes_of(owner), "entries": self.ledger.entries_of(owner)}
 
     # ------------------------------------------------------------ introspection seams (tests, CLI)
 
@@ -255,8 +258,9 @@ class Store:
         """One hop of a cluster lookup's walk (store/lookups.py)."""
         return self.lookups.probe(req, replicas_of, root_home, copies)
 
-    def report(self, report: LookupReport) -> None:
-        self.lookups.report(report)
+    def report(self, report: LookupReport) -> bool:
+        """Teach a cluster client's lookup report (False: past its tenant's allowance, not taught)."""
+        return self.lookups.report(report)
 
     def release(self, lease_id: bytes) -> bool:
         return self.leases.release(lease_id)
@@ -343,6 +347,8 @@ class Store:
             "prefixstore_write_behind_bytes": self.behind.bytes,
             "prefixstore_write_behind_entries": self.behind.entries,
             "prefixstore_write_behind_lag_seconds": self.behind.lag_s(),
+            "prefixstore_lmdb_full": float(self.disk.full),
+            "prefixstore_read_buffer_bytes": self.reads.buffered_bytes,
         }
 
     def stats(self) -> dict[str, object]:
@@ -356,7 +362,7 @@ class Store:
                       "free_bytes": self.arena.num_free * self.arena.page_bytes},
             "disk": {"enabled": tier is not None, "budget_bytes": self.config.disk_bytes,
                      "payload_bytes": idx.disk_bytes(), "path": str(tier.path) if tier is not None else None,
-                     "durability": self.config.durability,
+                     "durability": self.config.durability, "full": self.disk.full,
                      "behind": {"bytes": self.behind.bytes, "entries": self.behind.entries,
                                 "lag_s": round(self.behind.lag_s(), 3)}},
             "leases": len(self.leases),
@@ -374,12 +380,14 @@ class Store:
         holders = list(self.index.entries.values()) + list(self.writes.pending.values())
         self.space.check(holders, self.behind.behind())
         held: dict[str, int] = {}
+        counts: dict[str, int] = {}
         for e in holders:
             ns = self.namespaces.find(e.namespace_id)
             if ns is None:
                 raise IndexInvariantError(f"entry {e.key.hex()}: its namespace is not registered")
             held[ns.tenant] = held.get(ns.tenant, 0) + e.charge
-        self.ledger.check(list(self.namespaces), held)
+            counts[ns.tenant] = counts.get(ns.tenant, 0) + 1
+        self.ledger.check(list(self.namespaces), held, counts)
 
 
 __all__ = ["OPEN_TENANT", "GetPlan", "GetSlot", "PutPlan", "Store"]

@@ -1,4 +1,5 @@
-"""The store process's C heap: keep freed request buffers for the next request.
+"""The store process's memory: keep freed request buffers for the next request, and let go of the
+pages of LMDB values once they are copied out.
 
 A lookup of a 131,072-token prompt carries 655 KB; aiohttp, msgpack and the store build a few
 buffers of that size per request and free them at its end. glibc hands memory that large back
@@ -9,14 +10,49 @@ to the kernel on free (``mmap`` chunks, or a trimmed heap top), so the next requ
 what the process keeps beyond what it uses (RSS stays within that of its peak use plus the
 knob); payloads never come from this heap (they live in the RAM arena). A C library without
 ``mallopt`` (musl, macOS) is left as it is.
+
+:func:`unmap_pages` drops this process's mapping of a range's whole pages (``MADV_DONTNEED``). The
+LMDB tier calls it on its whole memory map every 64 MiB copied out of it (store/lmdb_tier.py
+``LmdbTier.let_go``): those file pages stay in the kernel's page cache (a later access maps them
+again, a minor fault each), but no longer count in the process's RSS, which otherwise grew with
+every value ever read -- by 360 MiB in benchmarks/pin_soak.py's two minutes -- and made RSS say
+nothing about what the store holds.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
+PAGE_BYTES = mmap.PAGESIZE
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise() if _MADV_DONTNEED is not None else None
+
+
+def unmap_pages(address: int, length: int) -> None:
+    """Drop this process's mapping of the whole pages inside [address, address + length) of a
+    file-backed shared mapping (the data stays in the page cache and in the file; the next access
+    maps it again). Nothing where madvise is missing."""
+    if _MADVISE is None or _MADV_DONTNEED is None:
+        return
+    lo = -(-address // PAGE_BYTES) * PAGE_BYTES
+    hi = (address + length) // PAGE_BYTES * PAGE_BYTES
+    if hi > lo:
+        _MADVISE(lo, hi - lo, _MADV_DONTNEED)
 
 # glibc's malloc.h
 M_TRIM_THRESHOLD = -1
@@ -42,4 +78,4 @@ def keep_freed_memory(keep_bytes: int) -> bool:
     return ok
 
 
-__all__ = ["keep_freed_memory"]
+__all__ = ["PAGE_BYTES", "keep_freed_memory", "unmap_pages"]

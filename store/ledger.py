@@ -6,6 +6,13 @@ unit): entries' payload bytes, committed plus pending (a quota counts what a put
 plus each registered namespace's record. They are charged where entries are taken (offers are
 not: they move no bytes) and refunded where they leave, so ``bytes_of(t)`` is always what ``t``
 holds (``Store.check`` verifies it against the entries).
+
+Entries are counted the same way, where bytes are: ``max_entries`` bounds the index's memory by
+count, and as one pool it let one tenant's long prompt of tiny blocks (inside its byte quota)
+push every other tenant's entries out (issue 30: 200/200 hits -> 0/200). With a tenants file
+each tenant may hold ``entry_share`` = ``max_entries`` / the number of tenants, committed plus
+pending; an item past it is refused as over quota, so the tenants' shares together never reach
+the pool's bound and ``max_entries`` never evicts one tenant's entry for another's.
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ def namespace_charge(ns: Namespace) -> int:
 
 
 class TenantLedger:
-    def __init__(self, tenants: Tenants | None, metrics: StoreMetrics) -> None:
+    def __init__(self, tenants: Tenants | None, metrics: StoreMetrics, max_entries: int = 1 << 62) -> None:
         self.tenants = tenants
         self._metrics = metrics
         self._bytes: dict[str, int] = {}
+        self._entries: dict[str, int] = {}  # per tenant name, like bytes
         self._namespaces: dict[str, int] = {}  # per owner
+        # None on an open store: its one tenant has the whole pool (max_entries evicts as ever).
+        self.entry_share = max(1, max_entries // len(tenants.tenants)) if tenants is not None else None
 
     def owner_of(self, ns: Namespace) -> str:
         return ns.tenant if self.tenants is not None else OPEN_TENANT
@@ -42,6 +52,9 @@ class TenantLedger:
     def bytes_of(self, tenant: str) -> int:
         return self._bytes.get(tenant, 0)
 
+    def entries_of(self, tenant: str) -> int:
+        return self._entries.get(tenant, 0)
+
     def namespaces_of(self, owner: str) -> int:
         return self._namespaces.get(owner, 0)
 
@@ -50,9 +63,11 @@ class TenantLedger:
         """Bytes held per tenant (read-only view)."""
         return self._bytes
 
-    def charge(self, ns: Namespace, nbytes: int) -> None:
-        """Count ``nbytes`` (negative: refund) against the namespace's tenant."""
+    def charge(self, ns: Namespace, nbytes: int, nentries: int = 0) -> None:
+        """Count ``nbytes`` and ``nentries`` (negative: refund) against the namespace's tenant."""
         self._bytes[ns.tenant] = self._bytes.get(ns.tenant, 0) + nbytes
+        if nentries:
+            self._entries[ns.tenant] = self._entries.get(ns.tenant, 0) + nentries
 
     def over_quota(self, ns: Namespace, nbytes: int, taken: int | None = None) -> bool:
         """Whether holding ``nbytes`` more would take the tenant over its quota (``taken``: what it
@@ -61,6 +76,14 @@ class TenantLedger:
         if quota is None:
             return False
         over = (self.bytes_of(ns.tenant) if taken is None else taken) + nbytes > quota
+        if over:
+            self._metrics.quota_rejections.labels(ns.tenant).inc()
+        return over
+
+    def over_entries(self, ns: Namespace, taken: int) -> bool:
+        """Whether one more entry would take the tenant past its ``entry_share`` (``taken``: the
+        entries it holds counting a batch under way). Counted when refused, as a quota refusal."""
+        over = self.entry_share is not None and taken + 1 > self.entry_share
         if over:
             self._metrics.quota_rejections.labels(ns.tenant).inc()
         return over
@@ -75,9 +98,13 @@ class TenantLedger:
         self._namespaces[owner] -= 1
         self.charge(ns, -namespace_charge(ns))
 
-    def check(self, namespaces: list[Namespace], entry_bytes: Mapping[str, int]) -> None:
+    def check(self, namespaces: list[Namespace], entry_bytes: Mapping[str, int],
+              entry_counts: Mapping[str, int] | None = None) -> None:
         """The counters equal what is held: ``entry_bytes`` per tenant of entries (committed and
-        pending) plus every namespace's record."""
+        pending) plus every namespace's record, and ``entry_counts`` entries per tenant."""
+        if entry_counts is not None and {t: n for t, n in self._entries.items() if n} != \
+                {t: n for t, n in entry_counts.items() if n}:
+            raise IndexInvariantError(f"tenant entries {self._entries} differ from those held {dict(entry_counts)}")
         owed = dict(entry_bytes)
         owned: dict[str, int] = {}
         for ns in namespaces:

@@ -50,6 +50,8 @@ transaction goes through the gate that counts them (``_enter``/``_leave``).
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -66,6 +68,7 @@ import numpy as np
 import xxhash
 
 from ..protocol import checksums
+from .heap import unmap_pages
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,8 @@ FORMAT_VERSION = 2
 _KEY_PREFIX = bytes((FORMAT_VERSION,))
 T = TypeVar("T")
 _SEAL_BYTES = 8
+UNMAP_EVERY_BYTES = 64 << 20
+"""Bytes copied out of LMDB's map between two :meth:`LmdbTier.let_go` calls."""
 #: What LMDB raises on a damaged file (a page of the wrong type, a bad meta page, a panic).
 DAMAGE: tuple[type[lmdb.Error], ...] = (
     lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.BadTxnError, lmdb.InvalidError,
@@ -83,12 +88,75 @@ DAMAGE: tuple[type[lmdb.Error], ...] = (
 QUARANTINE_DIR = "quarantine"
 
 
+LOCK_FILE = "prefixstore.lock"
+
+
+class DataDirInUse(RuntimeError):
+    """Another process (or another tier in this one) holds the data directory's lock."""
+
+
+class DataDirLock:
+    """An exclusive lock on a data directory, held for the tier's life: ``flock`` on
+    ``DATA_DIR/prefixstore.lock``, which holds the holder's PID.
+
+    LMDB itself lets any number of processes share an environment (its lock.mdb coordinates
+    them), so without this a second ``prefixstore serve`` on the same directory -- the default
+    one, on a developer's machine -- opened the running store's entries, and its ``flush`` deleted
+    them under it. A cache node owns its directory alone. ``flock`` (not ``fcntl`` record locks)
+    because it belongs to the open file, not the process: a second tier in the same process is
+    refused too, and the kernel drops the lock with the process however it ends (kill -9
+    included), so a crash never leaves a stale lock to clean up."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path / LOCK_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise DataDirInUse(f"data_dir: {path} is in use by another prefixstore store (pid {holder}); stop it, "
+                               "or give this one another data_dir") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor of the open file drops the flock
+            self._fd = None
+
+
 class FormatMismatch(Exception):
     """The environment was written by another format version."""
 
 
 class TierDamaged(Exception):
     """An LMDB write met a damaged file; the store resets the tier (:meth:`LmdbTier.reset`)."""
+
+
+class TierFull(Exception):
+    """An LMDB write transaction could not reach the disk: no space left (or a quota, a file size
+    limit, an I/O error on the way). Its commit failed, so nothing of it was written; the file and
+    everything committed before are intact, and a later write may succeed (store/disk.py)."""
+
+
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+_SPACE_TEXTS = tuple(os.strerror(e) for e in _SPACE_ERRNOS)
+
+
+def out_of_space(err: lmdb.Error) -> bool:
+    """Whether an LMDB error is a write that could not reach the disk, as opposed to damage.
+
+    py-lmdb raises a plain ``lmdb.Error`` carrying strerror's text for system errors, and LMDB
+    itself turns a short write (the disk filling in the middle of a commit) into EIO, so a full
+    disk reads "mdb_txn_commit: Input/output error" as often as "No space left on device": both
+    are taken for a full disk. Before, every such error was taken for damage, and the tier --
+    with everything committed before the disk filled -- was deleted."""
+    return isinstance(err, lmdb.DiskError) or any(text in str(err) for text in _SPACE_TEXTS)
 
 
 def db_key(entry_key: bytes) -> bytes:
@@ -237,6 +305,7 @@ class LmdbTier:
                  keep_damaged: bool = False) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self._lock = DataDirLock(path)  # before LMDB opens anything: DataDirInUse when another store has it
         self._sync = sync
         self.keep_damaged = keep_damaged
         # Headroom over the payload budget for B-tree pages, records and
@@ -244,13 +313,17 @@ class LmdbTier:
         self._map_size = self._initial_map_size = max(disk_bytes + disk_bytes // 2, 64 << 20)
         self.resets: list[str] = []  # why the environment was set aside, oldest first
         try:
-            self._open()
-        except (*DAMAGE, FormatMismatch) as err:  # type: ignore[misc]  # a tuple of exception classes
-            # A file LMDB cannot read, or another format's: set it aside and start empty. Not any
-            # lmdb.Error: a map larger than the process may map (disk_bytes) is a configuration
-            # error, and deleting the data for it would be wrong.
-            self._set_aside(f"{type(err).__name__}: {err}")
-            self._open()
+            try:
+                self._open()
+            except (*DAMAGE, FormatMismatch) as err:  # type: ignore[misc]  # a tuple of exception classes
+                # A file LMDB cannot read, or another format's: set it aside and start empty. Not any
+                # lmdb.Error: a map larger than the process may map (disk_bytes) is a configuration
+                # error, and deleting the data for it would be wrong.
+                self._set_aside(f"{type(err).__name__}: {err}")
+                self._open()
+        except BaseException:
+            self._lock.release()
+            raise
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmdb-writer")
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lmdb-reader")
         self._writer_thread: threading.Thread | None = None
@@ -267,8 +340,13 @@ class LmdbTier:
         self.epoch = 0  # bumped each time the environment is set aside (reset): what it held is gone
         self.before_grow: list[Callable[[], None]] = []  # run on the loop before the map moves
         self.after_grow: list[Callable[[], None]] = []  # ... and after it moved
+        # The commit seam, for tests: called (on the writer thread) in every write transaction just
+        # before it commits; what it raises fails the transaction as a failed mdb_txn_commit would
+        # (nothing written). tests/security/test_disk_full.py raises ENOSPC's lmdb.Error through it.
+        self.commit_fault: Callable[[], None] | None = None
         self._grow_lock = asyncio.Lock()
         self.region = self._find_region()
+        self._copied = 0  # bytes copied out of the map since it was last let go (reader threads; approximate)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -329,6 +407,7 @@ class LmdbTier:
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         self.env.close()
+        self._lock.release()
 
     # ------------------------------------------------------------ the read gate
 
@@ -362,6 +441,19 @@ class LmdbTier:
             return None  # not the map as LMDB sized it: do not guess
         return region
 
+    def let_go(self) -> None:
+        """Drop this process's mapping of every page of LMDB's map (store/heap.py ``unmap_pages``).
+
+        Every value copied out of the map (a promotion, a read buffer) leaves its pages mapped, and
+        mapped file pages count in RSS: they grew it by 360 MiB in two minutes of
+        benchmarks/pin_soak.py, pages the store no longer needs and the kernel would reclaim anyway.
+        Letting each value go after its copy cost a madvise per read (34 us on a 64 KiB value,
+        benchmarks/lmdb_reads.py); once every ``UNMAP_EVERY_BYTES`` copied costs one for them all,
+        and bounds what reads leave mapped. The data stays in the page cache; a later access (a
+        read, a pinned NIXL READ, a B-tree page) maps it again, a minor fault per page."""
+        if self.region is not None:
+            unmap_pages(*self.region)
+
     def map_region(self) -> tuple[int, int] | None:
         """(address, length) of LMDB's memory map now; None where it cannot be found. Moves when
         the map grows (``after_grow`` hooks run then)."""
@@ -373,15 +465,21 @@ class LmdbTier:
     # ------------------------------------------------------------ writes
 
     def _write_txn(self, body: Callable[[lmdb.Transaction], None]) -> bool:
-        """Run one write transaction; False (nothing written) when the map is full. Damage met on
-        the way raises :class:`TierDamaged` (the store then resets the tier)."""
+        """Run one write transaction; False (nothing written) when the map is full. A disk that
+        takes no more raises :class:`TierFull` (nothing written, nothing lost); damage, and any
+        other error LMDB refuses a write with (a page full, an environment that fails every
+        transaction), raises :class:`TierDamaged` (the store then resets the tier)."""
         try:
             with self.env.begin(write=True) as txn:
                 body(txn)
+                if self.commit_fault is not None:
+                    self.commit_fault()
             return True
         except lmdb.MapFullError:
             return False
-        except lmdb.Error as err:  # damage, and anything else LMDB refuses (a page full, a disk full)
+        except lmdb.Error as err:
+            if not isinstance(err, DAMAGE) and out_of_space(err):
+                raise TierFull(f"{type(err).__name__}: {err}") from err
             raise TierDamaged(f"{type(err).__name__}: {err}") from err
 
     async def _write(self, body: Callable[[lmdb.Transaction], None]) -> None:
@@ -499,7 +597,7 @@ class LmdbTier:
 
     # ------------------------------------------------------------ reads
 
-    def _read_into(self, key: bytes, size: int, checksum: int, dest: Sequence[memoryview]) -> str:
+    def _read_into(self, key: bytes, size: int, checksum: int, dest: Sequence[memoryview], offset: int) -> str:
         self._enter()
         try:
             with self.env.begin(buffers=True) as txn:
@@ -508,10 +606,14 @@ class LmdbTier:
                     return ReadOutcome.MISSING
                 if len(value) != size or xxhash.xxh3_64_intdigest(value) != checksum:
                     return ReadOutcome.CORRUPT
-                pos = 0
+                pos = offset
                 for run in dest:  # copy out before the transaction ends
                     run[:] = value[pos : pos + len(run)]
                     pos += len(run)
+            self._copied += size
+            if self._copied >= UNMAP_EVERY_BYTES:  # inside the gate: the map cannot move under it
+                self._copied = 0
+                self.let_go()
             return ReadOutcome.OK
         except lmdb.Error as err:  # a damaged page on the way to this value: it is lost, the tier serves on
             log.warning("LMDB read of %s met damage (%s: %s)", key.hex(), type(err).__name__, err)
@@ -582,9 +684,11 @@ class LmdbTier:
         before looking). The caller ends the pin (:meth:`MapPin.end`) when its readers are done."""
         return await self._run(self._readers, lambda: self._pin(wanted))
 
-    async def read_into(self, key: bytes, size: int, checksum: int, dest: Sequence[memoryview]) -> str:
-        """Verify the stored payload against ``checksum`` and copy it into ``dest`` (views totalling size)."""
-        return await self._run(self._readers, lambda: self._read_into(key, size, checksum, dest))
+    async def read_into(self, key: bytes, size: int, checksum: int, dest: Sequence[memoryview],
+                        offset: int = 0) -> str:
+        """Verify the whole stored payload against ``checksum`` and copy its bytes from ``offset``
+        on into ``dest`` (views totalling at most ``size - offset``: a range, or all of it)."""
+        return await self._run(self._readers, lambda: self._read_into(key, size, checksum, dest, offset))
 
     def scan(self) -> Scan:
         """Namespaces, decodable records, and keys whose record is unreadable. Start-up only."""

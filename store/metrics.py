@@ -7,7 +7,7 @@ can never drift from what the index holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
@@ -59,6 +59,10 @@ _GAUGE_HELP = {
     "prefixstore_write_behind_entries": "Committed entries not yet written to LMDB (durability=write-behind).",
     "prefixstore_write_behind_lag_seconds": "Seconds since the oldest committed entry not yet in LMDB was "
                                             "committed (0: none behind).",
+    "prefixstore_read_buffer_bytes": "Bytes gets in flight hold outside the RAM arena (disk-only entries read "
+                                     "while every arena page is pinned; at most read_buffer_bytes).",
+    "prefixstore_lmdb_full": "1 while the LMDB tier's disk is full (its last write found no space; writes are "
+                             "refused and tried again each second), else 0.",
 }
 
 
@@ -67,12 +71,14 @@ TenantUsage = Callable[[], Iterable[tuple[str, int, "int | None"]]]
 
 
 class _TenantCollector(Collector):
-    def __init__(self, usage: Callable[[], TenantUsage]) -> None:
+    def __init__(self, usage: Callable[[], TenantUsage], leased: Callable[[], Callable[[], Mapping[str, int]]]) -> None:
         self._usage = usage
+        self._leased = leased
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         yield GaugeMetricFamily("prefixstore_tenant_stored_bytes", "", labels=["tenant"])
         yield GaugeMetricFamily("prefixstore_tenant_quota_bytes", "", labels=["tenant"])
+        yield GaugeMetricFamily("prefixstore_tenant_leased_bytes", "", labels=["tenant"])
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         held = GaugeMetricFamily("prefixstore_tenant_stored_bytes", "Bytes charged to each tenant on this node "
@@ -86,6 +92,11 @@ class _TenantCollector(Collector):
                 quota.add_metric([tenant], quota_bytes)
         yield held
         yield quota
+        leased = GaugeMetricFamily("prefixstore_tenant_leased_bytes", "Payload bytes each tenant's leases pin "
+                                   "now (bounded by max_leased_share of the arena).", labels=["tenant"])
+        for tenant, num_bytes in sorted(self._leased()().items()):
+            leased.add_metric([tenant], num_bytes)
+        yield leased
 
 
 class StoreMetrics:
@@ -113,6 +124,19 @@ class StoreMetrics:
         self.lmdb_resets = Counter(
             "prefixstore_lmdb_resets", "Times the LMDB tier was found damaged (or of another format) and set "
             "aside, the node going on with an empty tier.", registry=r)
+        self.lmdb_full_writes = Counter(
+            "prefixstore_lmdb_full_writes", "LMDB write transactions that found the disk full (nothing of them "
+            "written, nothing committed before lost; tried again a second later).", registry=r)
+        self.lmdb_full_refusals = Counter(
+            "prefixstore_lmdb_full_refusals", "Entries whose commit was refused because the LMDB tier's disk is "
+            "full (durability=sync: at once; write-behind: once its bounds are behind).", registry=r)
+        self.read_buffer_refusals = Counter(
+            "prefixstore_read_buffer_refusals", "Get items of disk-only entries answered as misses because no arena "
+            "page could be freed for them and read_buffer_bytes were held by gets in flight.", registry=r)
+        self.lookup_reports_dropped = Counter(
+            "prefixstore_lookup_reports_dropped", "Cluster lookup reports that taught nothing because their tenant's "
+            "reports were past its allowance (max_lookup_tokens a second plus what its probes here carried).",
+            registry=r)
         self.malformed_requests = Counter(
             "prefixstore_malformed_requests", "HTTP requests aiohttp could not parse (answered 400 by it).",
             registry=r)
@@ -147,6 +171,12 @@ class StoreMetrics:
         self.connections_refused = Counter(
             "prefixstore_connections_refused", "Connections closed on arrival because max_connections were open.",
             registry=r)
+        self.max_connections = Gauge(
+            "prefixstore_max_connections", "The connection cap in force: max_connections, or lower when the "
+            "descriptor limit (RLIMIT_NOFILE) leaves room for fewer (store/runner.py).", registry=r)
+        self.accept_errors = Counter(
+            "prefixstore_accept_errors", "Connections the kernel could not hand over for want of descriptors "
+            "(accept() failing with EMFILE/ENFILE; retried a second later).", registry=r)
         # Data paths: 1 for each path this node serves (http always; nixl when its agent is up).
         self.data_path = Gauge("prefixstore_data_path", "Data paths this node serves (1: served).", ["path"], registry=r)
         self.nixl_disk_reads = Counter(
@@ -190,7 +220,8 @@ class StoreMetrics:
                 self.lookup_tokens.labels(kind, result)
         r.register(_IndexCollector(index, gauges))
         self.tenant_usage: TenantUsage = lambda: ()  # set by the Store once its ledger exists
-        r.register(_TenantCollector(lambda: self.tenant_usage))
+        self.tenant_leased: Callable[[], Mapping[str, int]] = dict  # ... and once its leases exist
+        r.register(_TenantCollector(lambda: self.tenant_usage, lambda: self.tenant_leased))
         # The process itself (process_resident_memory_bytes, process_open_fds, CPU seconds, start time;
         # read from /proc, so Linux only: elsewhere they are absent) and python_info. The arena is
         # resident from start, so RSS minus prefixstore_arena_capacity_bytes is the node's overhead.

@@ -72,8 +72,9 @@ def _place(store: Store, descriptors: Encoder, lease_id: bytes, candidates: list
         if e is not None and e.pages is not None and not e.dead and e.key not in seen:
             entries.append(e)
             seen.add(e.key)
-    store.leases.extend(lease_id, entries)
-    listed = tuple(NixlPlacement(e.wire_key, e.size, e.checksum, descriptors(e.pages, 0, e.size)) for e in entries
+    # Only what the lease could pin is placed (its owner's bound, store/leases.py): the rest is read over HTTP.
+    pinned = store.leases.extend(lease_id, entries)
+    listed = tuple(NixlPlacement(e.wire_key, e.size, e.checksum, descriptors(e.pages, 0, e.size)) for e in pinned
                    if e.pages is not None)
     return NixlPlacements(agent=agent, meta_gen=meta_gen, lease_ttl_s=store.config.lease_ttl_s, entries=listed)
 

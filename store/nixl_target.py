@@ -393,16 +393,22 @@ async def nixl_get(request: web.Request) -> web.Response:
             leased = []
             offered = 0
             in_map = False
+            owner = store.owner_of(store.namespace(ns_id))
+            room = store.leases.room(owner)  # the lease below pins what is offered: within its owner's bound
+            pinned = 0
             for slot in plan.slots:
                 e = slot.entry
                 if slot.status is not ItemStatus.OK or e is None:
                     out.append(NixlItem(slot.status))
+                elif room is not None and pinned + e.size > room:
+                    out.append(NixlItem(ItemStatus.HTTP, slot.length, slot.checksum))
                 elif slot.address:
                     if pin is None or pin.ended:  # the map moved meanwhile: this one goes over HTTP
                         out.append(NixlItem(ItemStatus.HTTP, slot.length, slot.checksum))
                         continue
                     out.append(NixlItem(ItemStatus.OK, slot.length, slot.checksum, RUN.pack(slot.address, slot.length)))
                     leased.append(e)
+                    pinned += e.size
                     offered += slot.length
                     in_map = True
                 elif slot.buffer is not None or e.pages is None:
@@ -411,15 +417,15 @@ async def nixl_get(request: web.Request) -> web.Response:
                     out.append(NixlItem(ItemStatus.OK, slot.length, slot.checksum,
                                         b"".join([target.descriptors(e.pages, lo, n) for lo, n in slot.ranges()])))
                     leased.append(e)
+                    pinned += e.size
                     offered += slot.length
             # The lease pins what the descriptors point into (and holds the read transaction of
             # those in LMDB's map); prepare_get's own pins drop below.
             if leased and in_map and pin is not None:
-                lease = target.lease_pin(pin, leased, store.owner_of(store.namespace(ns_id)))
+                lease = target.lease_pin(pin, leased, owner)
                 pins.clear()  # the lease ends it now
             elif leased:
-                lease = store.leases.grant(leased, store.clock(), store.config.lease_ttl_s,
-                                           owner=store.owner_of(store.namespace(ns_id)))
+                lease = store.leases.grant(leased, store.clock(), store.config.lease_ttl_s, owner=owner)
         finally:
             store.finish_get(plan)
     finally:

@@ -6,11 +6,27 @@ plane (or the NIXL target) moves the bytes from ``payload_views`` and then calls
 mismatch or damaged page deletes the entry and everything that depends on it, and is answered
 as a miss (``corrupt``), never as wrong bytes. A read counts as a use (eviction priority) and is
 reported to ``read_hooks`` (hot-prefix replication, store/replication.py).
+
+**Memory outside the arena.** A disk-only entry is promoted into arena pages when some can be
+freed; when every page is pinned, the part of it the get asks for is read into a buffer of its
+own, held until the answer is sent. Those buffers are the one way a get makes the process hold
+payload bytes beyond ``ram_bytes``, so they are bounded (issue 30: four never-read gets, each
+naming one disk-only 1 MiB key 200 times, took RSS from 77 to 878 MiB and kept it there):
+
+* an entry is loaded once per get however many of its items name it (they share the buffer);
+* a buffer holds the items' byte range (the span of their layer and head ranges), not the whole entry --
+  ``max_get_bytes`` counts ranges, so a whole-entry load let a 4 MiB get hold 200 MiB;
+* all gets together hold at most ``read_buffer_bytes``; an item past it is a miss;
+* buffers are private anonymous mappings of their own whose pages are given back
+  (``MADV_DONTNEED``) when the answer is done, so RSS falls back once the readers go (a bytearray
+  came from the C heap, which kept it; a mapping alone is unmapped only once the last view of it
+  is collected, which an exception's traceback can put off for a long while).
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,7 +53,8 @@ class GetSlot:
     entry: Entry | None = None
     offset: int = 0
     length: int = 0
-    buffer: bytearray | None = None  # when the payload could not be promoted into RAM
+    buffer: mmap.mmap | None = None  # when the payload could not be promoted into RAM (module docstring)
+    base: int = 0  # the entry's byte at which ``buffer`` starts
     checksum: int = 0
     address: int = 0  # set by prepare_get's map_disk: where the range lies in LMDB's map (pinned)
     runs: list[tuple[int, int]] | None = None
@@ -48,10 +65,16 @@ class GetSlot:
         """The (offset, length) runs of the entry this slot serves, in order."""
         return self.runs if self.runs is not None else [(self.offset, self.length)]
 
+    def end(self) -> int:
+        """The entry's byte after the last one this slot serves (its runs ascend)."""
+        lo, n = self.runs[-1] if self.runs is not None else (self.offset, self.length)
+        return lo + n
+
 
 @dataclass(slots=True)
 class GetPlan:
     slots: list[GetSlot] = field(default_factory=list)
+    buffered: int = 0  # bytes of read buffers this get holds (ReadPath.buffered_bytes counts every get's)
 
     def answer(self) -> GetAnswer:
         """The get's answer header: status per item, size and checksum of each payload served."""
@@ -86,6 +109,7 @@ class ReadPath:
         self._metrics = metrics
         self._clock = clock
         self.read_hooks: list[Callable[[list[Entry]], None]] = []  # called once per get with the entries it served
+        self.buffered_bytes = 0  # read buffers every get in flight holds (at most config.read_buffer_bytes)
 
     def _byte_runs(self, ns: Namespace, e: Entry, item: GetItem, field: str, i: int) -> list[tuple[int, int]]:
         """The runs a ranged item asks for; a refusal names the range that does not exist: the
@@ -164,7 +188,7 @@ class ReadPath:
                 assert slot.entry is not None and slot.entry.pages is not None  # pinned: never demoted
                 slot.checksum = self._arena.checksum_runs(slot.entry.pages, slot.ranges())
             if disk:
-                await self._from_disk(disk, map_disk)
+                await self._from_disk(disk, map_disk, plan)
         except BaseException:
             self.finish_get(plan)
             raise
@@ -183,11 +207,13 @@ class ReadPath:
             hook(served)
         return plan
 
-    async def _from_disk(self, disk: list[GetSlot], map_disk: MapDisk | None) -> None:
+    async def _from_disk(self, disk: list[GetSlot], map_disk: MapDisk | None, plan: GetPlan) -> None:
         """The slots of a get whose entries are on disk only: offered to ``map_disk`` first, the
-        rest promoted into RAM (or read into a buffer), verified; their checksums set."""
+        rest promoted into RAM (or read into a buffer), each entry once, verified; their
+        checksums set."""
         mapped: list[str | None] = list(await map_disk(disk)) if map_disk is not None else []
         mapped += [None] * (len(disk) - len(mapped))
+        groups: dict[int, list[GetSlot]] = {}  # id(entry) -> its slots still to load, in order
         for slot, outcome in zip(disk, mapped):
             e = slot.entry
             assert e is not None
@@ -196,28 +222,33 @@ class ReadPath:
             if outcome is not None:
                 slot.status = await self._read_failed(e, outcome)
                 continue
+            groups.setdefault(id(e), []).append(slot)
+        for group in groups.values():
+            e = group[0].entry
+            assert e is not None
             if e.pages is None:  # else promoted by a concurrent read meanwhile
-                if e.dead:
-                    slot.status = ItemStatus.MISSING
+                status = ItemStatus.MISSING if e.dead else await self._load(e, group, plan)
+                if status is not ItemStatus.OK:
+                    for slot in group:
+                        slot.status = status
                     continue
-                slot.status, slot.buffer = await self._load(e)
-                if slot.status is not ItemStatus.OK:
-                    continue
-            if slot.offset == 0 and slot.length == e.size:
-                slot.checksum = e.checksum
-            elif slot.buffer is not None:
-                h = xxhash.xxh3_64()
-                for lo, n in slot.ranges():
-                    h.update(memoryview(slot.buffer)[lo : lo + n])
-                slot.checksum = h.intdigest()
-            else:
-                assert e.pages is not None
-                slot.checksum = self._arena.checksum_runs(e.pages, slot.ranges())
+            for slot in group:
+                if slot.offset == 0 and slot.length == e.size:
+                    slot.checksum = e.checksum
+                elif slot.buffer is not None:
+                    h = xxhash.xxh3_64()
+                    for view in self.payload_views(slot):
+                        h.update(view)
+                    slot.checksum = h.intdigest()
+                else:
+                    assert e.pages is not None
+                    slot.checksum = self._arena.checksum_runs(e.pages, slot.ranges())
 
     def payload_views(self, slot: GetSlot) -> list[memoryview]:
         assert slot.entry is not None
         if slot.buffer is not None:
-            return [memoryview(slot.buffer)[lo : lo + n] for lo, n in slot.ranges()]
+            base = slot.base
+            return [memoryview(slot.buffer)[lo - base : lo - base + n] for lo, n in slot.ranges()]
         assert slot.entry.pages is not None
         pages = slot.entry.pages
         return [view for lo, n in slot.ranges() for view in self._arena.runs(pages, lo, n)]
@@ -256,20 +287,36 @@ class ReadPath:
             if slot.entry is not None:
                 self._space.unpin(slot.entry)
                 slot.entry = None
+            if slot.buffer is not None:
+                # Sent (or cut off): its pages go back now; the mapping goes with its last view.
+                slot.buffer.madvise(mmap.MADV_DONTNEED)
+                slot.buffer = None
+        self.buffered_bytes -= plan.buffered
+        plan.buffered = 0
 
-    async def _load(self, e: Entry) -> tuple[ItemStatus, bytearray | None]:
-        """Promote a disk-only entry into RAM (or a buffer when RAM is all pinned), verifying it."""
+    async def _load(self, e: Entry, slots: list[GetSlot], plan: GetPlan) -> ItemStatus:
+        """Bring a disk-only entry in for ``slots`` (the get's items naming it), verified: promoted
+        whole into RAM; or, when no arena page can be freed, the slots' byte range read into one
+        buffer they share, within ``read_buffer_bytes`` (a miss past it)."""
         tier = self._disk.tier
         assert tier is not None and e.on_disk
         pages = self._space.allocate(e.size)
+        base = 0
         buffer = None
         if pages is not None:
             dest = list(self._arena.runs(pages, 0, e.size))
         else:
-            buffer = bytearray(e.size)
+            base = min(s.offset for s in slots)
+            n = max(s.end() for s in slots) - base
+            if self.buffered_bytes + n > self._config.read_buffer_bytes or n == 0:
+                self._metrics.read_buffer_refusals.inc(len(slots))
+                return ItemStatus.MISSING
+            buffer = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.buffered_bytes += n  # before the read: finish_get gives it back whatever happens
+            plan.buffered += n
             dest = [memoryview(buffer)]
         try:
-            outcome = await tier.read_into(e.key, e.size, e.checksum, dest)
+            outcome = await tier.read_into(e.key, e.size, e.checksum, dest, base)
         except BaseException:  # cancelled (the client went away) or the tier failed: the pages go back
             if pages is not None:
                 self._arena.free(pages)
@@ -277,17 +324,16 @@ class ReadPath:
         if outcome != ReadOutcome.OK:
             if pages is not None:
                 self._arena.free(pages)
-            return await self._read_failed(e, outcome), None
+            return await self._read_failed(e, outcome)
         if pages is None:
-            return ItemStatus.OK, buffer
-        if e.dead or e.pages is not None:  # deleted, or promoted by a concurrent read meanwhile
-            copy = bytearray(self._arena.read(pages, e.size)) if e.pages is None else None
+            for slot in slots:
+                slot.buffer, slot.base = buffer, base
+            return ItemStatus.OK
+        if e.dead or e.pages is not None:  # deleted (a miss), or promoted by a concurrent read meanwhile
             self._arena.free(pages)
-            if copy is not None:
-                return ItemStatus.OK, copy
-            return ItemStatus.OK, None
+            return ItemStatus.MISSING if e.pages is None else ItemStatus.OK
         self._index.set_tier(e, pages, True)
-        return ItemStatus.OK, None
+        return ItemStatus.OK
 
     async def _read_failed(self, e: Entry, outcome: str) -> ItemStatus:
         """An LMDB read of ``e`` found it missing or corrupt: delete it (and its dependants)."""

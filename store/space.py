@@ -55,7 +55,7 @@ class Space:
         """Count an entry's payload against its tenant (+1 taken, -1 given back)."""
         ns = self._namespaces.find(e.namespace_id)
         if ns is not None:
-            self._ledger.charge(ns, sign * e.charge)
+            self._ledger.charge(ns, sign * e.charge, sign)
 
     def allocate(self, size: int) -> list[int] | None:
         """Arena pages for ``size`` bytes, evicting unpinned entries as needed; None if impossible."""

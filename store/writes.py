@@ -48,10 +48,10 @@ from ..protocol.wire import REASON_QUOTA, REASON_RECORD, ItemResult, ItemSpec, W
 from .arena import Arena
 from .behind import WriteBehind, puts_of
 from .config import StoreConfig
-from .disk import Disk
+from .disk import DISK_FULL, Disk
 from .index import STORE_KEY_BYTES, Entry, Index, entry_charge, scope, store_key
 from .ledger import TenantLedger
-from .lmdb_tier import StoredRecord
+from .lmdb_tier import StoredRecord, TierFull
 from .metrics import StoreMetrics
 from .namespaces import Namespaces
 from .space import Space
@@ -232,6 +232,7 @@ class WritePath:
         owner = self._ledger.owner_of(ns)
         now = self._clock()
         taken = self._ledger.bytes_of(ns.tenant)  # plus what this batch takes, below
+        counted = self._ledger.entries_of(ns.tenant)  # ... and entries, likewise
         batch: dict[bytes, Entry] = {}
         results: list[ItemResult] = []
         new: list[Entry | None] = []
@@ -282,12 +283,13 @@ class WritePath:
                 batch_forks.add(item.hash)
             if item.record or fork:
                 charge = entry_charge(0, item.tokens, item.extra)
-                if self._ledger.over_quota(ns, charge, taken):
+                if self._ledger.over_quota(ns, charge, taken) or self._ledger.over_entries(ns, counted):
                     results.append(ItemResult(ItemStatus.REJECTED, REASON_QUOTA, fork=fork))
                     new.append(None)
                     continue
                 batch[key] = got
                 taken += charge
+                counted += 1
                 results.append(ItemResult(ItemStatus.WANT, fork=fork))
                 new.append(got)
                 continue
@@ -296,7 +298,7 @@ class WritePath:
                 new.append(None)
                 continue
             charge = entry_charge(item.size, item.tokens, item.extra)
-            if self._ledger.over_quota(ns, charge, taken):
+            if self._ledger.over_quota(ns, charge, taken) or self._ledger.over_entries(ns, counted):
                 results.append(ItemResult(ItemStatus.REJECTED, REASON_QUOTA))
                 new.append(None)
                 continue
@@ -308,6 +310,7 @@ class WritePath:
                 continue
             batch[key] = got
             taken += charge
+            counted += 1
             results.append(ItemResult(ItemStatus.WANT))
             new.append(got)
         return results, new
@@ -361,6 +364,7 @@ class WritePath:
         pending = self.pending
         arena = self._arena
         charged = 0
+        entries = 0
         for i, (item, e) in enumerate(zip(items, new)):
             if e is None:
                 extents.append(None)
@@ -379,6 +383,7 @@ class WritePath:
                 e.expires_s = expires
                 pending[e.key] = e
                 charged += e.charge
+                entries += 1
                 extents.append(None)
                 results[i] = _PENDING
                 continue
@@ -396,11 +401,12 @@ class WritePath:
             e.expires_s = expires
             pending[e.key] = e
             charged += e.charge
+            entries += 1
             extents.append(list(arena.extents(pages, 0, e.size)))
             results[i] = _PENDING
             decisions[item.kind.metric_kind, ItemStatus.WANT] += 1
         if charged:
-            self._ledger.charge(ns, charged)
+            self._ledger.charge(ns, charged, entries)
         self._count(decisions)
         return PutPlan(namespace_id=ns.id, sizes=[it.size for it in items], extents=extents, arena=arena,
                        results=results, entries=new)
@@ -418,9 +424,12 @@ class WritePath:
         over = plan.over_quota
         if over:
             self.abort_put(plan)
+            share = self._ledger.entry_share
             raise WireError("quota", f"tenant {ns.tenant!r} would exceed its quota of {self._ledger.quota_of(ns)} "
-                            f"bytes (holds {self._ledger.bytes_of(ns.tenant)}); items {over[:8]} do not fit; "
-                            "nothing of this put was stored", Problem.QUOTA)
+                            f"bytes (holds {self._ledger.bytes_of(ns.tenant)})"
+                            + (f" or its share of max_entries, {share} entries (holds "
+                               f"{self._ledger.entries_of(ns.tenant)})" if share is not None else "")
+                            + f"; items {over[:8]} do not fit; nothing of this put was stored", Problem.QUOTA)
         return plan
 
     def abort_put(self, plan: PutPlan) -> None:
@@ -535,8 +544,9 @@ class WritePath:
         namespace ``ns_id``."""
         self._namespaces.get(ns_id)
         behind = self._disk.enabled and self._behind.enabled
-        if behind:
-            await self._behind.room()  # back-pressure, before anything of this commit is decided
+        # Back-pressure, before anything of this commit is decided; False: the disk is full and the
+        # write-behind at its bounds, so this commit is refused like a sync one (below).
+        disk_full = behind and not await self._behind.room()
         results: list[ItemResult] = [ItemResult(ItemStatus.MISSING, "not put, or expired")] * len(keys)
         batch: list[tuple[int, Entry]] = []
         pending = self.pending
@@ -556,6 +566,8 @@ class WritePath:
             return results
         # Parents before children whatever order the client listed them in.
         batch.sort(key=lambda ie: (_ORDER[ie[1].kind], ie[1].start))
+        if disk_full or (self._disk.enabled and not behind and self._disk.refusing()):
+            return self._refuse(batch, results, DISK_FULL)
         if self._disk.enabled:
             if not self._space.enforce_disk_budget(sum(e.charge for _, e in batch) + self._behind.bytes):
                 for i, e in batch:
@@ -572,6 +584,8 @@ class WritePath:
             try:
                 if not await self._disk.write(puts_of(self._arena, [e for _, e in batch])):
                     failure = "disk tier damaged and reset"
+            except TierFull:
+                return self._refuse(batch, results, DISK_FULL)
             except Exception as err:
                 log.exception("LMDB write failed; %d entries not committed", len(batch))
                 failure = f"disk write failed: {type(err).__name__}"
@@ -616,6 +630,15 @@ class WritePath:
                 queued.append(e)
         if queued:
             self._behind.add(queued)
+        return results
+
+    def _refuse(self, batch: list[tuple[int, Entry]], results: list[ItemResult], reason: str) -> list[ItemResult]:
+        """A commit the disk cannot take: its entries are dropped (their pages freed), refused."""
+        for i, e in batch:
+            if self.pending.get(e.key) is e:
+                self.drop_pending(e)
+            results[i] = ItemResult(ItemStatus.REJECTED, reason)
+        self._metrics.lmdb_full_refusals.inc(len(batch))
         return results
 
     # ------------------------------------------------------------ restart

@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -61,7 +61,9 @@ def run_cli(args: Sequence[str], env: Mapping[str, str] | None = None,
 
 class ServeProcess:
     def __init__(self, args: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                 ca_file: str | None = None, client_cert: tuple[str, str] | None = None) -> None:
+                 ca_file: str | None = None, client_cert: tuple[str, str] | None = None,
+                 preexec: Callable[[], None] | None = None) -> None:
+        """``preexec``: run in the child before it execs (e.g. lower a resource limit)."""
         self.args = list(args)
         self.ca_file = ca_file  # verifies the health poll of a store serving https
         self.client_cert = client_cert  # and presents this to one under mutual TLS
@@ -72,7 +74,8 @@ class ServeProcess:
         self._seen = threading.Event()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prefixstore", "serve", *args], env=dict(env or clean_env()), cwd=cwd,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            preexec_fn=preexec)
         # Drain output on a thread: the pipe must never fill, and the ready line
         # is waited for with a deadline, not a blocking readline.
         self._reader = threading.Thread(target=self._drain, daemon=True)
@@ -136,7 +139,8 @@ class ServeProcess:
 
 class StartServe(Protocol):
     def __call__(self, *args: str, env: Mapping[str, str] | None = None, ready: bool = True,
-                 ca_file: str | None = None, client_cert: tuple[str, str] | None = None) -> ServeProcess: ...
+                 ca_file: str | None = None, client_cert: tuple[str, str] | None = None,
+                 preexec: Callable[[], None] | None = None) -> ServeProcess: ...
 
 
 @contextlib.contextmanager
@@ -148,8 +152,9 @@ def serving() -> Iterator[StartServe]:
     procs: list[ServeProcess] = []
 
     def start(*args: str, env: Mapping[str, str] | None = None, ready: bool = True,
-              ca_file: str | None = None, client_cert: tuple[str, str] | None = None) -> ServeProcess:
-        p = ServeProcess(args, env, ca_file=ca_file, client_cert=client_cert)
+              ca_file: str | None = None, client_cert: tuple[str, str] | None = None,
+              preexec: Callable[[], None] | None = None) -> ServeProcess:
+        p = ServeProcess(args, env, ca_file=ca_file, client_cert=client_cert, preexec=preexec)
         procs.append(p)
         if ready:
             p.wait_ready()

@@ -169,7 +169,8 @@ def test_admin_commands_over_tls(tmp_path: Path, serve: StartServe) -> None:
     tls = ("--ca-file", str(pki.ca), "--cert-file", str(pki.client_cert), "--key-file", str(pki.client_key))
     stats = admin_json("stats", url, *tls)
     assert stats["disk"] == {"enabled": False, "budget_bytes": 4 << 30, "payload_bytes": 0, "path": None,
-                             "durability": "write-behind", "behind": {"bytes": 0, "entries": 0, "lag_s": 0.0}}
+                             "durability": "write-behind", "full": False,
+                             "behind": {"bytes": 0, "entries": 0, "lag_s": 0.0}}
     assert admin_json("namespaces", url, *tls) == {"namespaces": []}
     assert admin_json("config", url, *tls)["tls_client_ca_file"] == {"value": str(pki.ca),
                                                                      "source": "flag --tls-client-ca-file"}

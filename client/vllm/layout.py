@@ -310,25 +310,28 @@ class VllmKV:
         if state_codec is not None and state_views and \
                 state_codec.layer_bytes > state_views[0][1][0].numel() * state_views[0][1].element_size():
             raise LayoutUnsupported("the Mamba views are smaller than the state tensors the spec names")
-        self._scratch = torch.empty(0, dtype=first.view.dtype, device=first.view.device)
+        self._scratch: dict[str, Tensor] = {}
 
-    def scratch(self, shape: tuple[int, ...]) -> Tensor:
-        """A tensor of ``shape`` in a buffer kept from call to call (grown, never shrunk): a load's
-        or a save's KV of every layer, tens of MB. Allocated afresh each time, such a buffer is new
-        memory (glibc maps allocations over 32 MiB anew and unmaps them when freed), and writing it
-        page-faults every 4 KiB: measured here, a 2,239-token save's copy spent most of its
-        110-150 ms there. Used by one transfer at a time (the worker's loads take turns; its saves
-        copy on the engine thread)."""
+    def scratch(self, purpose: str, shape: tuple[int, ...]) -> Tensor:
+        """A tensor of ``shape`` in a buffer kept from call to call for ``purpose`` (grown, never
+        shrunk): a load's or a save's KV of every layer, tens of MB. Allocated afresh each time,
+        such a buffer is new memory (glibc maps allocations over 32 MiB anew and unmaps them when
+        freed), and writing it page-faults every 4 KiB: measured here, a 2,239-token save's copy
+        spent most of its 110-150 ms there. One buffer per purpose, because the two run at once
+        on different threads: loads (``"load"``, on the client's loop, one at a time) and saves'
+        copies (``"save"``, on vLLM's engine thread, one at a time)."""
         numel = 1
         for d in shape:
             numel *= d
-        if self._scratch.numel() < numel:
-            # A normal tensor even when a save grows it on the engine's thread, which runs under
-            # torch.inference_mode: an inference tensor could not be written on the client loop's
-            # thread by a load ("Inplace update to inference tensor outside InferenceMode").
+        buf = self._scratch.get(purpose)
+        if buf is None or buf.numel() < numel:
+            first = self.attention[0].view
+            # Not an inference tensor, whichever thread grows it: vLLM's engine thread runs under
+            # torch.inference_mode, the client's loop does not, and an inference tensor refuses
+            # in-place writes outside that mode.
             with torch.inference_mode(False):
-                self._scratch = torch.zeros(numel, dtype=self._scratch.dtype, device=self._scratch.device)
-        return self._scratch[:numel].view(shape)
+                buf = self._scratch[purpose] = torch.zeros(numel, dtype=first.dtype, device=first.device)
+        return buf[:numel].view(shape)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -390,7 +393,7 @@ class VllmKV:
             return
         h, d = self.num_heads, self.attention[0].head_dim
         total = sum(count * used for _, count, _, _, used in groups)
-        kv = self.scratch((num_layers, 2, total, h, d))
+        kv = self.scratch("load", (num_layers, 2, total, h, d))
         pos = 0
         for offset, count, n, first, used in groups:
             nbytes = count * n * num_layers * self.layer_token_bytes
@@ -423,7 +426,7 @@ class VllmKV:
         h, d = self.num_heads, self.attention[0].head_dim
         total = sum(count * used for _, count, _, _, used in groups)
         token_from = payloads[0].token_start
-        kv = self.scratch((num_layers, 2, total, h, d))
+        kv = self.scratch("save", (num_layers, 2, total, h, d))
         slots: dict[int, TokenIndex] = {}
         for i, att in enumerate(self.attention):
             if att.group not in slots:

