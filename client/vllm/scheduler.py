@@ -224,14 +224,16 @@ class PrefixStoreScheduler:
             if promised > loadable and self.settings.commit_wait_s > 0:
                 self._promised[request.request_id] = promised
                 loadable = promised
+            # A prefill instance's promise (stored yet or not) is loaded whatever it costs:
+            # computing the prompt is the prefill's work, and a decode instance recomputing it
+            # would undo the split. Decided once per request: asked again, the first answer.
+            if (loadable > num_computed_tokens and self.groups.hybrid and not promised
+                    and self.settings.load_policy == "when_faster"
+                    and not self.costs.load_pays(loadable - num_computed_tokens)):
+                # An asynchronous load of this many tokens would not beat recomputing them here.
+                self._stats.count("loads_skipped")
+                loadable = num_computed_tokens
         extra = loadable - num_computed_tokens
-        # A prefill instance's promise is loaded whatever it costs: computing the prompt is the
-        # prefill instance's work, and a decode instance that recomputed it would undo the split.
-        if (extra > 0 and self.groups.hybrid and self.settings.load_policy == "when_faster"
-                and request.request_id not in self._promised and not self.costs.load_pays(extra)):
-            # An asynchronous load of this many tokens would not beat recomputing them here.
-            self._stats.count("loads_skipped")
-            loadable, extra = num_computed_tokens, 0
         self._lookups[request.request_id] = (lookup, num_computed_tokens, loadable)
         self._plan_junction(request, lookup, max(loadable, num_computed_tokens))
         if extra <= 0:

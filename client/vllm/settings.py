@@ -54,7 +54,8 @@ class ConnectorSettings:
     """when_faster: load only where the engine's measured figures say a load (and the step that
     reports it) beats recomputing the same tokens (client/vllm/costs.py; a small model recomputes
     a short hit faster than a hybrid load returns); skipped loads are counted (``loads_skipped``).
-    always: load every hit."""
+    A decode instance's load of what its prefill instance saved (``commit_wait_s``) is made under
+    either: recomputing it would undo the split. always: load every hit."""
     save: bool = True
     """Offer finished requests' KV (and snapshots) to the store."""
     save_wait_s: float = 2.0

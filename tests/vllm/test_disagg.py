@@ -227,3 +227,34 @@ def test_disagg_a_dead_store_is_not_waited_on(store: ServeProcess, closing: list
     assert d.worker.get_transfer_results(set()).failed_recving == {"d1"}
     stats = d.worker.get_kv_connector_stats()
     assert stats is not None and stats.data["commit_wait_polls"] == 1 and stats.data["commit_wait_timeouts"] == 0
+
+
+def test_disagg_a_promise_is_loaded_whatever_the_cost_figures_say(store: ServeProcess, closing: list[Engine]) -> None:
+    """load_policy when_faster skips a hybrid load that would not beat recomputing (a tiny
+    model's 39 tokens here), but never a prefill instance's promise: computing the prompt is the
+    prefill's work, and a decode instance that recomputed it would undo the split."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from prefixstore.client.vllm.costs import CostFigures
+    from prefixstore.client.vllm.plans import PrefixStoreWorkerMeta
+
+    model = "disagg-costs"
+    _, params, kv, _ = prefill(store, closing, model, PROMPT, hybrid=True, seed=68)
+    d = Engine(store.url, model, hybrid=True, state="short_conv", role="kv_consumer", block_size=32,
+               load_policy="when_faster")
+    closing.append(d)
+    recompute_wins = CostFigures(prefill_s_per_token=15e-6, step_s=0.006, load_s_per_token=2e-6, load_fixed_s=0.002)
+    d.scheduler.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=recompute_wins)))
+    assert not d.scheduler.scheduler_side.costs.load_pays(39)  # type: ignore[union-attr]
+    plain = request("other", list(PROMPT))  # the same hit, no promise: skipped
+    assert d.scheduler.get_num_new_matched_tokens(plain, 0) == (0, False)
+    r = request("d1", list(PROMPT))
+    r.kv_transfer_params = params
+    assert d.scheduler.get_num_new_matched_tokens(r, 0) == (39, True)
+    d.load(r, 0, 39, ([4, 6], [0, 8]))
+    assert d.worker.get_transfer_results(set()).failed_recving == set()
+    assert all(torch.equal(d.views[n][[4, 6]].view(torch.uint8),
+                           d.expected([4, 6], kv, 39)[n].view(torch.uint8)) for n in ATTN)
+    stats = d.scheduler.get_kv_connector_stats()
+    assert stats is not None and stats.data["loads_skipped"] == 1
