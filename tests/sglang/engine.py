@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from queue import Empty
 from typing import Any
@@ -44,6 +45,20 @@ PAGE_AXES = {"layer_first": "clthd", "page_first": "ctlhd", "page_first_direct":
              "page_head": "cphtld"}
 
 MAMBA_LAYERS = (0, 2)
+
+HOST_BUDGET = 1 << 30
+"""What the tests' host pools may book (they take a few MiB). SGLang checks a host pool against
+the machine's available memory less a 10 GiB reserve, so on a shared machine running other
+engines a 0.00 GB pool failed ("Not enough host memory available ... -1.00 GB free"): the tests
+book against this budget instead (SGLang's own ``host_memory_budget_scope``)."""
+
+
+def host_pool(make: Callable[[], Any]) -> Any:
+    """``make()`` (a HiCache host pool's constructor) booked against HOST_BUDGET."""
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    with host_memory_budget_scope(HOST_BUDGET):
+        return make()
 
 
 def value(c: Any, l: Any, pos: Any, h: Any, d: Any) -> Any:
@@ -93,10 +108,10 @@ def kv_pools(layout: str, size: int = 512, dtype: torch.dtype = DTYPE) -> tuple[
     device = MHATokenToKVPool(size=size, page_size=PAGE, dtype=dtype, head_num=HEADS, head_dim=HEAD_DIM,
                               layer_num=LAYERS, device="cpu", enable_memory_saver=False)
     info = device.get_device_pool_infos()[0].buffer_info
-    host = get_mha_host_pool_cls(info)(info, 2.0, 0, PAGE, layout, pin_memory=False,
-                                       device_capacity_tokens=device.size, start_layer=device.start_layer,
-                                       end_layer=device.end_layer,
-                                       write_back_staging=device.hicache_write_back_staging)
+    host = host_pool(lambda: get_mha_host_pool_cls(info)(info, 2.0, 0, PAGE, layout, pin_memory=False,
+                                                         device_capacity_tokens=device.size,
+                                                         start_layer=device.start_layer, end_layer=device.end_layer,
+                                                         write_back_staging=device.hicache_write_back_staging))
     return device, host
 
 
@@ -113,7 +128,8 @@ def mamba_host_pool(layout: str) -> Any:
     mamba_layout = "page_first" if layout == "layer_first" else layout  # MambaPoolHost takes page_first*
     if mamba_layout == "page_head":
         mamba_layout = "page_first_direct"
-    return MambaPoolHost(info.buffer_info, 2.0, 0, device_capacity=pool.size, pin_memory=False, layout=mamba_layout)
+    return host_pool(lambda: MambaPoolHost(info.buffer_info, 2.0, 0, device_capacity=pool.size, pin_memory=False,
+                                           layout=mamba_layout))
 
 
 def extra_config(url: str, **more: object) -> dict[str, object]:

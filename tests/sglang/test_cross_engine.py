@@ -79,9 +79,9 @@ def sglang_pools(conv_dtype: torch.dtype = torch.float16) -> tuple[Any, Any]:
     device = MHATokenToKVPool(size=512, page_size=PAGE, dtype=torch.float16, head_num=2, head_dim=32,
                               layer_num=len(ATTN), device="cpu", enable_memory_saver=False)
     info = device.get_device_pool_infos()[0].buffer_info
-    host = get_mha_host_pool_cls(info)(info, 2.0, 0, PAGE, "page_first", pin_memory=False,
-                                       device_capacity_tokens=device.size, start_layer=device.start_layer,
-                                       end_layer=device.end_layer, write_back_staging=device.hicache_write_back_staging)
+    host = engine.host_pool(lambda: get_mha_host_pool_cls(info)(
+        info, 2.0, 0, PAGE, "page_first", pin_memory=False, device_capacity_tokens=device.size,
+        start_layer=device.start_layer, end_layer=device.end_layer, write_back_staging=device.hicache_write_back_staging))
     config = Lfm2Config(hidden_size=CONV_CHANNELS, conv_L_cache=4, num_hidden_layers=4,
                         layer_types=["conv", "full_attention"] * 2, num_attention_heads=2, num_key_value_heads=2)
     params = config.mamba2_cache_params
@@ -89,7 +89,8 @@ def sglang_pools(conv_dtype: torch.dtype = torch.float16) -> tuple[Any, Any]:
                                dtype=Mamba2StateDType(conv=conv_dtype, temporal=torch.float32))
     pool = MambaPool(size=8, spec_state_size=0, cache_params=params, mamba_layer_ids=list(params.layers), device="cpu")
     (minfo,) = pool.get_device_pool_infos()
-    mamba = MambaPoolHost(minfo.buffer_info, 2.0, 0, device_capacity=pool.size, pin_memory=False, layout="page_first")
+    mamba = engine.host_pool(lambda: MambaPoolHost(minfo.buffer_info, 2.0, 0, device_capacity=pool.size,
+                                                   pin_memory=False, layout="page_first"))
     return host, mamba
 
 
