@@ -164,13 +164,19 @@ def _token_id(key: str) -> int | None:
     return None
 
 
+def completion_body(model: str, prompt: list[int], answer_tokens: int, salt: str, logprobs: int) -> dict[str, object]:
+    """The streaming, greedy completion request every benchmark client sends (token ids in and out)."""
+    return {"model": model, "prompt": prompt, "max_tokens": answer_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True, "return_tokens_as_token_ids": True, "logprobs": logprobs,
+            "cache_salt": salt}
+
+
 async def complete(session: aiohttp.ClientSession, url: str, model: str, result: Result, salt: str,
-                   logprobs: int, timeout_s: float) -> None:
-    """One streaming completion into ``result``; failures land in ``result.error``, never raise."""
-    payload = {"model": model, "prompt": result.prompt, "max_tokens": result.answer_tokens, "temperature": 0.0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-               "return_token_ids": True, "return_tokens_as_token_ids": True, "logprobs": logprobs,
-               "cache_salt": salt}
+                   logprobs: int, timeout_s: float, extra: dict[str, object] | None = None) -> None:
+    """One streaming completion into ``result``; failures land in ``result.error``, never raise.
+    ``extra``: more request fields (a decode instance's ``kv_transfer_params``)."""
+    payload = {**completion_body(model, result.prompt, result.answer_tokens, salt, logprobs), **(extra or {})}
     result.start_s = time.perf_counter()
     try:
         async with session.post(url + "/v1/completions", json=payload,
@@ -268,5 +274,5 @@ async def replay(trace: Trace, replicas: Sequence[str], model: str, *, concurren
     return sorted(state.results, key=lambda r: (r.conversation, r.turn))
 
 
-__all__ = ["VOCAB", "Conversation", "Result", "RunState", "Trace", "build_trace", "complete", "replay",
+__all__ = ["VOCAB", "Conversation", "Result", "RunState", "Trace", "build_trace", "complete", "completion_body", "replay",
            "sharegpt_lengths"]

@@ -318,11 +318,12 @@ class DataPath:
             if d is None:
                 rest.append(i)
                 continue
-            if item.layer_start == 0 and item.layer_end is None:
+            if item.whole:
                 offset, length = 0, d.size
-            elif self._config.verify_checksums:
+            elif self._config.verify_checksums or not item.all_heads:
                 # The store keeps one xxh3 per payload: a layer range is checked only when the store
                 # hashes it for /v1/nixl/get. Unchecked bytes only where the operator turned checks off.
+                # A head range (a run per layer and component) goes that way too: the store describes it.
                 rest.append(i)
                 continue
             else:

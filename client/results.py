@@ -31,9 +31,11 @@ class LookupResult:
     def num_tokens(self) -> int:
         return self.prompt.num_tokens
 
-    def kv_reads(self, upto: int, layer_start: int = 0, layer_end: int | None = None
-                 ) -> list[tuple[GetItem, int, int]]:
-        """Reads that cover KV [0, upto): (item, token_start, token_end) per entry.
+    def kv_reads(self, upto: int, layer_start: int = 0, layer_end: int | None = None, head_start: int = 0,
+                 head_end: int | None = None) -> list[tuple[GetItem, int, int]]:
+        """Reads that cover KV [0, upto): (item, token_start, token_end) per entry, of layers
+        [layer_start, layer_end) and KV heads [head_start, head_end) (an engine at
+        tensor-parallel size t reads its own heads: protocol/namespace.py ``payload_runs``).
 
         The last one may be a stored child of which only a prefix is used: its
         payload holds ``child.num_tokens`` tokens, the first ``token_end -
@@ -41,22 +43,27 @@ class LookupResult:
         if upto > self.kv_tokens:
             raise ValueError(f"upto={upto} exceeds the reusable kv_tokens={self.kv_tokens}")
         B = self.prompt.block_tokens
+
+        def item(key: bytes) -> GetItem:
+            return GetItem(key=key, layer_start=layer_start, layer_end=layer_end, head_start=head_start,
+                           head_end=head_end)
+
         full = min(upto // B, self.matched_blocks)
-        reads = [(GetItem(key=self.prompt.block_key(j), layer_start=layer_start, layer_end=layer_end), j * B, (j + 1) * B)
-                 for j in range(full)]
+        reads = [(item(self.prompt.block_key(j)), j * B, (j + 1) * B) for j in range(full)]
         if upto > full * B:
             if full < self.matched_blocks:  # upto ends inside a matched block: use its first tokens
                 key = self.prompt.block_key(full)
             else:
                 assert self.child is not None, "kv_tokens beyond the matched blocks implies a child"
                 key = self.child.key
-            reads.append((GetItem(key=key, layer_start=layer_start, layer_end=layer_end), full * B, upto))
+            reads.append((item(key), full * B, upto))
         return reads
 
-    def state_read(self) -> GetItem | None:
+    def state_read(self, head_start: int = 0, head_end: int | None = None) -> GetItem | None:
+        """The snapshot at ``state_tokens``, or state heads [head_start, head_end) of it."""
         if self.snapshot is None:
             return None
-        return GetItem(key=self.snapshot.key)
+        return GetItem(key=self.snapshot.key, head_start=head_start, head_end=head_end)
 
 
 @dataclass(frozen=True, kw_only=True)

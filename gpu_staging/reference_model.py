@@ -127,10 +127,13 @@ class ModelConfig:
         return hashlib.sha256(repr(sorted(asdict(self).items())).encode()).hexdigest()[:16]
 
     def namespace(self, *, block_tokens: int = 16, tenant: str = "default") -> Namespace:
-        """The store namespace of this model's KV and state (float32, layer-major)."""
+        """The store namespace of this model's KV and state (float32, layer-major). Its payloads are
+        token-major inside a layer's K and V, not the head-major layout engines share
+        (docs/design.md, "One layout for every TP size"), and its state is not laid out by head
+        unit: the revision says so, so no namespace of the shared layout can ever equal this one."""
         return Namespace(
             model="prefixstore-reference-hybrid",
-            revision=self.revision,
+            revision=self.revision + "|kv:token-major",
             kv=KVLayout(num_layers=len(self.attention_layers), num_heads=self.num_kv_heads,
                         head_dim=self.head_dim, dtype="float32"),
             state=StateLayout(num_layers=len(self.linear_layers), shapes=self.state_shapes, dtype="float32"),

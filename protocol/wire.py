@@ -388,7 +388,9 @@ def parse_items(h: dict[str, object], limits: Limits, name: str = "items") -> li
 
 @dataclass(kw_only=True, slots=True, unsafe_hash=True)
 class GetItem:
-    """One payload to read: an entry, optionally only layers [layer_start, layer_end).
+    """One payload to read: an entry, optionally only layers [layer_start, layer_end) and heads
+    [head_start, head_end) of it (None: through the last; protocol/namespace.py
+    ``Namespace.payload_runs`` says which bytes that is).
 
     A hot-path record, not frozen: a get of 64 KiB blocks makes 1,024 of them on the store before
     its first payload byte leaves, and a frozen dataclass's ``__init__`` (one
@@ -399,22 +401,41 @@ class GetItem:
     key: bytes
     layer_start: int = 0
     layer_end: int | None = None
+    head_start: int = 0
+    head_end: int | None = None
+
+    @property
+    def whole(self) -> bool:
+        """Every layer and every head: the entry's whole payload."""
+        return self.layer_start == 0 and self.layer_end is None and self.head_start == 0 and self.head_end is None
+
+    @property
+    def all_heads(self) -> bool:
+        return self.head_start == 0 and self.head_end is None
 
     def to_wire(self) -> list[object]:
-        return [self.key, self.layer_start, self.layer_end]
+        if self.all_heads:
+            return [self.key, self.layer_start, self.layer_end]
+        return [self.key, self.layer_start, self.layer_end, self.head_start, self.head_end]
 
     @classmethod
     def from_wire(cls, raw: object, ctx: str) -> GetItem:
-        if not isinstance(raw, list) or len(raw) != 3:
-            raise WireError(ctx, "expected [key, layer_start, layer_end]")
-        key, lo, hi = raw
+        if not isinstance(raw, list) or len(raw) not in (3, 5):
+            raise WireError(ctx, "expected [key, layer_start, layer_end] or [key, layer_start, layer_end, "
+                                 "head_start, head_end]")
+        key, lo, hi = raw[:3]
         if not is_entry_key(key):
             raise WireError(f"{ctx}.key", f"expected a {ENTRY_KEY_BYTES}-byte entry key")
         if not isinstance(lo, int) or isinstance(lo, bool) or lo < 0:
             raise WireError(f"{ctx}.layer_start", "expected a non-negative integer")
         if hi is not None and (not isinstance(hi, int) or isinstance(hi, bool) or hi <= lo):
             raise WireError(f"{ctx}.layer_end", "expected null or an integer above layer_start")
-        return cls(key=key, layer_start=lo, layer_end=hi)
+        hs, he = raw[3:] if len(raw) == 5 else (0, None)
+        if not isinstance(hs, int) or isinstance(hs, bool) or hs < 0:
+            raise WireError(f"{ctx}.head_start", "expected a non-negative integer")
+        if he is not None and (not isinstance(he, int) or isinstance(he, bool) or he <= hs):
+            raise WireError(f"{ctx}.head_end", "expected null or an integer above head_start")
+        return cls(key=key, layer_start=lo, layer_end=hi, head_start=hs, head_end=he)
 
 
 # A get names its items packed (``encode_get_items``): a 1,024-item get of 64 KiB blocks spent
@@ -423,32 +444,58 @@ class GetItem:
 #
 #   keys    bin   entry key 0 | entry key 1 | ...            17 bytes each (kind || hash)
 #   layers  bin   optional: start 0 | end 0 | start 1 | ...  u32 LE each; end 0 = to the last layer
+#   heads   bin   optional, the same for heads: KV heads of a block or tail, state heads of a
+#                 snapshot (an engine at tensor-parallel size t reads its own heads)
 #
 # The older form, ``items: [[key, layer_start, layer_end], ...]``, is still read (a client of an
 # earlier release), and answered in its own form (``GetAnswer``).
 LAYER_RANGE: Final = struct.Struct("<II")
 
 
+def _ranges(items: Sequence[GetItem], field: str) -> bytes | None:
+    """The packed ``layers`` or ``heads`` of a get (None: no item asks for a range of them)."""
+    lo_of, hi_of = (("layer_start", "layer_end") if field == "layers" else ("head_start", "head_end"))
+    pairs = [(getattr(it, lo_of), getattr(it, hi_of)) for it in items]
+    if not any(lo or hi is not None for lo, hi in pairs):
+        return None
+    for i, (lo, hi) in enumerate(pairs):
+        if not 0 <= lo < 1 << 32 or not (hi is None or lo < hi < 1 << 32):
+            raise ValueError(f"items[{i}]: {field} [{lo}, {hi}) is not a range of u32 {field}")
+    return b"".join([LAYER_RANGE.pack(lo, hi or 0) for lo, hi in pairs])
+
+
 def encode_get_items(items: Sequence[GetItem]) -> dict[str, object]:
     """The items part of a get request (HTTP or NIXL), packed; merge it into the header.
 
-    Raises ValueError for an item no store would take (a malformed key, a layer range that is
-    empty, reversed or beyond u32): a caller's mistake, named here rather than sent."""
+    Raises ValueError for an item no store would take (a malformed key, a layer or head range
+    that is empty, reversed or beyond u32): a caller's mistake, named here rather than sent."""
     out: dict[str, object] = {"keys": b"".join([it.key for it in items])}
     if len(out["keys"]) != ENTRY_KEY_BYTES * len(items):  # type: ignore[arg-type]
         bad = next(i for i, it in enumerate(items) if len(it.key) != ENTRY_KEY_BYTES)
         raise ValueError(f"items[{bad}].key: expected a {ENTRY_KEY_BYTES}-byte entry key")
-    if any(it.layer_start or it.layer_end is not None for it in items):
-        for i, it in enumerate(items):
-            if not 0 <= it.layer_start < 1 << 32 or not (it.layer_end is None or it.layer_start < it.layer_end < 1 << 32):
-                raise ValueError(f"items[{i}]: layers [{it.layer_start}, {it.layer_end}) is not a range of u32 layers")
-        out["layers"] = b"".join([LAYER_RANGE.pack(it.layer_start, it.layer_end or 0) for it in items])
+    for field in ("layers", "heads"):
+        packed = _ranges(items, field)
+        if packed is not None:
+            out[field] = packed
+    return out
+
+
+def _unpack_ranges(h: dict[str, object], field: str, n: int) -> list[tuple[int, int | None]] | None:
+    if field not in h:
+        return None
+    raw = req_bin(h, field, size=n * LAYER_RANGE.size)
+    out: list[tuple[int, int | None]] = []
+    for i, (lo, hi) in enumerate(LAYER_RANGE.iter_unpack(raw)):
+        if hi and hi <= lo:
+            what = "layer" if field == "layers" else "head"
+            raise WireError(f"{field}[{i}]", f"{what}_end {hi} is not above {what}_start {lo}")
+        out.append((lo, hi or None))
     return out
 
 
 def parse_get_items(h: dict[str, object], limits: Limits) -> list[GetItem]:
-    """The items of a get (HTTP or NIXL): entry keys with optional layer ranges, packed
-    (``keys``/``layers``) or as the older ``items`` list."""
+    """The items of a get (HTTP or NIXL): entry keys with optional layer and head ranges, packed
+    (``keys``/``layers``/``heads``) or as the older ``items`` list."""
     if "keys" not in h:
         raw = req_list(h, "items", "", limits.max_items)
         return [GetItem.from_wire(x, f"items[{i}]") for i, x in enumerate(raw)]
@@ -460,14 +507,15 @@ def parse_get_items(h: dict[str, object], limits: Limits) -> list[GetItem]:
     bad = next((i for i, k in enumerate(split) if k[0] not in KIND_BYTES), None)
     if bad is not None:
         raise WireError(f"keys[{bad}]", f"byte {split[bad][0]} is not an entry kind")
-    if "layers" not in h:
+    layers = _unpack_ranges(h, "layers", n)
+    heads = _unpack_ranges(h, "heads", n)
+    if layers is None and heads is None:
         return [GetItem(key=k) for k in split]
-    layers = req_bin(h, "layers", size=n * LAYER_RANGE.size)
     items: list[GetItem] = []
-    for i, (k, (lo, hi)) in enumerate(zip(split, LAYER_RANGE.iter_unpack(layers))):
-        if hi and hi <= lo:
-            raise WireError(f"layers[{i}]", f"layer_end {hi} is not above layer_start {lo}")
-        items.append(GetItem(key=k, layer_start=lo, layer_end=hi or None))
+    for i, k in enumerate(split):
+        lo, hi = layers[i] if layers is not None else (0, None)
+        hs, he = heads[i] if heads is not None else (0, None)
+        items.append(GetItem(key=k, layer_start=lo, layer_end=hi, head_start=hs, head_end=he))
     return items
 
 

@@ -94,7 +94,8 @@ async def stats(request: web.Request) -> web.Response:
 
 def _describe(ns: Namespace, counts: Mapping[str, int]) -> dict[str, object]:
     return {"id": ns.id.hex(), "tenant": ns.tenant, "model": ns.model, "revision": ns.revision,
-            "block_tokens": ns.block_tokens, "tp": f"{ns.tp_rank}/{ns.tp_size}",
+            "block_tokens": ns.block_tokens, "hash_scheme": ns.hash_scheme,
+            **({"tp": f"{ns.tp_rank}/{ns.tp_size}"} if ns.legacy else {}),
             "kv": {"num_layers": ns.kv.num_layers, "num_heads": ns.kv.num_heads, "head_dim": ns.kv.head_dim,
                    "dtype": ns.kv.dtype, "token_bytes": ns.kv.token_bytes},
             "state": ({"num_layers": ns.state.num_layers, "snapshot_bytes": ns.state.snapshot_bytes}

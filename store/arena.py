@@ -153,7 +153,13 @@ class Arena:
         return b"".join(bytes(r) for r in self.runs(pages, 0, size))
 
     def checksum(self, pages: Sequence[int], offset: int, length: int) -> int:
+        return self.checksum_runs(pages, [(offset, length)])
+
+    def checksum_runs(self, pages: Sequence[int], ranges: Sequence[tuple[int, int]]) -> int:
+        """xxh3 of the entry's byte ranges (offset, length), concatenated in order: what a ranged
+        read of them (a head range: one range per layer and component) delivers."""
         h = xxhash.xxh3_64()
-        for run in self.runs(pages, offset, length):
-            h.update(run)
+        for offset, length in ranges:
+            for run in self.runs(pages, offset, length):
+                h.update(run)
         return h.intdigest()

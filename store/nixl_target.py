@@ -363,19 +363,22 @@ async def nixl_get(request: web.Request) -> web.Response:
         if not target.map_reads:  # nixl_map_txns = 0, or the map could not be registered
             store.metrics.nixl_disk_reads.labels("promoted").inc(len(slots))
             return []
-        entries = [s.entry for s in slots]
-        pin, found = await store.tier.pin([(e.key, e.size, e.checksum, s.offset, s.length)
-                                           for s, e in zip(slots, entries) if e is not None])
+        # A head range is several runs of the value: promoted into RAM and described page by page,
+        # not pinned in the map (one pin is one address and one checksum).
+        mappable = [s for s in slots if s.runs is None and s.entry is not None]
+        pin, found = await store.tier.pin([(s.entry.key, s.entry.size, s.entry.checksum, s.offset, s.length)
+                                           for s in mappable if s.entry is not None]) if mappable else (None, [])
         if pin is not None:
             pins.append(pin)
         if not found:  # refused before looking (cap reached, map growing): all promoted
             store.metrics.nixl_disk_reads.labels("promoted").inc(len(slots))
             return []
-        outcomes: list[str | None] = []
-        for slot, f in zip(slots, found):
+        outcome_of: dict[int, str | None] = {}
+        for slot, f in zip(mappable, found):
             if f.outcome == ReadOutcome.OK and pin is not None:
                 slot.address, slot.checksum = f.address, f.checksum
-            outcomes.append(f.outcome if pin is not None or f.outcome != ReadOutcome.OK else None)
+            outcome_of[id(slot)] = f.outcome if pin is not None or f.outcome != ReadOutcome.OK else None
+        outcomes = [outcome_of.get(id(slot)) for slot in slots]
         mapped = sum(o == ReadOutcome.OK for o in outcomes)
         store.metrics.nixl_disk_reads.labels("map").inc(mapped)
         store.metrics.nixl_disk_reads.labels("promoted").inc(sum(o is None for o in outcomes))
@@ -412,7 +415,7 @@ async def nixl_get(request: web.Request) -> web.Response:
                     out.append(NixlItem(ItemStatus.HTTP, slot.length, slot.checksum))
                 else:
                     out.append(NixlItem(ItemStatus.OK, slot.length, slot.checksum,
-                                        target.descriptors(e.pages, slot.offset, slot.length)))
+                                        b"".join([target.descriptors(e.pages, lo, n) for lo, n in slot.ranges()])))
                     leased.append(e)
                     pinned += e.size
                     offered += slot.length

@@ -14,7 +14,7 @@ payload bytes beyond ``ram_bytes``, so they are bounded (issue 30: four never-re
 naming one disk-only 1 MiB key 200 times, took RSS from 77 to 878 MiB and kept it there):
 
 * an entry is loaded once per get however many of its items name it (they share the buffer);
-* a buffer holds the items' byte range (the union of their layer ranges), not the whole entry --
+* a buffer holds the items' byte range (the span of their layer and head ranges), not the whole entry --
   ``max_get_bytes`` counts ranges, so a whole-entry load let a 4 MiB get hold 200 MiB;
 * all gets together hold at most ``read_buffer_bytes``; an item past it is a miss;
 * buffers are private anonymous mappings of their own whose pages are given back
@@ -57,6 +57,18 @@ class GetSlot:
     base: int = 0  # the entry's byte at which ``buffer`` starts
     checksum: int = 0
     address: int = 0  # set by prepare_get's map_disk: where the range lies in LMDB's map (pinned)
+    runs: list[tuple[int, int]] | None = None
+    """A head range (Namespace.payload_runs): the (offset, length) runs of the entry served, in
+    order, ``length`` bytes in all; None: the one run [offset, offset + length)."""
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The (offset, length) runs of the entry this slot serves, in order."""
+        return self.runs if self.runs is not None else [(self.offset, self.length)]
+
+    def end(self) -> int:
+        """The entry's byte after the last one this slot serves (its runs ascend)."""
+        lo, n = self.runs[-1] if self.runs is not None else (self.offset, self.length)
+        return lo + n
 
 
 @dataclass(slots=True)
@@ -99,13 +111,20 @@ class ReadPath:
         self.read_hooks: list[Callable[[list[Entry]], None]] = []  # called once per get with the entries it served
         self.buffered_bytes = 0  # read buffers every get in flight holds (at most config.read_buffer_bytes)
 
-    def _byte_range(self, ns: Namespace, e: Entry, item: GetItem, ctx: str) -> tuple[int, int]:
-        if item.layer_start == 0 and item.layer_end is None:
-            return 0, e.size
+    def _byte_runs(self, ns: Namespace, e: Entry, item: GetItem, field: str, i: int) -> list[tuple[int, int]]:
+        """The runs a ranged item asks for; a refusal names the range that does not exist: the
+        item's (``items[i].layer_end`` / ``.head_end``) or, packed, ``layers[i]`` / ``heads[i]``."""
+        is_state = e.kind is Kind.STATE
+        packed = field == "layers"
         try:
-            return ns.payload_range(e.kind is Kind.STATE, e.num_tokens, item.layer_start, item.layer_end)
+            ns.payload_range(is_state, e.num_tokens, item.layer_start, item.layer_end)
         except ValueError as err:
-            raise WireError(f"{ctx}.layer_end", str(err)) from None
+            raise WireError(f"layers[{i}].layer_end" if packed else f"{field}[{i}].layer_end", str(err)) from None
+        try:
+            return ns.payload_runs(is_state, e.num_tokens, item.layer_start, item.layer_end,
+                                   item.head_start, item.head_end)
+        except ValueError as err:
+            raise WireError(f"heads[{i}].head_end" if packed else f"{field}[{i}].head_end", str(err)) from None
 
     async def prepare_get(self, ns: Namespace, items: Sequence[GetItem], map_disk: MapDisk | None = None,
                           field: str = "items") -> GetPlan:
@@ -141,16 +160,20 @@ class ReadPath:
                 if e is None or e.record:  # a fork record holds no payload: its block is on its branch node
                     slots.append(GetSlot(ItemStatus.MISSING))
                     continue
-                if item.layer_start == 0 and item.layer_end is None:
+                runs = None
+                if item.whole:
                     offset, length = 0, e.size
                 else:
-                    offset, length = self._byte_range(ns, e, item, f"{field}[{i}]")
+                    runs = self._byte_runs(ns, e, item, field, i)
+                    offset, length = runs[0][0], sum(n for _, n in runs)
+                    if len(runs) == 1:
+                        runs = None
                 total += length
                 if total > budget:
                     raise WireError("keys" if field == "layers" else "items",
                                     f"asks for more than max_get_bytes={budget}; split the batch", Problem.TOO_LARGE)
                 e.pins += 1
-                slot = GetSlot(ItemStatus.OK, e, offset, length)
+                slot = GetSlot(ItemStatus.OK, e, offset, length, runs=runs)
                 slots.append(slot)
                 if e.pages is None:
                     if e.dead:
@@ -163,7 +186,7 @@ class ReadPath:
                     ranged.append(slot)
             for slot in ranged:
                 assert slot.entry is not None and slot.entry.pages is not None  # pinned: never demoted
-                slot.checksum = self._arena.checksum(slot.entry.pages, slot.offset, slot.length)
+                slot.checksum = self._arena.checksum_runs(slot.entry.pages, slot.ranges())
             if disk:
                 await self._from_disk(disk, map_disk, plan)
         except BaseException:
@@ -213,18 +236,22 @@ class ReadPath:
                 if slot.offset == 0 and slot.length == e.size:
                     slot.checksum = e.checksum
                 elif slot.buffer is not None:
-                    slot.checksum = xxhash.xxh3_64_intdigest(self.payload_views(slot)[0])
+                    h = xxhash.xxh3_64()
+                    for view in self.payload_views(slot):
+                        h.update(view)
+                    slot.checksum = h.intdigest()
                 else:
                     assert e.pages is not None
-                    slot.checksum = self._arena.checksum(e.pages, slot.offset, slot.length)
+                    slot.checksum = self._arena.checksum_runs(e.pages, slot.ranges())
 
     def payload_views(self, slot: GetSlot) -> list[memoryview]:
         assert slot.entry is not None
         if slot.buffer is not None:
-            start = slot.offset - slot.base
-            return [memoryview(slot.buffer)[start : start + slot.length]]
+            base = slot.base
+            return [memoryview(slot.buffer)[lo - base : lo - base + n] for lo, n in slot.ranges()]
         assert slot.entry.pages is not None
-        return list(self._arena.runs(slot.entry.pages, slot.offset, slot.length))
+        pages = slot.entry.pages
+        return [view for lo, n in slot.ranges() for view in self._arena.runs(pages, lo, n)]
 
     def body_views(self, plan: GetPlan) -> list[memoryview]:
         """Every served payload of a get, in order, as few views as the arena allows: the ranges
@@ -244,6 +271,9 @@ class ReadPath:
                 out += arena.coalesce(run, SEND_BYTES)
                 run = []
                 out += self.payload_views(slot)
+            elif slot.runs is not None:  # a head range: one run per layer and component
+                for lo, n in slot.runs:
+                    run += arena.extents(pages, lo, n)
             elif len(pages) == 1 and page_bytes:  # the common 64 KiB block: its one extent, no generator
                 start = pages[0] * page_bytes + slot.offset
                 run.append((start, start + slot.length))
@@ -277,7 +307,7 @@ class ReadPath:
             dest = list(self._arena.runs(pages, 0, e.size))
         else:
             base = min(s.offset for s in slots)
-            n = max(s.offset + s.length for s in slots) - base
+            n = max(s.end() for s in slots) - base
             if self.buffered_bytes + n > self._config.read_buffer_bytes or n == 0:
                 self._metrics.read_buffer_refusals.inc(len(slots))
                 return ItemStatus.MISSING

@@ -19,6 +19,42 @@ def make_namespace(*, block_tokens: int = 4, with_state: bool = True, tenant: st
     )
 
 
+def make_headed_namespace(*, block_tokens: int = 4, num_heads: int = 4, model: str = "test-headed") -> Namespace:
+    """A hybrid namespace addressable per head: 2 attention layers x ``num_heads`` KV heads x 4 dims
+    fp32; a state of 2 layers, each an fp32 [U, 2, 2] tensor beside a bf16 [U, 3] one (U = num_heads)."""
+    return Namespace(
+        model=model,
+        kv=KVLayout(num_layers=2, num_heads=num_heads, head_dim=4, dtype="float32"),
+        state=StateLayout(num_layers=2, shapes=((num_heads, 2, 2), (num_heads, 3)), num_heads=num_heads,
+                          dtypes=("float32", "bfloat16")),
+        block_tokens=block_tokens,
+    )
+
+
+def head_slice(ns: Namespace, payload: bytes, num_tokens: int, heads: tuple[int, int],
+               layers: tuple[int, int] | None = None) -> bytes:
+    """Heads [a, b) (of layers [l0, l1)) of a KV payload, cut with numpy from the layout's own
+    description ``[layer][K|V][head][token][dim]``: independent of ``Namespace.payload_runs``."""
+    kv = ns.kv
+    a = np.frombuffer(payload, dtype=np.uint8).reshape(kv.num_layers, kv.num_components, kv.num_heads, -1)
+    l0, l1 = layers or (0, kv.num_layers)
+    return a[l0:l1, :, heads[0]:heads[1]].tobytes()
+
+
+def state_head_slice(ns: Namespace, payload: bytes, heads: tuple[int, int]) -> bytes:
+    """State heads [a, b) of a snapshot: per layer, each tensor's rows a..b."""
+    st = ns.state
+    out = []
+    layers = np.frombuffer(payload, dtype=np.uint8).reshape(st.num_layers, st.layer_bytes)
+    for row in layers:
+        pos = 0
+        for size in st.tensor_bytes:
+            tensor = row[pos : pos + size].reshape(st.num_heads, -1)
+            out.append(tensor[heads[0]:heads[1]].tobytes())
+            pos += size
+    return b"".join(out)
+
+
 def kv_payload(ns: Namespace, tokens: list[int] | np.ndarray, start: int, end: int) -> bytes:
     """A deterministic store-layout payload for tokens [start, end) of a sequence.
 

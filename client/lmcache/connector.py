@@ -102,12 +102,17 @@ def namespace_for(metadata: Any, shapes: list[torch.Size], dtypes: list[torch.dt
     model = settings.model_id or str(metadata.model_name or "")
     if not model:
         raise ValueError("model_id: LMCache names no model here; set remote_storage_plugin.<name>.model_id")
-    # MLA: every rank holds the same latent KV, so ranks share one namespace (tp 0 of 1).
-    tp_rank, tp_size = (0, 1) if metadata.use_mla else (metadata.worker_id, metadata.world_size)
-    return Namespace(model=model, revision=f"{settings.revision}|{KEYSPACE}",
+    # LMCache's chunks are its own memory objects (its KV format, one rank's heads) under its own
+    # per-rank keys, not the store's head-addressable layout: each rank keeps its own namespace,
+    # named in the revision (the store's namespaces no longer carry a rank). MLA: every rank holds
+    # the same latent KV, so ranks share one namespace.
+    revision = f"{settings.revision}|{KEYSPACE}"
+    if not metadata.use_mla and metadata.world_size > 1:
+        revision += f"|tp:{metadata.worker_id}/{metadata.world_size}"
+    return Namespace(model=model, revision=revision,
                      kv=KVLayout(num_layers=int(num_layers), num_heads=int(heads), head_dim=int(head_dim),
                                  dtype=DTYPE_NAMES[dtype], num_components=int(kv_size)),
-                     tp_rank=tp_rank, tp_size=tp_size, block_tokens=int(chunk_tokens), tenant=settings.tenant)
+                     block_tokens=int(chunk_tokens), tenant=settings.tenant)
 
 
 class PrefixStoreRemoteConnector(RemoteConnector):

@@ -63,13 +63,42 @@ from ...protocol.wire import HAVE, STATUS_HAVE, STATUS_OK, WANT
 from ..prompt import Prompt
 from ..sync import SyncPrefixClient
 from .keys import KEYSPACE, page_prompt
-from .pages import HostKV, HostState, LayoutUnsupported
+from ..heads import StateShards, gated_delta_net_shards, uniform_shards
+from .pages import DTYPE_NAMES, HostKV, HostState, LayoutUnsupported
 from .settings import BackendSettings
 
 log = logging.getLogger(__name__)
 
 STAT_KEYS = ("exists_calls", "pages_found", "pages_read", "pages_read_failed", "pages_written", "pages_refused",
              "states_found", "states_read", "states_written", "states_pending", "states_dropped", "errors")
+
+
+def model_state_shards(model_path: str | None, mamba: Any) -> StateShards | None:
+    """How the model's linear-layer state splits by heads (client/heads.py), from its Hugging Face
+    config at ``model_path``, for the models whose state both engines lay out the same way: LFM2's
+    short conv, Qwen3-Next's gated delta net. None (the state is then SGLang's own bytes, shared
+    with no other engine) for any other model or a config that cannot be read."""
+    if not model_path:
+        return None
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        conv_dtype = DTYPE_NAMES[mamba.conv_buffer[0].dtype]
+        state_dtype = DTYPE_NAMES[mamba.temporal_buffer.dtype]
+        if config.model_type == "lfm2":
+            return uniform_shards(config.hidden_size, [((config.hidden_size, config.conv_L_cache - 1), conv_dtype)])
+        if config.model_type == "qwen3_next":
+            return gated_delta_net_shards(num_k_heads=config.linear_num_key_heads,
+                                          num_v_heads=config.linear_num_value_heads,
+                                          head_k_dim=config.linear_key_head_dim,
+                                          head_v_dim=config.linear_value_head_dim,
+                                          conv_width=config.linear_conv_kernel_dim, conv_dtype=conv_dtype,
+                                          state_dtype=state_dtype)
+    except Exception as err:  # noqa: BLE001 -- an unreadable config: the state stays SGLang's own bytes
+        log.info("prefixstore HiCache backend: no head layout for %s's state (%s): SGLang's own bytes",
+                 model_path, err)
+    return None
 
 
 class PrefixStoreHiCache(HiCacheStorage):
@@ -120,23 +149,30 @@ class PrefixStoreHiCache(HiCacheStorage):
         revision = self.settings.revision + "|" + KEYSPACE
         if cfg.pp_size > 1:  # each stage holds its own layers
             revision += f"|pp:{cfg.pp_rank}/{cfg.pp_size}"
+        if cfg.tp_size > 1:
+            # The canonical layout names every head of a page, written whole by one writer; SGLang
+            # hands each rank's backend its own heads and no group to gather them over (vLLM's
+            # connector gathers to rank 0, client/vllm/tp.py), so a TP > 1 SGLang keeps one
+            # namespace per rank: shared by SGLang fleets of the same TP size, by nothing else.
+            revision += f"|tp:{cfg.tp_rank}/{cfg.tp_size}"
+        model = self.settings.model_id or (cfg.model_name or "")
+        if not model:
+            raise ValueError("model_id: SGLang names no model here; set model_id in "
+                             "--hicache-storage-backend-extra-config")
         if mamba is not None:
             try:
-                self._state = HostState.of(mamba)
+                self._state = HostState.of(mamba, model_state_shards(cfg.model_name, mamba)
+                                           if cfg.tp_size == 1 else None)
             except LayoutUnsupported as err:
                 log.warning("prefixstore HiCache backend: Mamba state not moved (loads of hybrid prefixes "
                             "miss): %s", err)
             else:
                 state = self._state.layout
-                # Snapshot bytes are SGLang's own state tensors: their meaning changes with its kernels.
-                revision += f"|state:sglang-{sglang.__version__}:{self._state.description()}"
-        model = self.settings.model_id or (cfg.model_name or "")
-        if not model:
-            raise ValueError("model_id: SGLang names no model here; set model_id in "
-                             "--hicache-storage-backend-extra-config")
+                if self._state.shards is None:
+                    # SGLang's own state tensors: their meaning changes with its kernels.
+                    revision += f"|state:sglang-{sglang.__version__}:{self._state.description()}"
         self.namespace = Namespace(model=model, revision=revision, kv=self._kv.layout, state=state,
-                                   tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, block_tokens=self._kv.page_tokens,
-                                   tenant=self.settings.tenant)
+                                   block_tokens=self._kv.page_tokens, tenant=self.settings.tenant)
         self._client = SyncPrefixClient(self.namespace, self.settings.client)
         self.idle_reason = None
         log.info("prefixstore HiCache backend: namespace %s (%s, page %d tokens, %d B/page%s)",

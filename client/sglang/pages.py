@@ -11,18 +11,22 @@ have one of these layouts (``--hicache-mem-layout``;
     page_first_direct  kv_buffer[2, pages, layers, page_tokens, heads, dim]
     page_head          kv_buffer[2, pages, heads, page_tokens, layers, dim]
 
-Store payloads are layer-major (protocol/namespace.py, KVLayout): one page of
-P tokens is ``| layer 0: K[P,h,d] V[P,h,d] | layer 1: ... |``, i.e. a
-``[layers, 2, P, heads, dim]`` tensor. None of SGLang's layouts is that, so a
-batch of pages is gathered with one indexing copy (and scattered back the same
-way); tests/sglang checks the result against SGLang's own ``get_data_page``.
+Store payloads are layer-major and head-major (protocol/namespace.py, KVLayout,
+hash scheme 2): one page of P tokens is ``| layer 0: K[h,P,d] V[h,P,d] | layer
+1: ... |``, i.e. a ``[layers, 2, heads, P, dim]`` tensor -- the layout vLLM's
+connector writes too. None of SGLang's layouts is that, so a batch of pages is
+gathered with one indexing copy (and scattered back the same way);
+tests/sglang checks the result against SGLang's own ``get_data_page``.
 ``page_unified`` (K and V interleaved inside head groups) is not supported.
 
 A Mamba state slot (``pool_host/mamba.py``) holds per layer one temporal
-(SSM) tensor and the conv tensors, each with its own dtype. Its snapshot is
-layer-major too: ``| layer 0: temporal, conv_0, conv_1, ... | layer 1: ... |``,
-so a range of layers is one byte range. Extra slot side states (registered by
-some models) are not moved: such a pool is unsupported.
+(SSM) tensor and the conv tensors, each with its own dtype. Where the model's
+state is known to split by heads (client/heads.py: LFM2's short conv, a
+gated-delta-net), its snapshot is the canonical one vLLM writes too: per layer,
+the conv states then the recurrent state, each ``[units, ...]`` with its rows
+regrouped by head unit. Otherwise it is SGLang's own bytes, layer-major:
+``| layer 0: temporal, conv_0, ... | layer 1: ... |``. Extra slot side states
+(registered by some models) are not moved: such a pool is unsupported.
 
 Imports torch only; nothing here knows SGLang's classes, only the attributes
 its host pools expose.
@@ -34,10 +38,12 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ...protocol.namespace import KVLayout, StateLayout
+from ..heads import StateShards
 
 #: torch dtype -> the dtype name a namespace records (protocol.namespace.DTYPE_BYTES).
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -109,9 +115,9 @@ class HostKV:
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
-        """One payload: [layers, 2, page_tokens, heads, dim]."""
+        """One payload: [layers, 2, heads, page_tokens, dim]."""
         p = self.pool
-        return (p.layer_num, 2, p.page_size, p.head_num, p.head_dim)
+        return (p.layer_num, 2, p.head_num, p.page_size, p.head_dim)
 
     @property
     def page_bytes(self) -> int:
@@ -123,7 +129,7 @@ class HostKV:
         return host_indices[::P].to(torch.long) // P
 
     def gather(self, host_indices: Tensor) -> Tensor:
-        """Pages at ``host_indices`` (P token indices per page) -> [pages, layers, 2, P, heads, dim]."""
+        """Pages at ``host_indices`` (P token indices per page) -> [pages, layers, 2, heads, P, dim]."""
         p, kv = self.pool, self.pool.kv_buffer
         P, L, H, D = p.page_size, p.layer_num, p.head_num, p.head_dim
         n = host_indices.numel() // P
@@ -136,13 +142,14 @@ class HostKV:
             out = kv[:, self._pages(idx)].permute(1, 2, 0, 3, 4, 5)
         else:  # page_head: [2, pages, H, P, L, D]
             out = kv[:, self._pages(idx)].permute(1, 4, 0, 3, 2, 5)
-        return out.contiguous()
+        return out.transpose(3, 4).contiguous()  # [n, L, 2, P, H, D] -> head-major
 
     def scatter(self, host_indices: Tensor, pages: Tensor) -> None:
-        """The inverse of :meth:`gather`: ``pages`` [n, layers, 2, P, heads, dim] into the host pool."""
+        """The inverse of :meth:`gather`: ``pages`` [n, layers, 2, heads, P, dim] into the host pool."""
         p, kv = self.pool, self.pool.kv_buffer
         P, L, H, D = p.page_size, p.layer_num, p.head_num, p.head_dim
         n = pages.shape[0]
+        pages = pages.transpose(3, 4)  # token-major, as the layouts below index it
         idx = host_indices.to(torch.long)
         if p.layout == "layer_first":
             kv[:, :, idx] = pages.permute(2, 1, 0, 3, 4, 5).reshape(2, L, n * P, H, D)
@@ -159,14 +166,21 @@ class HostKV:
 
 @dataclass(frozen=True)
 class HostState:
-    """Gather/scatter between a Mamba host pool slot and a layer-major snapshot payload."""
+    """Gather/scatter between a Mamba host pool slot and a layer-major snapshot payload: canonical
+    (``shards``: the conv states then the recurrent state, rows by head unit) or SGLang's own
+    bytes (temporal, then the conv states)."""
 
     pool: MambaHostPool
     tensors: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]
-    """(buffer index, per-layer shape, dtype) of every moved tensor: temporal first, then conv."""
+    """(buffer index, per-layer shape, dtype) of every moved tensor, in snapshot order."""
+    shards: StateShards | None = None
+    rows: tuple[Tensor | None, ...] = ()
+    """With ``shards``: per tensor, the buffer's row of each canonical row (None: the same order)."""
 
     @classmethod
-    def of(cls, pool: MambaHostPool) -> HostState:
+    def of(cls, pool: MambaHostPool, shards: StateShards | None = None) -> HostState:
+        """The pool's state; canonical when ``shards`` (the model's, client/heads.py) describes its
+        tensors (one rank of TP=1 holds every unit), else SGLang's own bytes."""
         if pool.layout not in ("page_first", "page_first_direct", "layer_first"):
             raise LayoutUnsupported(f"host Mamba layout {pool.layout!r}")
         if getattr(pool, "slot_state_buffers", None):
@@ -182,7 +196,19 @@ class HostState:
                 tensors.append((i, shape, buf.dtype))
         if not tensors:
             raise LayoutUnsupported("Mamba pool with no state")
+        if shards is not None:
+            canonical = [*tensors[1:], tensors[0]] if tensors[0][0] == 0 else tensors  # conv states first
+            fits = len(canonical) == len(shards.tensors) and all(
+                shape[0] == t.local_rows(1) and tuple(shape[1:]) == t.rest and DTYPE_NAMES[dtype] == t.dtype
+                for (_, shape, dtype), t in zip(canonical, shards.tensors))
+            if fits:
+                rows = tuple(cls._perm(shards.canonical_rows(k, 1)) for k in range(len(canonical)))
+                return cls(pool, tuple(canonical), shards, rows)
         return cls(pool, tuple(tensors))
+
+    @staticmethod
+    def _perm(rows: np.ndarray) -> Tensor | None:
+        return None if np.array_equal(rows, np.arange(len(rows))) else torch.from_numpy(rows)
 
     @staticmethod
     def _buffers(pool: MambaHostPool) -> list[Tensor]:
@@ -202,8 +228,11 @@ class HostState:
 
     @property
     def layout(self) -> StateLayout:
-        """Every tensor one dtype: their shapes in that dtype. Mixed (fp32 SSM, bf16 conv, the usual
+        """Canonical: the shards' layout (addressable per head unit, what vLLM names too). Else
+        every tensor one dtype: their shapes in that dtype; mixed (fp32 SSM, bf16 conv, the usual
         case): each layer as opaque bytes, and :meth:`description` goes into the namespace revision."""
+        if self.shards is not None:
+            return self.shards.layout(self.num_layers)
         dtypes = {dtype for _, _, dtype in self.tensors}
         if len(dtypes) == 1:
             return StateLayout(num_layers=self.num_layers, shapes=tuple(s for _, s, _ in self.tensors),
@@ -225,18 +254,28 @@ class HostState:
         """Slot ``slot`` -> uint8 [layers, layer_bytes]."""
         bufs = self._buffers(self.pool)
         L = self.num_layers
-        parts = [self._slot(bufs[i], slot).contiguous().view(torch.uint8).reshape(L, -1) for i, _, _ in self.tensors]
+        parts = []
+        for k, (i, _, _) in enumerate(self.tensors):
+            t = self._slot(bufs[i], slot)
+            rows = self.rows[k] if self.rows else None
+            if rows is not None:
+                t = t[:, rows]
+            parts.append(t.contiguous().view(torch.uint8).reshape(L, -1))
         return torch.cat(parts, dim=1)
 
     def scatter(self, slot: int, payload: Tensor) -> None:
         """The inverse of :meth:`gather` (``payload``: uint8, snapshot_bytes)."""
         bufs = self._buffers(self.pool)
-        rows = payload.reshape(self.num_layers, self.layer_bytes)
+        layers = payload.reshape(self.num_layers, self.layer_bytes)
         start = 0
-        for i, shape, dtype in self.tensors:
+        for k, (i, shape, dtype) in enumerate(self.tensors):
             size = math.prod(shape) * dtype.itemsize
-            part = rows[:, start : start + size].contiguous().view(dtype).reshape(self.num_layers, *shape)
-            self._slot(bufs[i], slot).copy_(part)
+            part = layers[:, start : start + size].contiguous().view(dtype).reshape(self.num_layers, *shape)
+            rows = self.rows[k] if self.rows else None
+            if rows is None:
+                self._slot(bufs[i], slot).copy_(part)
+            else:
+                self._slot(bufs[i], slot)[:, rows] = part
             start += size
 
 

@@ -15,11 +15,16 @@ rows), so on CPU the layout is learned from the kernel (slot_map.py). A manager 
 slot ``t % kernel_tokens``. Indexing the view does the stride arithmetic, so
 every physical layout vLLM resolves works unchanged.
 
-Store payloads are layer-major (protocol/namespace.py, KVLayout): for n
-tokens, ``| layer 0: K[n,h,d] V[n,h,d] | layer 1: ... |``. A snapshot is the
-raw bytes of every Mamba layer's state block, layer after layer; those bytes
-mean whatever the installed vLLM's kernels make of them, so the namespace
-names the vLLM version whenever it carries state (connector.py).
+Store payloads are layer-major and head-major (protocol/namespace.py, KVLayout,
+hash scheme 2): for n tokens, ``| layer 0: K[H,n,d] V[H,n,d] | layer 1: ... |``
+over all the model's KV heads. A tensor-parallel rank moves its own heads
+(client/heads.py): the payload it reads, and the slice it contributes to a
+save, is the same with its h heads, ``K[h,n,d] V[h,n,d]`` per layer. A
+snapshot is every Mamba layer's state, layer after layer, each state tensor
+regrouped by head units (:class:`StateCodec`; a rank's units); a state this
+connector does not know to split is moved as the block's raw bytes, which
+mean whatever the installed vLLM's kernels make of them (the namespace then
+names the vLLM version).
 
 Why not gpu_staging.paged_kv.SequenceKV: that class owns one tensor in the
 reference engine's ``layers x pages x 2 x tokens x heads x dim`` layout; vLLM's
@@ -29,7 +34,7 @@ run time. The payload format and the staging discipline are the same.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +52,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2", torch.int8: "int8",
     torch.uint8: "uint8",
 }
+TORCH_DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 #: How an attention backend lays out one block of one head inside vLLM's [B, H, N, K ++ V] view.
@@ -199,11 +205,92 @@ class Payload:
     token_end: int
 
 
+class StateCodec:
+    """One Mamba layer's state block (vLLM packs a rank's state tensors back to back in it,
+    ``MambaBase.bind_kv_cache``) <-> the rank's units of the canonical snapshot layer: each tensor
+    as ``[channels or heads, ...]`` (a conv state vLLM keeps as window x channels is transposed),
+    its rows regrouped by unit (client/heads.py ``StateShards.canonical_rows``). Without shards,
+    the raw bytes (an opaque state, TP=1)."""
+
+    def __init__(self, tensors: Sequence[tuple[tuple[int, ...], torch.dtype, bool]],
+                 rows: Sequence[np.ndarray | None] | None = None) -> None:
+        self.tensors: list[tuple[int, int, torch.dtype, tuple[int, ...], bool, Tensor | None]] = []
+        """(byte offset in the block, bytes, dtype, shape, transposed, canonical rows or None)."""
+        offset = 0
+        for i, (shape, dtype, transposed) in enumerate(tensors):
+            nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+            perm = None if rows is None else rows[i]
+            if perm is not None and np.array_equal(perm, np.arange(len(perm))):
+                perm = None
+            self.tensors.append((offset, nbytes, dtype, tuple(shape), transposed,
+                                 None if perm is None else torch.from_numpy(perm)))
+            offset += nbytes
+        self.layer_bytes = offset
+        self.opaque = rows is None
+
+    def _views(self, block: Tensor) -> list[tuple[int, int, Tensor, Tensor | None]]:
+        """(offset, bytes, the tensor as [rows, rest...] over the block's bytes, rows) per tensor."""
+        out = []
+        for offset, nbytes, dtype, shape, transposed, rows in self.tensors:
+            t = block[offset : offset + nbytes].view(dtype).view(shape)
+            if transposed:
+                t = t.transpose(0, 1)
+            out.append((offset, nbytes, t, rows))
+        return out
+
+    def encode(self, block: Tensor, out: Tensor) -> None:
+        """The block's state (uint8, ``layer_bytes``) into ``out`` (uint8), canonical order."""
+        if self.opaque:
+            out.copy_(block[: self.layer_bytes])
+            return
+        for offset, nbytes, t, rows in self._views(block):
+            dst = out[offset : offset + nbytes].view(t.dtype).view(t.shape)
+            dst.copy_(t if rows is None else t[rows.to(t.device)])
+
+    def decode(self, src: Tensor, block: Tensor) -> None:
+        """The reverse: canonical bytes ``src`` into the block."""
+        if self.opaque:
+            block[: self.layer_bytes].copy_(src)
+            return
+        for offset, nbytes, t, rows in self._views(block):
+            canonical = src[offset : offset + nbytes].view(t.dtype).view(t.shape)
+            if rows is None:
+                t.copy_(canonical)
+            else:
+                t[rows.to(t.device)] = canonical
+
+
+def _groups(payloads: Sequence[Payload], start: int, payload_bytes: Callable[[int], int]
+            ) -> list[tuple[int, int, int, int, int]]:
+    """Runs of payloads one kernel op moves: (region offset, count, tokens each, first used token
+    within each, used tokens each), each a run of back-to-back payloads of equal length used whole,
+    or a single payload used in part (the first, cut by a local hit; the last, a stored child of
+    which only a prefix is the prompt's). Token ranges must follow one another."""
+    for prev, nxt in zip(payloads, payloads[1:]):
+        if prev.token_end != nxt.token_start:
+            raise ValueError(f"payloads: tokens {prev.token_end} and {nxt.token_start} are not adjacent")
+    out: list[tuple[int, int, int, int, int]] = []
+    for p in payloads:
+        lo = max(p.token_start, start) - p.token_start
+        used = p.token_end - p.token_start - lo
+        if used <= 0:
+            continue
+        whole = lo == 0 and used == p.num_tokens
+        if out and whole:
+            off, count, n, first, each = out[-1]
+            if first == 0 and each == n == p.num_tokens and off + count * payload_bytes(n) == p.offset:
+                out[-1] = (off, count + 1, n, 0, n)
+                continue
+        out.append((p.offset, 1, p.num_tokens, lo, used))
+    return out
+
+
 class VllmKV:
     """Every layer the connector moves: the attention layers (KV) and the Mamba layers (state) of
-    any number of KV cache groups, as the worker registered them."""
+    any number of KV cache groups, as the worker registered them (one rank's heads)."""
 
-    def __init__(self, attention: Sequence[AttentionLayer], state_views: Sequence[tuple[int, Tensor]] = ()) -> None:
+    def __init__(self, attention: Sequence[AttentionLayer], state_views: Sequence[tuple[int, Tensor]] = (),
+                 state_codec: StateCodec | None = None) -> None:
         if not attention:
             raise LayoutUnsupported("no attention layer to move")
         first = attention[0]
@@ -216,6 +303,13 @@ class VllmKV:
         self.attention = list(attention)
         self.state_views = list(state_views)
         """(group, view) of every Mamba layer, in snapshot order."""
+        if state_views and state_codec is None:
+            view = state_views[0][1]
+            state_codec = StateCodec([((view[0].numel(),), view.dtype, False)])
+        self.state_codec = state_codec
+        if state_codec is not None and state_views and \
+                state_codec.layer_bytes > state_views[0][1][0].numel() * state_views[0][1].element_size():
+            raise LayoutUnsupported("the Mamba views are smaller than the state tensors the spec names")
         self._scratch: dict[str, Tensor] = {}
 
     def scratch(self, purpose: str, shape: tuple[int, ...]) -> Tensor:
@@ -244,18 +338,22 @@ class VllmKV:
         return self.attention[0].view.dtype
 
     @property
+    def num_heads(self) -> int:
+        """This rank's KV heads (the canonical ones it holds)."""
+        return self.attention[0].num_heads
+
+    @property
     def layer_token_bytes(self) -> int:
+        """Bytes of one token in one layer of this rank's slice of a payload (its heads' K and V)."""
         return self.attention[0].token_bytes
 
     @property
     def state_layer_bytes(self) -> int:
-        if not self.state_views:
-            return 0
-        view = self.state_views[0][1]
-        return view[0].numel() * view.element_size()
+        return self.state_codec.layer_bytes if self.state_codec is not None and self.state_views else 0
 
     @property
     def snapshot_bytes(self) -> int:
+        """Bytes of this rank's slice of a snapshot (its state head units of every layer)."""
         return self.state_layer_bytes * len(self.state_views)
 
     # ------------------------------------------------------------ KV payloads
@@ -273,113 +371,92 @@ class VllmKV:
             bs = layer.block_size
             layer.zero(block_ids[layer.group], end, -(-end // bs) * bs)
 
-    def _payload_rows(self, payloads: Sequence[Payload], num_layers: int, start: int
-                      ) -> tuple[np.ndarray, int, int, int] | None:
-        """Where each token's K and V rows sit in a region of back-to-back payloads of
-        ``num_layers`` layers each (layer-major: per layer K[n] then V[n], a row being one token's
-        ``heads * head_dim`` elements), for the tokens from ``start`` on. Returns (rows
-        ``[layers, K|V, tokens]``, first token, number of tokens, rows the region spans), or None
-        when no token is used. Computed with numpy, which keeps the GIL (scatter_payloads)::
-
-            region:   | payload 0: layer a: K[n0] V[n0] | layer a+1: K V | ... | payload 1: ... |
-        """
-        if not payloads:
-            return None
-        first = self.attention[0]
-        row_bytes = first.num_heads * first.head_dim * first.view.element_size()
-        for prev, nxt in zip(payloads, payloads[1:]):
-            if prev.token_end != nxt.token_start:
-                raise ValueError(f"payloads: tokens {prev.token_end} and {nxt.token_start} are not adjacent")
-        offset = np.array([p.offset for p in payloads], dtype=np.int64)
-        if (offset % row_bytes).any():
-            raise ValueError("payloads: a payload not aligned to a token row")
-        n = np.array([p.num_tokens for p in payloads], dtype=np.int64)
-        s = np.array([p.token_start for p in payloads], dtype=np.int64)
-        a = np.maximum(s, start)
-        m = np.maximum(np.array([p.token_end for p in payloads], dtype=np.int64) - a, 0)
-        total = int(m.sum())
-        if total == 0:
-            return None
-        # Row of token a_i + k's K in the first layer, for every used token, payload after payload.
-        k_rows = np.repeat(offset // row_bytes + (a - s) - (np.cumsum(m) - m), m) + np.arange(total)
-        per = np.repeat(n, m)
-        planes = (2 * np.arange(num_layers)[:, None] + np.arange(2)[None, :]).reshape(num_layers, 2, 1)
-        rows = k_rows[None, None, :] + planes * per[None, None, :]
-        rows_end = int((offset // row_bytes + 2 * num_layers * n).max())
-        return rows, int(max(payloads[0].token_start, start)), total, rows_end
-
-    def _rows_view(self, region: Tensor, rows_end: int) -> Tensor:
-        first = self.attention[0]
-        nbytes = rows_end * first.num_heads * first.head_dim * first.view.element_size()
-        return region[:nbytes].view(self.dtype).view(rows_end, first.num_heads, first.head_dim)
+    def _payload_bytes(self, num_layers: int) -> Callable[[int], int]:
+        per = num_layers * self.layer_token_bytes
+        return lambda n: n * per
 
     def scatter_payloads(self, region: Tensor, payloads: Sequence[Payload], layer_start: int, layer_end: int,
                          block_ids: Sequence[BlockTable], start: int) -> None:
         """Write into the blocks the KV of payloads that sit in ``region`` (uint8): each holds
-        layers [layer_start, layer_end) of its tokens, layer-major, and the payloads' token ranges
-        follow one another. Tokens from ``start`` on are written (a local hit may end inside the
-        first payload).
+        layers [layer_start, layer_end) of its tokens for this rank's heads, head-major
+        (``[layer][K|V][head][token][dim]``), and the payloads' token ranges follow one another.
+        Tokens from ``start`` on are written (a local hit may end inside the first payload).
 
-        A load of 2,239 tokens is 140 payloads of 16 tokens; written one by one that was a dozen
-        torch ops each, per layer, and every torch op lets go of the GIL, which vLLM's engine
-        loop may then hold until the switch interval (5 ms) takes it back (client/vllm/worker.py,
-        docs/vllm.md). Here it is one gather out of the region for every layer at once, then one
-        index op for K and one for V per layer."""
-        where = self._payload_rows(payloads, layer_end - layer_start, start)
-        if where is None:
+        Few torch ops, whatever the number of payloads: every torch op lets go of the GIL, which
+        vLLM's engine loop may then hold until the switch interval (5 ms) takes it back
+        (client/vllm/worker.py, docs/vllm.md). A run of back-to-back payloads of one length is one
+        permuting copy into token order (``[layers, K|V, tokens, heads, dim]``); a payload used in
+        part is one more; then one index op for K and one for V per layer."""
+        num_layers = layer_end - layer_start
+        groups = _groups(payloads, start, self._payload_bytes(num_layers))
+        if not groups:
             return
-        rows, token_from, total, rows_end = where
-        src = self._rows_view(region, rows_end)
-        first = self.attention[0]
-        kv = self.scratch("load", (rows.shape[0], 2, total, first.num_heads, first.head_dim))  # layers, K|V, tokens
-        flat_rows = torch.from_numpy(rows.reshape(-1)).to(src.device)
-        torch.index_select(src, 0, flat_rows, out=kv.view(-1, first.num_heads, first.head_dim))
+        h, d = self.num_heads, self.attention[0].head_dim
+        total = sum(count * used for _, count, _, _, used in groups)
+        kv = self.scratch("load", (num_layers, 2, total, h, d))
+        pos = 0
+        for offset, count, n, first, used in groups:
+            nbytes = count * n * num_layers * self.layer_token_bytes
+            src = region[offset : offset + nbytes].view(self.dtype).view(count, num_layers, 2, h, n, d)
+            src = src[..., first : first + used, :]
+            dst = kv[:, :, pos : pos + count * used].view(num_layers, 2, count, used, h, d)
+            dst.copy_(src.permute(1, 2, 0, 4, 3, 5))
+            pos += count * used
+        token_from = max(payloads[0].token_start, start)
         slots: dict[int, TokenIndex] = {}
-        for i in range(layer_end - layer_start):
+        for i in range(num_layers):
             att = self.attention[layer_start + i]
             if att.group not in slots:
                 slots[att.group] = att.token_index(block_ids[att.group], token_from, token_from + total)
             att.put(slots[att.group], kv[i])
 
     def gather_payloads(self, out: Tensor, payloads: Sequence[Payload], block_ids: Sequence[BlockTable]) -> None:
-        """The reverse, for saves: write into ``out`` (uint8) the payloads, every layer, of tokens
-        that follow one another; each payload carries all its tokens (``num_tokens`` equals
-        ``token_end - token_start``). Two index ops per layer out of the blocks, then one into
-        ``out``, where a payload at a time took a dozen per payload and layer (a prompt-end save
-        runs in the step that computes the prompt's first token)."""
+        """The reverse, for saves: write into ``out`` (uint8) the payloads, every layer, this rank's
+        heads, of tokens that follow one another; each payload carries all its tokens
+        (``num_tokens`` equals ``token_end - token_start``). Two index ops per layer out of the
+        blocks, then one permuting copy per run of equal-length payloads into ``out`` (a
+        prompt-end save runs in the step that computes the prompt's first token)."""
         for p in payloads:
             if p.num_tokens != p.token_end - p.token_start:
                 raise ValueError("gather_payloads: a save's payload carries all its tokens")
-        where = self._payload_rows(payloads, len(self.attention), 0)
-        if where is None:
+        num_layers = len(self.attention)
+        groups = _groups(payloads, 0, self._payload_bytes(num_layers))
+        if not groups:
             return
-        rows, token_from, total, rows_end = where
-        first = self.attention[0]
-        kv = self.scratch("save", (len(self.attention), 2, total, first.num_heads, first.head_dim))
+        h, d = self.num_heads, self.attention[0].head_dim
+        total = sum(count * used for _, count, _, _, used in groups)
+        token_from = payloads[0].token_start
+        kv = self.scratch("save", (num_layers, 2, total, h, d))
         slots: dict[int, TokenIndex] = {}
         for i, att in enumerate(self.attention):
             if att.group not in slots:
                 slots[att.group] = att.token_index(block_ids[att.group], token_from, token_from + total)
             att.take(slots[att.group], kv[i])
-        dst = self._rows_view(out, rows_end)
-        dst.index_copy_(0, torch.from_numpy(rows.reshape(-1)).to(dst.device),
-                        kv.to(dst.device).view(-1, first.num_heads, first.head_dim))
+        pos = 0
+        for offset, count, n, _, _ in groups:
+            nbytes = count * n * num_layers * self.layer_token_bytes
+            dst = out[offset : offset + nbytes].view(self.dtype).view(count, num_layers, 2, h, n, d)
+            src = kv[:, :, pos : pos + count * n].view(num_layers, 2, count, n, h, d)
+            dst.copy_(src.permute(2, 0, 1, 4, 3, 5).to(dst.device))
+            pos += count * n
 
     # ------------------------------------------------------------ state snapshots
 
     def gather_state(self, out: Tensor, block_ids: Sequence[Sequence[int]], index: int) -> None:
         """Every Mamba layer's state in block ``block_ids[group][index]``, layer after layer, into
-        ``out`` (uint8)."""
+        ``out`` (uint8), in the canonical order (this rank's units)."""
+        assert self.state_codec is not None
         n = self.state_layer_bytes
         for i, (group, view) in enumerate(self.state_views):
-            out[i * n : (i + 1) * n].copy_(view[block_ids[group][index]].reshape(-1).view(torch.uint8))
+            self.state_codec.encode(view[block_ids[group][index]].reshape(-1).view(torch.uint8), out[i * n : (i + 1) * n])
 
     def scatter_state(self, src: Tensor, block_ids: Sequence[Sequence[int]], index: int) -> None:
+        assert self.state_codec is not None
         n = self.state_layer_bytes
         for i, (group, view) in enumerate(self.state_views):
-            block = view[block_ids[group][index]]
-            block.copy_(src[i * n : (i + 1) * n].view(view.dtype).view(block.shape))
+            block = view[block_ids[group][index]].reshape(-1).view(torch.uint8)
+            self.state_codec.decode(src[i * n : (i + 1) * n], block)
 
 
-__all__ = ["DTYPE_NAMES", "TOKEN_LAYOUTS", "AttentionLayer", "BlockTable", "LayoutUnsupported", "Payload",
-           "TokenIndex", "VllmKV", "learn_cpu_layout"]
+__all__ = ["DTYPE_NAMES", "TORCH_DTYPES", "TOKEN_LAYOUTS", "AttentionLayer", "BlockTable", "LayoutUnsupported", "Payload",
+           "StateCodec", "TokenIndex", "VllmKV", "learn_cpu_layout"]

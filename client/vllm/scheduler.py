@@ -1,7 +1,7 @@
-"""The connector's scheduler side: one lookup per request (every tensor-parallel rank's
-namespace), load plans for what the store adds beyond the engine's local hit, save plans at
-prompt ends, at junctions the store hints, and at request ends (see client/vllm/connector.py
-for the whole life of a request)."""
+"""The connector's scheduler side: one lookup per request (one namespace for every
+tensor-parallel rank: the layout names the model's heads, not a rank's), load plans for what the
+store adds beyond the engine's local hit, save plans at prompt ends, at junctions the store
+hints, and at request ends (see client/vllm/connector.py for the whole life of a request)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import numpy as np
 
 from ...protocol.keys import Origin
 from ..client import PrefixClient
+from ..pagekeys import SALT_PREFIX
 from ..results import LookupResult
-from .loop import ClientLoop
 from .costs import CostFigures
-from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for
+from .loop import ClientLoop
+from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for, store_prompt
 from .settings import ConnectorSettings
 from .stats import RateLimitedLog, StatsBox
 
@@ -33,11 +34,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Rounds of per-rank lookups, each over the prefix the previous one agreed on, before a hybrid
-#: model's ranks are taken to share no state boundary (they save the same boundaries, so one
-#: round is the rule and a second one follows an eviction on one rank).
-TP_LOOKUP_ROUNDS = 3
-
+PD_PARAMS = "prefixstore"
+"""The key of ``kv_transfer_params`` under which a prefill instance tells the decode instance what it
+saved (namespace, kv_tokens, state_tokens): vLLM carries the dict from the prefill response to the
+decode request (its disaggregation proxy copies it), the other keys are vLLM's own."""
+PD_TRUNCATED = "prefixstore_truncated"
+"""Set in a prefill request's ``kv_transfer_params`` once its prompt lost its last token (a request
+preempted and scheduled again is not cut twice)."""
 
 def keyable(request: Request) -> bool:
     """Whether the token ids alone identify this request's KV (else: neither load nor save)."""
@@ -49,7 +52,7 @@ def extra_keys(request: Request) -> list[bytes]:
     # vLLM isolates prefix caching by cache_salt; so does the store: the salt keys block 0, and
     # every later block chains from it.
     salt = getattr(request, "cache_salt", None)
-    return [b"salt:" + salt.encode()] if salt else []
+    return [SALT_PREFIX + salt.encode()] if salt else []
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -76,14 +79,22 @@ class PrefixStoreScheduler:
         """Draft tokens run through the model: decode-phase Mamba blocks then hold draft states
         (vLLM picks the accepted one on the worker, at the next step), so no decode-phase
         snapshot is ever offered; prefill-phase ones (prompt end, junction) still are."""
+        role = vllm_config.kv_transfer_config.kv_role if vllm_config.kv_transfer_config is not None else None
+        self.loads = settings.load and role != "kv_producer"
+        """Whether this engine loads: not a prefill instance (``kv_producer``) of a disaggregated pair."""
+        self.saves = settings.save and role != "kv_consumer"
+        """Whether this engine saves: not a decode instance (``kv_consumer``)."""
+        self.namespace = namespace_for(vllm_config, groups, settings)
+        self._promised: dict[str, int] = {}  # req -> tokens a prefill instance said it saved (decode side)
         self._loop: ClientLoop | None = None
-        self._clients: list[PrefixClient] = []  # one per tensor-parallel rank's namespace
+        self._client: PrefixClient | None = None
         self._lookups: dict[str, tuple[LookupResult, int, int]] = {}  # req -> (lookup, local hit, loadable)
         self._store_start: dict[str, int] = {}  # req -> tokens loaded from the store (save start)
         self._loads: list[LoadPlan] = []
         self._saves: list[SavePlan] = []
         self._requests: dict[str, Request] = {}  # live requests (on_new_request .. finished)
         self._saved_upto: dict[str, int] = {}  # req -> tokens a prompt-end save covered
+        self._saved_state: dict[str, int] = {}  # req -> the largest snapshot boundary it covered
         self._copied_upto: dict[str, int] = {}  # req -> tokens earlier saves of it copied out of its blocks
         self._junctions: dict[str, int] = {}  # req -> the junction a prefill chunk ends at (checkpoint_hint)
         self._in_flight: dict[str, tuple[np.ndarray, list[bytes], float]] = {}  # save id -> (tokens, extra keys, planned at)
@@ -119,17 +130,16 @@ class PrefixStoreScheduler:
 
     def shutdown(self) -> None:
         if self._loop is not None:
-            self._loop.close(*self._clients)
-            self._loop, self._clients = None, []
+            self._loop.close(self._client)
+            self._loop, self._client = None, None
 
     # ------------------------------------------------------------ lookups
 
-    def _lookup_clients(self) -> tuple[ClientLoop, list[PrefixClient]]:
-        if self._loop is None:
+    def _lookup_client(self) -> tuple[ClientLoop, PrefixClient]:
+        if self._loop is None or self._client is None:
             self._loop = ClientLoop()
-            self._clients = [PrefixClient(namespace_for(self._vllm_config, self.groups, self.settings, rank),
-                                          self.settings.client) for rank in range(self.tp_size)]
-        return self._loop, self._clients
+            self._client = PrefixClient(self.namespace, self.settings.client)
+        return self._loop, self._client
 
     def loadable_tokens(self, lookup: LookupResult) -> int:
         """How much of one rank's lookup the engine can take: KV alone on a plain transformer; on
@@ -145,40 +155,24 @@ class PrefixStoreScheduler:
         return lookup.state_tokens
 
     def lookup(self, tokens: Sequence[int], extra: list[bytes]) -> tuple[LookupResult, int]:
-        """Rank 0's lookup and the tokens every rank can load: a rank never loads a prefix
-        another rank's shard lacks. Plain models: the least KV over ranks (KV is causal, so any
-        shorter prefix is there too). Hybrid: a state boundary every rank holds; if the ranks'
-        largest ones differ, they are asked again for the prefix up to the least of them."""
-        loop, clients = self._lookup_clients()
-        deadline = time.monotonic() + self.settings.lookup_timeout_s
-
-        async def ask(upto: int) -> list[LookupResult]:
-            return list(await asyncio.gather(*(c.lookup(c.prompt(tokens[:upto], extra), lease=False)
-                                               for c in clients)))
-
-        def answer(upto: int) -> list[LookupResult] | None:
+        """The store's answer for ``tokens`` and the tokens the engine can load: one lookup
+        whatever the tensor-parallel size (every rank reads its own heads of the same entries;
+        before the canonical layout, one per rank's namespace, and a rank's shard could lack what
+        another's held). Bounded by ``lookup_timeout_s``: the engine's scheduler waits for it."""
+        loop, client = self._lookup_client()
+        prompt = store_prompt(client, self.settings.keys, tokens, extra)
+        future = loop.submit(client.lookup(prompt, lease=False))
+        try:
+            result: LookupResult = future.result(timeout=self.settings.lookup_timeout_s)
+        except concurrent.futures.TimeoutError:
             # The engine's scheduler waits for this answer, and every request of the engine with
             # it: a store slower than lookup_timeout_s is a miss, not a stalled engine.
-            future = loop.submit(ask(upto))
-            try:
-                return list(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-                self._stats.count("lookup_timeouts")
-                self._log.warning("prefixstore lookup took longer than lookup_timeout_s (%g s): a miss",
-                                  self.settings.lookup_timeout_s)
-                return None
-
-        results = answer(len(tokens))
-        for _ in range(TP_LOOKUP_ROUNDS):
-            if results is None:
-                return LookupResult(prompt=clients[0].prompt(tokens, extra), ok=False), 0
-            each = [self.loadable_tokens(r) for r in results]
-            least = min(each)
-            if least == max(each) or not self.groups.hybrid or least == 0:
-                return results[0], least
-            results = answer(least)
-        return results[0] if results is not None else LookupResult(prompt=clients[0].prompt(tokens, extra), ok=False), 0
+            future.cancel()
+            self._stats.count("lookup_timeouts")
+            self._log.warning("prefixstore lookup took longer than lookup_timeout_s (%g s): a miss",
+                              self.settings.lookup_timeout_s)
+            return LookupResult(prompt=prompt, ok=False), 0
+        return result, self.loadable_tokens(result)
 
     def _save_in_flight_extends(self, req_id: str, tokens: Sequence[int], extra: list[bytes], local: int) -> bool:
         """Whether the lookup of ``req_id`` waits (vLLM asks again next step) for a save this engine
@@ -221,9 +215,16 @@ class PrefixStoreScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """One lookup (counted by the store, never changing a later answer); the tokens the store
         adds beyond the engine's local hit. Asked again for the same request, the first answer.
-        None (vLLM asks again next step) while a save in flight would lengthen the answer."""
+        None (vLLM asks again next step) while a save in flight would lengthen the answer.
+
+        On a decode instance (prefill/decode disaggregation), a request whose prefill instance
+        said what it saved (``kv_transfer_params``, :meth:`request_finished`) is promised that
+        much: if the store does not hold it yet (the prefill's save may still be on its way, or the
+        lookup was slower than ``lookup_timeout_s``), the load is planned anyway, asynchronous, and
+        waits for the commit on the worker (bounded by ``commit_wait_s``, then vLLM recomputes):
+        never a race with the prefill instance."""
         memo = self._lookups.pop(request.request_id, None)
-        if (not self.settings.load or not keyable(request) or self.refused is not None
+        if (not self.loads or not keyable(request) or self.refused is not None
                 or request.request_id in self._failed_loads):
             return 0, False
         tokens = request.all_token_ids[: request.num_tokens - 1]  # the last token is always computed
@@ -238,19 +239,49 @@ class PrefixStoreScheduler:
                 self._stats.count("save_waits")
                 return None, False
             lookup, loadable = self.lookup(tokens, extra_keys(request))
+            promised = self._promise(request, len(tokens))
+            # Even when this lookup failed or timed out: a store busy taking the prefill's put
+            # answers late (lookup_timeout_s bounds the scheduler, not the worker); the worker's
+            # wait ends at its first failed poll, so a store that is down costs one round trip.
+            if promised > loadable and self.settings.commit_wait_s > 0:
+                self._promised[request.request_id] = promised
+                loadable = promised
+            # A prefill instance's promise (stored yet or not) is loaded whatever it costs:
+            # computing the prompt is the prefill's work, and a decode instance recomputing it
+            # would undo the split. Decided once per request: asked again, the first answer.
+            if (loadable > num_computed_tokens and self.groups.hybrid and not promised
+                    and self.settings.load_policy == "when_faster"):
+                for key, value in self.costs.as_us().items():  # what the decision used, for the operator
+                    self._stats.set(key, value)
+                if not self.costs.load_pays(loadable - num_computed_tokens):
+                    # An asynchronous load of this many tokens would not beat recomputing them here.
+                    self._stats.count("loads_skipped")
+                    loadable = num_computed_tokens
         extra = loadable - num_computed_tokens
-        if extra > 0 and self.groups.hybrid and self.settings.load_policy == "when_faster":
-            for key, value in self.costs.as_us().items():  # what the decision used, for the operator
-                self._stats.set(key, value)
-            if not self.costs.load_pays(extra):
-                # An asynchronous load of this many tokens would not beat recomputing them here.
-                self._stats.count("loads_skipped")
-                loadable, extra = num_computed_tokens, 0
         self._lookups[request.request_id] = (lookup, num_computed_tokens, loadable)
         self._plan_junction(request, lookup, max(loadable, num_computed_tokens))
         if extra <= 0:
             return 0, False
-        return extra, self.groups.hybrid
+        return extra, self.groups.hybrid or request.request_id in self._promised
+
+    def _promise(self, request: Request, num_tokens: int) -> int:
+        """The tokens [0, t) a prefill instance said it saved for this request, that this engine can
+        take (a state boundary on a hybrid model, any prefix of the KV on a plain one); 0 without
+        a promise, or one made in another namespace (a misconfigured pair: counted, never waited on)."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        promise = params.get(PD_PARAMS) if params.get("do_remote_prefill") else None
+        if not isinstance(promise, dict):
+            return 0
+        if promise.get("namespace") != self.namespace.id_hex:
+            self._stats.count("pd_namespace_mismatches")
+            self._log.warning("prefixstore: the prefill instance saved in namespace %s, this engine keys %s "
+                              "(model_id, dtype, block_tokens or keys differ): recomputing",
+                              promise.get("namespace"), self.namespace.id_hex)
+            return 0
+        kv, state = int(promise.get("kv_tokens", 0)), int(promise.get("state_tokens", 0))
+        if self.groups.hybrid:
+            return state if 0 < state <= min(kv, num_tokens) else 0
+        return min(kv, num_tokens)
 
     def _plan_junction(self, request: Request, lookup: LookupResult, start: int) -> None:
         """checkpoint_hint: the store has seen the prefix ending at ``hint`` twice without a state
@@ -262,7 +293,7 @@ class PrefixStoreScheduler:
         snapshots there; elsewhere a chunk ending at another token would give a state the store
         did not ask for, and the hint is counted (``junctions_off_grid``), not followed."""
         hint = lookup.checkpoint_hint
-        if (not self.groups.hybrid or not self.settings.save or not lookup.ok
+        if (not self.groups.hybrid or not self.saves or not lookup.ok
                 or not start < hint < request.num_prompt_tokens):
             return
         grid = self.groups.state_block_tokens
@@ -292,14 +323,30 @@ class PrefixStoreScheduler:
             state_index = self.groups.state_index(end)
         B = self.settings.block_tokens
         self._store_start[request.request_id] = min(lookup.matched_blocks, end // B) * B
-        if self.groups.hybrid:
+        waits = self._promised.pop(request.request_id, None) is not None
+        is_async = self.groups.hybrid or waits
+        if is_async:
             self._loading.add(request.request_id)
+        if waits:
+            self._stats.count("commit_waits")
         self._loads.append(LoadPlan(req_id=request.request_id, lookup=lookup, start=local, end=end,
                                     block_ids=blocks.get_block_ids(), state_index=state_index,
-                                    is_async=self.groups.hybrid))
+                                    is_async=is_async, tokens=tuple(request.all_token_ids[:end]), commit_wait=waits))
 
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if self.saves and self.groups.hybrid and params.get("do_remote_decode") and not params.get(PD_TRUNCATED) \
+                and request.num_prompt_tokens > 1 and request.prompt_token_ids is not None:
+            # A prefill instance of a hybrid model stops one token short: the decode instance
+            # computes the prompt's last token itself (its logits are the first answer), so it
+            # needs the state *before* that token, h(N-1), which no chunk of a whole prefill
+            # leaves behind. vLLM's own NIXL connector does the same (``_truncate_request_for_prefill``).
+            del request.prompt_token_ids[-1]
+            del request._all_token_ids[-1]
+            request.num_prompt_tokens -= 1
+            request.max_tokens = 1
+            params[PD_TRUNCATED] = True
 
     # ------------------------------------------------------------ saves
 
@@ -350,6 +397,7 @@ class PrefixStoreScheduler:
                                start_at=self._copied_upto.get(req_id, 0))
         if plan is not None:
             self._saved_upto[req_id] = len(plan.tokens)
+            self._saved_state[req_id] = max(plan.snapshots, default=0)
             self._copied_upto[req_id] = len(plan.tokens)
             self._queue(plan)
 
@@ -362,15 +410,37 @@ class PrefixStoreScheduler:
         self._lookups.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._junctions.pop(req_id, None)
+        self._promised.pop(req_id, None)
         self._failed_loads.discard(req_id)
         self._wait_since.pop(req_id, None)
         copied = self._copied_upto.pop(req_id, 0)
         saved = self._saved_upto.pop(req_id, 0)
+        state = self._saved_state.pop(req_id, 0)
+        plan = self._finish(request, block_ids, saved, copied)
+        if plan is not None:
+            saved, state = len(plan.tokens), max(state, max(plan.snapshots, default=0))
+        return plan is not None, self._handoff(request, saved, state)
+
+    def _handoff(self, request: Request, saved: int, state: int) -> dict[str, Any] | None:
+        """On a prefill instance (a request vLLM's disaggregation proxy sent with
+        ``do_remote_decode``), what the decode instance needs, returned in the response's
+        ``kv_transfer_params``: the store holds (or is committing) KV [0, kv_tokens) and the state
+        at ``state_tokens`` in ``namespace``; the decode instance loads them, waiting for the commit."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if not params.get("do_remote_decode"):
+            return None
+        promise: dict[str, object] = {"namespace": self.namespace.id_hex, "kv_tokens": saved, "state_tokens": state}
+        return {"do_remote_prefill": True, "do_remote_decode": False, PD_PARAMS: promise if saved else None}
+
+    def _finish(self, request: Request, block_ids: tuple[list[int], ...], saved: int, copied: int) -> SavePlan | None:
+        """Plan the request-end save (None: nothing beyond what the prompt-end save covered);
+        ``copied``: the tokens earlier saves of it copied out of its blocks."""
+        req_id = request.request_id
         if req_id in self._loading or self.refused is not None:
             # Finished while its load is in flight (its blocks hold nothing computed, and vLLM frees
             # them when the load is reported), or nothing is saved any more.
             self._store_start.pop(req_id, None)
-            return False, None
+            return None
         computed = min(request.num_computed_tokens, len(request.all_token_ids))
         # The running state is that of num_computed_tokens, all of them known tokens the model
         # accepted: not with drafts (speculative decoding leaves draft states in the decode-phase
@@ -378,7 +448,7 @@ class PrefixStoreScheduler:
         # still a placeholder (async scheduling).
         exact = (not self.speculative and request.num_output_placeholders == 0
                  and not request.spec_token_ids and computed == request.num_computed_tokens)
-        if self.groups.hybrid and not exact and computed > saved:
+        if self.groups.hybrid and not exact and computed > saved and self.saves:
             self._stats.count("snapshots_withheld")
         snapshots: dict[int, Origin] = {}
         if not self.speculative:
@@ -394,9 +464,9 @@ class PrefixStoreScheduler:
                                start_at=copied)
         self._store_start.pop(req_id, None)
         if plan is None or len(plan.tokens) <= saved:
-            return False, None  # nothing beyond what the prompt-end save covered
+            return None  # nothing beyond what the prompt-end save covered
         self._queue(plan)
-        return True, None
+        return plan
 
     def _queue(self, plan: SavePlan) -> None:
         self._saves.append(plan)
@@ -435,7 +505,7 @@ class PrefixStoreScheduler:
         boundary of ``snapshots`` (0 ignored) whose Mamba block vLLM still holds, each offered with
         its origin: the prompt end, the generation end, a hinted junction, or a state on vLLM's
         block grid (PERIODIC: vLLM's own prefix cache keeps states every block_size tokens)."""
-        if not self.settings.save:
+        if not self.saves:
             return None
         if not keyable(request):
             self._stats.count("skipped_requests")
@@ -458,4 +528,4 @@ class PrefixStoreScheduler:
                         block_ids=tuple(list(b) for b in block_ids), snapshots=tuple(kept),
                         origins={t: int(snapshots[t]) for t in kept}, extra_keys=extra_keys(request), hold=hold)
 
-__all__ = ["PrefixStoreScheduler", "TP_LOOKUP_ROUNDS", "common_prefix", "extra_keys", "keyable"]
+__all__ = ["PD_PARAMS", "PD_TRUNCATED", "PrefixStoreScheduler", "common_prefix", "extra_keys", "keyable"]

@@ -22,6 +22,8 @@ from ..config import ClientConfig
 
 ReuseMode = Literal["exact", "replay"]
 REUSE_MODES: tuple[ReuseMode, ...] = ("exact", "replay")
+KeySpace = Literal["tokens", "sglang-pages"]
+KEY_SPACES: tuple[KeySpace, ...] = ("tokens", "sglang-pages")
 LoadPolicy = Literal["when_faster", "always"]
 LOAD_POLICIES: tuple[LoadPolicy, ...] = ("when_faster", "always")
 
@@ -52,7 +54,8 @@ class ConnectorSettings:
     """when_faster: load only where the engine's measured figures say a load (and the step that
     reports it) beats recomputing the same tokens (client/vllm/costs.py; a small model recomputes
     a short hit faster than a hybrid load returns); skipped loads are counted (``loads_skipped``).
-    always: load every hit."""
+    A decode instance's load of what its prefill instance saved (``commit_wait_s``) is made under
+    either: recomputing it would undo the split. always: load every hit."""
     save: bool = True
     """Offer finished requests' KV (and snapshots) to the store."""
     save_wait_s: float = 2.0
@@ -73,6 +76,18 @@ class ConnectorSettings:
     load_timeout_s: float = 30.0
     """Longest a load may take. Past it the load fails as a whole and vLLM recomputes the request:
     a request waiting for its remote KV, or a forward pass waiting for a layer, never waits longer."""
+    commit_wait_s: float = 5.0
+    """Prefill/decode disaggregation, on the decode instance: longest a load waits for the prefill
+    instance's save to be committed (its response, through vLLM's ``kv_transfer_params``, says
+    what it saved; it returns while that save may still be on its way). Past it the load fails
+    and vLLM recomputes; the waits are counted (``commit_waits``, ``commit_wait_timeouts``,
+    ``commit_wait_ms``). 0: never wait (a request arriving before the commit recomputes)."""
+    keys: KeySpace = "tokens"
+    """How blocks are keyed. tokens: by their token ids (every vLLM engine of the namespace shares
+    them, matches end at any token). sglang-pages: by SGLang's page keys (SHA-256 over token ids,
+    computed here), the keyspace SGLang's HiCache backend stores in, so vLLM and SGLang engines of
+    the same model, dtype and page size share one cache (``block_tokens`` must be SGLang's
+    ``--page-size``; docs/sglang.md); matches still end at any token among vLLM engines."""
     idle_wait_s: float = 0.005
     """Longest an engine step that computes nothing waits for a load or save of the worker's in
     flight to end. Such a step is vLLM's engine loop spinning while a request waits for its remote
@@ -93,15 +108,18 @@ class ConnectorSettings:
     def __post_init__(self) -> None:
         if self.mode not in REUSE_MODES:
             raise ValueError(f"mode: {self.mode!r} is not one of {list(REUSE_MODES)}")
+        if self.keys not in KEY_SPACES:
+            raise ValueError(f"keys: {self.keys!r} is not one of {list(KEY_SPACES)}")
         if self.load_policy not in LOAD_POLICIES:
             raise ValueError(f"load_policy: {self.load_policy!r} is not one of {list(LOAD_POLICIES)}")
         for name in ("block_tokens", "staging_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if (not isinstance(self.save_wait_s, (int, float)) or isinstance(self.save_wait_s, bool)
-                or not 0 <= self.save_wait_s <= 600):
-            raise ValueError(f"save_wait_s: must be a number of seconds in [0, 600], got {self.save_wait_s!r}")
+        for name in ("save_wait_s", "commit_wait_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 600:
+                raise ValueError(f"{name}: must be a number of seconds in [0, 600], got {value!r}")
         for name in ("lookup_timeout_s", "save_timeout_s", "load_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:
@@ -163,4 +181,4 @@ def _urls(kwargs: dict[str, object], fields: Mapping[str, dataclasses.Field[obje
                          "with a member list (ClientConfig has none)")
 
 
-__all__ = ["LOAD_POLICIES", "REUSE_MODES", "ConnectorSettings", "LoadPolicy", "ReuseMode"]
+__all__ = ["KEY_SPACES", "LOAD_POLICIES", "REUSE_MODES", "ConnectorSettings", "KeySpace", "LoadPolicy", "ReuseMode"]

@@ -17,12 +17,14 @@ if TYPE_CHECKING:
 STAT_KEYS = ("lookups", "lookup_failures", "lookup_timeouts", "query_tokens", "kv_hit_tokens", "state_hit_tokens", "loaded_tokens",
              "load_failures", "loaded_bytes", "saves", "saved_items", "saved_bytes", "dropped_items", "saves_dropped",
              "skipped_requests", "save_waits", "save_waits_ended", "junction_stops", "junctions_off_grid", "snapshots_withheld",
-             "loads_skipped")
+             "loads_skipped", "commit_waits", "commit_wait_timeouts", "commit_wait_polls", "commit_wait_ms",
+             "pd_namespace_mismatches")
 
 #: The counters ``prefixstore_vllm_events_total{event=...}`` carries (the rest are tokens and bytes).
 EVENT_KEYS = ("lookups", "lookup_failures", "lookup_timeouts", "load_failures", "saves", "saved_items", "dropped_items", "saves_dropped",
               "skipped_requests", "save_waits", "save_waits_ended", "junction_stops", "junctions_off_grid",
-              "snapshots_withheld", "loads_skipped")
+              "snapshots_withheld", "loads_skipped", "commit_waits", "commit_wait_timeouts", "commit_wait_polls",
+              "pd_namespace_mismatches")
 
 
 #: The cost figures a load decision used (client/vllm/costs.py), in microseconds, reported with the
@@ -104,6 +106,16 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
         self._events: dict[tuple[int, str], Any] = {
             (idx, key): events.labels(*values, key)
             for idx, values in per_engine_labelvalues.items() for key in self._events_keys}
+        loaded = self._counter_cls(name="prefixstore_vllm_loaded_tokens_total",
+                                   documentation="Prompt tokens loads wrote into vLLM's blocks (KV, and the state "
+                                                 "after them on a hybrid model), so not computed.",
+                                   labelnames=labelnames)
+        self._loaded: dict[int, Any] = {idx: loaded.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        waited = self._counter_cls(name="prefixstore_vllm_commit_wait_seconds_total",
+                                   documentation="Seconds a decode instance's loads waited for the prefill instance's "
+                                                 "save to be committed (prefill/decode disaggregation).",
+                                   labelnames=labelnames)
+        self._waited: dict[int, Any] = {idx: waited.labels(*values) for idx, values in per_engine_labelvalues.items()}
         moved = self._counter_cls(name="prefixstore_vllm_transfer_bytes_total",
                                   documentation="Payload bytes moved between vLLM and prefixstore.",
                                   labelnames=[*labelnames, "direction"])
@@ -129,7 +141,7 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
         self._costs: dict[tuple[int, str], Any] = {
             (idx, key): costs.labels(*values, figure)
             for idx, values in per_engine_labelvalues.items() for key, figure in COST_KEYS.items()}
-        PrefixStorePromMetrics._collectors = [tokens, events, moved, steps, step_s, costs]
+        PrefixStorePromMetrics._collectors = [tokens, events, loaded, waited, moved, steps, step_s, costs]
 
     @classmethod
     def _unregister_previous(cls) -> None:
@@ -150,6 +162,8 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
             self._tokens[(engine_idx, kind, "miss")].inc(max(q - hits, 0))
         for key in self._events_keys:
             self._events[(engine_idx, key)].inc(d.get(key, 0))
+        self._loaded[engine_idx].inc(d.get("loaded_tokens", 0))
+        self._waited[engine_idx].inc(d.get("commit_wait_ms", 0) / 1e3)
         self._bytes[(engine_idx, "load")].inc(d.get("loaded_bytes", 0))
         self._bytes[(engine_idx, "save")].inc(d.get("saved_bytes", 0))
         for key, value in d.items():

@@ -19,13 +19,17 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from ...protocol.namespace import Namespace
 from ..client import PrefixClient
-from .loop import ClientLoop
+from ..heads import head_owners, kv_heads
+from ..prompt import Prompt
 from .costs import CostFigures, CostMeter
-from .layout import AttentionLayer, LayoutUnsupported, Payload, VllmKV, learn_cpu_layout
-from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for
+from .loop import ClientLoop
+from .layout import TORCH_DTYPES, AttentionLayer, LayoutUnsupported, Payload, StateCodec, VllmKV, learn_cpu_layout
+from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for, store_prompt
 from .settings import ConnectorSettings
 from .stats import RateLimitedLog, StatsBox, decode_step_keys
+from .tp import TpGroup, vllm_tp_group
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,6 +68,8 @@ class BufferPool:
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes and b.device == device]
             if fits:
+                # By position: list.remove compares tensors with ==, elementwise, and raises on
+                # buffers of another size ahead of the one taken.
                 best = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                 return best[:nbytes]
         with torch.inference_mode(False):  # usable on any thread (see layout.VllmKV.scratch)
@@ -129,6 +135,13 @@ class PrefixStoreWorker:
         """(started, requests, tokens, load in flight) of the step in progress (begin_step)."""
         self._started: tuple[PrefixStoreMetadata | None, set[int]] = (None, set())
         """(this step's plans, the ids of its loads already started): a load starts once per step."""
+        self.tp: TpGroup | None = None
+        """This worker's tensor-parallel group (vLLM's, found at registration; a documented seam:
+        tests join two workers in one process with their own)."""
+        self.heads: tuple[int, int] = (0, 0)
+        """The canonical KV heads [start, end) this rank holds (client/heads.py)."""
+        self.state_units: tuple[int, int] | None = None
+        """The canonical state head units this rank holds; None: an opaque state, moved whole."""
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for saves and asynchronous loads in flight (shutdown; tests). Their outcomes are
@@ -166,29 +179,44 @@ class PrefixStoreWorker:
         """Take the engine's KV views; allocate the staging region once."""
         if self.groups is None:
             return
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
         from ...gpu_staging.staging import StagingBuffer
 
+        groups = self.groups
+        ok = True
         try:
-            tp_rank = get_tensor_model_parallel_rank()
-        except Exception:  # noqa: BLE001 -- no model-parallel group (a test, one process)
-            tp_rank = 0
-        try:
-            names = [name for _, group_names, _ in self.groups.attention for name in group_names]
+            if self.tp is None:
+                self.tp = vllm_tp_group(groups.tp_size)
+            names = [name for _, group_names, _ in groups.attention for name in group_names]
             token_layout = self._token_layout(names)
             slot_map = (learn_cpu_layout(kv_caches[names[0]], self._cpu_isa(names[0])) if token_layout == "slot_map"
                         else None)
             attention = [AttentionLayer(name=name, view=kv_caches[name], block_size=bs, group=gid,
                                         token_layout=token_layout, slot_map=slot_map)
-                         for gid, group_names, bs in self.groups.attention for name in group_names]
-            state = [(gid, kv_caches[name]) for gid, group_names, _ in self.groups.mamba for name in group_names]
-            kv = VllmKV(attention, state)
-            ns = namespace_for(self._vllm_config, self.groups, self.settings, tp_rank)
-            if kv.layer_token_bytes != ns.kv.layer_token_bytes or kv.snapshot_bytes != ns.state.snapshot_bytes:
+                         for gid, group_names, bs in groups.attention for name in group_names]
+            state = [(gid, kv_caches[name]) for gid, group_names, _ in groups.mamba for name in group_names]
+            codec = None
+            if groups.hybrid:
+                shards = groups.state_shards
+                rows = None if shards is None else [shards.canonical_rows(k, groups.tp_size)
+                                                    for k in range(len(shards.tensors))]
+                codec = StateCodec([(shape, TORCH_DTYPES[dt], tr) for shape, dt, tr in groups.state_tensors], rows)
+            kv = VllmKV(attention, state, codec)
+            ns = namespace_for(self._vllm_config, groups, self.settings)
+            self.heads = kv_heads(self.tp.rank, groups.tp_size, ns.kv.num_heads)
+            units = ns.state.num_heads // groups.tp_size if ns.state.num_heads else 0
+            self.state_units = (self.tp.rank * units, (self.tp.rank + 1) * units) if units else None
+            h = self.heads[1] - self.heads[0]
+            if (kv.layer_token_bytes * ns.kv.num_heads != ns.kv.layer_token_bytes * h
+                    or kv.snapshot_bytes * (groups.tp_size if units else 1) != ns.state.snapshot_bytes):
                 raise LayoutUnsupported("the registered views do not match the KV cache config")
-        except (KeyError, LayoutUnsupported) as err:
-            self.refuse(str(err))
+        except (KeyError, LayoutUnsupported, ValueError) as err:
+            why, ok = str(err), False
+        # Every rank agrees before any moves a byte: a save's slices are gathered (client/vllm/tp.py),
+        # so one rank refusing while another saves would leave the other waiting in the gather.
+        if self.tp is not None and not self.tp.all_agree(ok) and ok:
+            why, ok = "another tensor-parallel rank cannot map its views", False
+        if not ok:
+            self.refuse(why)
             return
         self._kv = kv
         if self.settings.switch_interval_s > 0:  # the process's, on purpose: the engine thread hands the GIL over
@@ -416,13 +444,17 @@ class PrefixStoreWorker:
         assert self._kv is not None and self._load_lock is not None and self._loop is not None
         failures: dict[str, str] = {}
         num_layers = len(self._kv.attention)
-        started = time.perf_counter()
+        for plan in plans:
+            if plan.commit_wait:  # before the lock: a wait for another instance's commit holds up no other load
+                await self._wait_for_commit(plan, failures)
+        plans = [p for p in plans if p.req_id not in failures] + [p for p in plans if p.req_id in failures]
+        started = time.perf_counter()  # after any commit wait: the meter times the load, not the wait
         try:
             async with self._load_lock:  # one staging region: loads of different steps take turns
                 tables = {p.req_id: [np.asarray(ids, dtype=np.int64) for ids in p.block_ids] for p in plans}
                 for plan in plans:  # before any layer is released: the forward pass writes after it
                     await self._guarded(plan, failures, self._zero_block_rest(plan, tables[plan.req_id]))
-                plans = [await self._relookup(plan, failures) for plan in plans]
+                plans = [plan if plan.req_id in failures else await self._relookup(plan, failures) for plan in plans]
                 if events is None:
                     for plan in plans:
                         if plan.req_id not in failures:
@@ -453,6 +485,11 @@ class PrefixStoreWorker:
             self.costs.load(sum(p.end - p.start for p in plans), took)
         return failures
 
+    def _head_range(self) -> tuple[int, int | None]:
+        """The KV heads this rank reads: (0, None) -- every head, the whole payload -- at TP=1."""
+        assert self.groups is not None
+        return (0, None) if self.groups.tp_size == 1 else self.heads
+
     async def _relookup(self, plan: LoadPlan, failures: dict[str, str]) -> LoadPlan:
         """The worker's own lookup, leased, before it reads: the scheduler's was lease-free (no side
         effects), and a cluster client reads each entry from the node its own lookup found it on.
@@ -465,10 +502,7 @@ class PrefixStoreWorker:
         A store that lost part of the prefix meanwhile fails the load (vLLM recomputes), never
         serves a shorter one as if it were whole."""
         assert self.client is not None
-        # This rank's own namespace (tp_rank is in it): the scheduler's prompt hashes rank 0's.
-        scheduled = plan.lookup.prompt
-        prompt = self.client.prompt(scheduled.tokens(0, plan.end), scheduled.extra_keys)
-        lookup = await self.client.lookup(prompt, lease=True)
+        lookup = await self.client.lookup(self._planned_prompt(plan), lease=True)
         if not lookup.ok or lookup.kv_tokens < plan.end or (plan.state_index is not None
                                                              and lookup.state_tokens != plan.end):
             failures[plan.req_id] = (f"the store now holds kv={lookup.kv_tokens} state={lookup.state_tokens} "
@@ -477,6 +511,47 @@ class PrefixStoreWorker:
                               failures[plan.req_id])
             await self.client.release(lookup.lease_id)
         return dataclasses.replace(plan, lookup=lookup)
+
+    def _planned_prompt(self, plan: LoadPlan) -> Prompt:
+        """The store's view of the planned prefix, tokens [0, end), in the connector's keyspace."""
+        assert self.client is not None
+        tokens = plan.tokens or np.frombuffer(plan.lookup.prompt.tokens(0, plan.end), dtype="<u4").tolist()
+        return store_prompt(self.client, self.settings.keys, tokens, plan.lookup.prompt.extra_keys)
+
+    async def _wait_for_commit(self, plan: LoadPlan, failures: dict[str, str]) -> None:
+        """A decode instance's load of what its prefill instance said it saved: poll the store
+        (lease-free lookups of the planned prefix, every 2 ms growing to 50 ms) until it holds
+        the KV and the state the load needs, or ``commit_wait_s`` passes, or a lookup fails (the
+        store is down: no point waiting); then the load fails and vLLM recomputes. Outside the
+        load lock: other loads go on meanwhile."""
+        assert self.client is not None
+        prompt = self._planned_prompt(plan)
+        started = time.monotonic()
+        deadline = started + self.settings.commit_wait_s
+        pause = 0.002
+        polls = 0
+        while True:
+            lookup = await self.client.lookup(prompt, lease=False)
+            polls += 1
+            if lookup.ok and lookup.kv_tokens >= plan.end and (plan.state_index is None
+                                                               or lookup.state_tokens == plan.end):
+                break
+            if not lookup.ok:  # the store cannot be asked: recompute now, not after commit_wait_s
+                failures[plan.req_id] = "the store did not answer while waiting for the prefill instance's commit"
+                self._log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id,
+                                  failures[plan.req_id])
+                break
+            if time.monotonic() + pause > deadline:
+                self._stats.count("commit_wait_timeouts")
+                failures[plan.req_id] = (f"the prefill instance's save of {plan.end} tokens was not committed "
+                                         f"within commit_wait_s={self.settings.commit_wait_s:g} s")
+                self._log.warning("prefixstore load of %s failed, vLLM recomputes it: %s", plan.req_id,
+                                  failures[plan.req_id])
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        self._stats.count("commit_wait_polls", polls)
+        self._stats.count("commit_wait_ms", int((time.monotonic() - started) * 1000))
 
     async def _guarded(self, plan: LoadPlan, failures: dict[str, str], step: Any) -> None:
         try:
@@ -504,7 +579,9 @@ class PrefixStoreWorker:
         lookup = plan.lookup
         B = lookup.prompt.block_tokens
         child = lookup.child
-        reads = [(item, s, e) for item, s, e in lookup.kv_reads(plan.end, layer_start, layer_end) if e > plan.start]
+        h0, h1 = self._head_range()
+        reads = [(item, s, e) for item, s, e in lookup.kv_reads(plan.end, layer_start, layer_end, h0, h1)
+                 if e > plan.start]
         payload_tokens = [child.num_tokens if child is not None and item.key == child.key else B
                           for item, _, _ in reads]
         num_layers = layer_end - layer_start
@@ -517,7 +594,8 @@ class PrefixStoreWorker:
         sizes = [n * num_layers * self._kv.layer_token_bytes for n in payload_tokens]
         if with_state:
             assert self.groups is not None and plan.state_index is not None
-            state = lookup.state_read()
+            u = self.state_units
+            state = lookup.state_read() if u is None or self.groups.tp_size == 1 else lookup.state_read(*u)
             if state is None or lookup.state_tokens != plan.end:
                 raise LoadFailed(f"no snapshot at {plan.end}")
             if plan.state_index < 0 or any(plan.block_ids[g][plan.state_index] == 0 for g, _, _ in self.groups.mamba):
@@ -544,32 +622,69 @@ class PrefixStoreWorker:
     # ------------------------------------------------------------ saves
 
     def _start_save(self, plan: SavePlan) -> None:
-        """Copy the plan's payloads out of the blocks (now), offer and put them (on the loop)."""
+        """Copy the plan's payloads out of the blocks (now), offer and put them (on the loop).
+
+        A rank copies its own heads (and state units) of every payload; at tensor-parallel size
+        t > 1 the slices go to rank 0 in one gather (client/vllm/tp.py), which assembles the
+        canonical payloads and saves them, and the other ranks' part of the save ends there."""
         assert self._kv is not None and self._loop is not None and self.client is not None
-        client = self.client
-        prompt = client.prompt(plan.tokens, plan.extra_keys)
+        assert self.groups is not None and self.tp is not None
+        client, kv = self.client, self._kv
+        prompt = store_prompt(client, self.settings.keys, plan.tokens, plan.extra_keys)
         T = len(plan.tokens)
         B = prompt.block_tokens
         start = plan.start - plan.start % B
         items = prompt.kv_items(T, start)
         tables = [np.asarray(ids, dtype=np.int64) for ids in plan.block_ids]
-        device = self._kv.attention[0].view.device
-        total = sum(spec.size for spec, _, _ in items)
-        S = self._kv.snapshot_bytes
-        host = self._save_buffers.take(total + S * len(plan.snapshots), device)
-        offsets: dict[tuple[int, int], tuple[int, int]] = {}
+        device = kv.attention[0].view.device
+        num_layers = len(kv.attention)
         payloads: list[Payload] = []
         pos = 0
-        for spec, a, b in items:
+        for _, a, b in items:
             payloads.append(Payload(offset=pos, num_tokens=b - a, token_start=a, token_end=b))
+            pos += (b - a) * num_layers * kv.layer_token_bytes
+        S = kv.snapshot_bytes
+        total = pos + S * len(plan.snapshots)
+        buf = self._save_buffers.take(total + 1, device)  # the last byte: 1 if this rank copied its slice whole
+        host = buf[:total]
+        failed: str | None = None
+        try:
+            kv.gather_payloads(host, payloads, tables)
+            for i, t in enumerate(plan.snapshots):
+                kv.gather_state(host[pos + i * S : pos + (i + 1) * S], plan.block_ids, self.groups.state_index(t))
+            buf[total] = 1
+        except Exception as err:  # noqa: BLE001 -- answered below: a dropped save, never a failed step
+            failed = f"{type(err).__name__}: {err}"
+            buf[total] = 0
+        if self.tp.size > 1:
+            slices = self.tp.gather(buf)
+            if self.tp.rank != 0:
+                self._save_buffers.give(buf)
+                self._save_ended(plan.save_id)  # this rank's part of the save is its slice
+                return
+            assert slices is not None
+            bad = [r for r, part in enumerate(slices) if int(part[-1]) != 1]
+            if bad:
+                self._save_buffers.give(buf)
+                self._drop_save(plan.req_id, plan.save_id, failed or f"ranks {bad} could not copy their slices")
+                return
+            full = self._assemble(client.namespace, [part[:-1].cpu().numpy() for part in slices],
+                                  [(b - a) for _, a, b in items], len(plan.snapshots))
+            self._save_buffers.give(buf)
+        elif failed is not None:
+            self._save_buffers.give(buf)
+            raise LoadFailed(failed)  # wait_for_save drops it
+        else:
+            full = host.cpu().numpy()
+        ns = client.namespace
+        offsets: dict[tuple[int, int], tuple[int, int]] = {}
+        pos = 0
+        for spec, a, b in items:
             offsets[(a, b)] = (pos, pos + spec.size)
             pos += spec.size
-        self._kv.gather_payloads(host, payloads, tables)
-        assert self.groups is not None
-        for i, t in enumerate(plan.snapshots):
-            self._kv.gather_state(host[pos + i * S : pos + (i + 1) * S], plan.block_ids, self.groups.state_index(t))
-        host_np = host.cpu().numpy()
-        snapshots = {t: host_np[pos + i * S : pos + (i + 1) * S] for i, t in enumerate(plan.snapshots)}
+        S = ns.state.snapshot_bytes if self.tp.size > 1 else S
+        snapshots = {t: full[pos + i * S : pos + (i + 1) * S] for i, t in enumerate(plan.snapshots)}
+        keep = buf if self.tp.size == 1 else None  # full views buf's memory at TP=1: given back after the put
 
         put_bytes = 0
 
@@ -577,7 +692,7 @@ class PrefixStoreWorker:
             nonlocal put_bytes
             lo, hi = offsets[(a, b)]
             put_bytes += hi - lo
-            return host_np[lo:hi]
+            return full[lo:hi]
 
         timeout_s = self.settings.save_timeout_s
 
@@ -592,7 +707,8 @@ class PrefixStoreWorker:
             except Exception as err:  # noqa: BLE001 -- the client turns store failures into results; anything else
                 self._drop_save(plan.req_id, plan.save_id, f"{type(err).__name__}: {err}")
                 return
-            self._save_buffers.give(host)
+            if keep is not None:
+                self._save_buffers.give(keep)
             self._stats.count("saves")
             self._stats.count("saved_items", result.stored)
             self._stats.count("dropped_items", result.dropped)
@@ -601,6 +717,42 @@ class PrefixStoreWorker:
 
         self._saves_in_flight = [f for f in self._saves_in_flight if not f.done()]
         self._saves_in_flight.append(self._loop.submit(save()))
+
+    def _assemble(self, ns: Namespace, slices: list[np.ndarray], payload_tokens: list[int],
+                  num_snapshots: int) -> np.ndarray:
+        """Rank 0 of a save at TP > 1: every rank's slice (its heads of each payload, its state
+        units of each snapshot, in the order they were copied) into the canonical payloads, back
+        to back: per KV payload ``[layer][K|V][head][token x dim]`` over all heads (a replicated
+        head from its first holder), per snapshot ``[layer][tensor][unit]`` over all units."""
+        assert self._kv is not None and self.tp is not None
+        t = self.tp.size
+        num_layers, H, h = len(self._kv.attention), ns.kv.num_heads, self._kv.num_heads
+        row = self._kv.attention[0].head_dim * self._kv.attention[0].view.element_size()
+        owners = head_owners(t, H)
+        heads = [kv_heads(r, t, H) for r in range(t)]
+        total = sum(n for n in payload_tokens) * ns.kv.token_bytes + num_snapshots * ns.state.snapshot_bytes
+        full = np.empty(total, dtype=np.uint8)
+        pos = local = 0
+        for n in payload_tokens:
+            size, part = n * ns.kv.token_bytes, num_layers * 2 * h * n * row
+            dst = full[pos : pos + size].reshape(num_layers, 2, H, n * row)
+            for r in range(t):
+                if owners[r]:
+                    dst[:, :, heads[r][0] : heads[r][1]] = slices[r][local : local + part].reshape(num_layers, 2, h, -1)
+            pos, local = pos + size, local + part
+        st = ns.state
+        local_layer = st.layer_bytes // t
+        for _ in range(num_snapshots):
+            layers = full[pos : pos + st.snapshot_bytes].reshape(st.num_layers, st.layer_bytes)
+            for r in range(t):
+                src = slices[r][local : local + st.snapshot_bytes // t].reshape(st.num_layers, local_layer)
+                f = lo = 0
+                for size in st.tensor_bytes:
+                    each = size // t
+                    layers[:, f + r * each : f + (r + 1) * each] = src[:, lo : lo + each]
+                    f, lo = f + size, lo + each
+            pos, local = pos + st.snapshot_bytes, local + st.snapshot_bytes // t
+        return full
 
 
 __all__ = ["LoadFailed", "PrefixStoreWorker", "TOKEN_MAJOR_BACKENDS"]

@@ -182,3 +182,74 @@ def test_readme_code_is_the_examples_code(readme: str) -> None:
 def test_every_example_is_tested_here() -> None:
     tested = set(re.findall(r'run_example\("([a-z_]+\.py)"', Path(__file__).read_text()))
     assert tested == {p.name for p in EXAMPLES.glob("*.py")}
+
+
+def test_pd_proxy_takes_the_flow_of_vllms_disaggregation_examples() -> None:
+    """examples/pd_proxy.py between a stand-in prefill and decode instance (vLLM's own is run by
+    tests/vllm/test_disagg_serving.py through the same functions): the prefill gets the request
+    with max_tokens=1 and do_remote_decode, the decode gets the original request with the
+    prefill's kv_transfer_params, and the client gets the decode's answer."""
+    import asyncio
+    import json
+    import time
+    import urllib.request
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    assert "--prefill" in run_example("pd_proxy.py", "--help")
+    seen: dict[str, dict[str, object]] = {}
+
+    async def prefill(request: web.Request) -> web.Response:
+        seen["prefill"] = await request.json()
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {
+            "do_remote_prefill": True, "prefixstore": {"namespace": "ab", "kv_tokens": 9, "state_tokens": 9}}})
+
+    async def decode(request: web.Request) -> web.Response:
+        seen["decode"] = await request.json()
+        return web.json_response({"choices": [{"text": "the answer"}]})
+
+    async def main() -> tuple[int, dict[str, object], str]:
+        servers = []
+        for handler in (prefill, decode):
+            app = web.Application()
+            app.router.add_post("/v1/completions", handler)
+            server = TestServer(app, host="127.0.0.1")
+            await server.start_server()
+            servers.append(server)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proxy = subprocess.Popen([sys.executable, str(EXAMPLES / "pd_proxy.py"), "--port", str(port),
+                                  "--prefill", str(servers[0].make_url("")).rstrip("/"),
+                                  "--decode", str(servers[1].make_url("")).rstrip("/")], env=clean_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # poll its health endpoint, never a fixed sleep
+                try:
+                    await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{port}/health", None, 2)
+                    break
+                except OSError:
+                    assert proxy.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+                    await asyncio.sleep(0.1)
+            body = json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "min_tokens": 2,
+                               "stream": False}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            with await asyncio.to_thread(urllib.request.urlopen, req, None, 30) as r:
+                return r.status, json.loads(r.read()), r.headers.get("x-prefill-seconds", "")
+        finally:
+            proxy.terminate()
+            proxy.wait(30)
+            for server in servers:
+                await server.close()
+
+    status, answer, prefill_s = asyncio.run(main())
+    assert status == 200 and answer == {"choices": [{"text": "the answer"}]} and float(prefill_s) >= 0
+    p, d = seen["prefill"], seen["decode"]
+    assert p["max_tokens"] == 1 and "min_tokens" not in p and p["stream"] is False
+    assert p["kv_transfer_params"]["do_remote_decode"] is True  # type: ignore[index]
+    assert d["max_tokens"] == 8 and d["min_tokens"] == 2 and d["prompt"] == [1, 2, 3]
+    assert d["kv_transfer_params"] == {"do_remote_prefill": True,
+                                       "prefixstore": {"namespace": "ab", "kv_tokens": 9, "state_tokens": 9}}

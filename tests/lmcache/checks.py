@@ -143,6 +143,27 @@ def check_compressed_serde_idle(url: str, written: Any) -> None:
         lm.close()
 
 
+def check_per_rank_namespace(url: str, written: Any) -> None:
+    """LMCache's chunks hold one rank's heads: at a world size above 1 each rank keys its own namespace."""
+    import dataclasses
+
+    from prefixstore.client.lmcache.connector import namespace_for
+
+    base = engine.metadata()
+    shapes, dtypes = [torch.Size([2, engine.LAYERS, CHUNK, engine.HIDDEN])], [engine.DTYPE]
+    settings = ConnectorSettings(client=ClientConfig(), model_id=MODEL)
+
+    def revision(**changes: Any) -> str:
+        return namespace_for(dataclasses.replace(base, **changes), shapes, dtypes, settings).revision
+
+    alone = revision()
+    assert "|tp:" not in alone
+    ranks = [revision(world_size=2, worker_id=r) for r in (0, 1)]
+    assert ranks == [alone + "|tp:0/2", alone + "|tp:1/2"]
+    # MLA: every rank holds the same latent KV, so the ranks share one namespace.
+    assert revision(world_size=2, worker_id=1, use_mla=True) == revision(use_mla=True) == alone
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in list(globals().items()) if name.startswith("check_")}
 
 

@@ -83,8 +83,12 @@ def test_compressed_chunks_make_the_connector_idle(results: dict[str, str]) -> N
     check(results, "compressed_serde_idle")
 
 
+def test_each_rank_keys_its_own_chunks(results: dict[str, str]) -> None:
+    check(results, "per_rank_namespace")
+
+
 def test_every_check_has_a_test(results: dict[str, str]) -> None:
     """A check added to checks.py without a test here would run unasserted."""
     tested = {"plugin_and_namespace", "read_back_byte_exact", "unstored_keys_miss", "exists_sync", "layer_major",
-              "dead_store", "bad_key", "compressed_serde_idle"}
+              "dead_store", "bad_key", "compressed_serde_idle", "per_rank_namespace"}
     assert set(results) == tested

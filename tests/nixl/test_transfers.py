@@ -9,6 +9,10 @@ import numpy as np
 import pytest
 
 from prefixstore.client import ClientConfig, PrefixClient, SyncPrefixClient
+from prefixstore.protocol import Kind, make_entry_key
+from prefixstore.protocol.wire import GetItem
+
+from ..factories import kv_payload
 
 from ..serve_process import ServeProcess, StartServe, serving
 from .conftest import NEEDS_NIXL
@@ -70,6 +74,48 @@ async def test_put_and_get_over_nixl_match_http(serve: StartServe, tmp_path: Pat
     assert metric(url, "prefixstore_transfer_bytes_total", 'direction="in",path="nixl"') == 6 * ns.block_bytes
     assert metric(url, "prefixstore_transfer_bytes_total", 'direction="out",path="nixl"') >= 6 * ns.block_bytes
     assert metric(url, "prefixstore_leases", "") == 0  # every READ's lease was released
+
+
+async def test_head_ranges_over_nixl_match_http(serve: StartServe, tmp_path: Path) -> None:
+    """An engine at TP=2 reads its own heads over NIXL: the store describes each head range as one
+    run per layer and component (state: per tensor), the READ lands them back to back, and the
+    bytes are the slices of what was saved, equal to the HTTP path's; in RAM (several pages a
+    block) and after a restart (LMDB-resident: a head range is promoted, never pinned in the map)."""
+    from ..factories import head_slice, make_headed_namespace, state_head_slice, state_payload
+
+    ns = make_headed_namespace(block_tokens=BLOCK_TOKENS)
+    data_dir = str(tmp_path / "lmdb")
+    port = 0
+    toks = tokens(3, 3)[: 2 * BLOCK_TOKENS + 5]  # two blocks and a tail
+    for run in ("ram", "disk"):
+        proc = serve(*store_args(data_dir, port=port, page="1KiB"))
+        port = port_of(proc)
+        url = proc.url
+        assert url is not None
+        async with PrefixClient(ns, ClientConfig(url=url, data_path="nixl")) as nixl, \
+                PrefixClient(ns, ClientConfig(url=url, data_path="http")) as http:
+            p = nixl.prompt(toks)
+            if run == "ram":
+                res = await nixl.save(p, len(toks), lambda a, b: kv_payload(ns, toks, a, b),
+                                      {len(toks): state_payload(ns, toks, len(toks))})
+                assert res.stored == 4, res
+            for rank in (0, 1):
+                heads = (2 * rank, 2 * rank + 2)
+                items, want = [], []
+                for spec, a, b in p.kv_items(len(toks)):
+                    items.append(GetItem(key=make_entry_key(spec.kind, spec.hash), head_start=heads[0],
+                                         head_end=heads[1]))
+                    want.append(head_slice(ns, kv_payload(ns, toks, a, b), b - a, heads))
+                items.append(GetItem(key=make_entry_key(Kind.STATE, p.prefix_hash(len(toks))),
+                                     head_start=heads[0], head_end=heads[1]))
+                want.append(state_head_slice(ns, state_payload(ns, toks, len(toks)), heads))
+                for client in (nixl, http):
+                    outs = [bytearray(len(w)) for w in want]
+                    assert await client.read(items, outs) == [len(w) for w in want], (run, client.data_path)
+                    assert [bytes(o) for o in outs] == want, (run, client.data_path)
+            assert nixl.data_path == "nixl" and nixl.path_bytes["nixl"] > 0 and nixl.path_bytes["http"] == 0
+            assert nixl.failures == {} and http.failures == {}
+        assert proc.stop() == 0
 
 
 async def test_pinned_entries_survive_eviction_pressure_during_a_read(serve: StartServe) -> None:

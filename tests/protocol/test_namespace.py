@@ -25,17 +25,27 @@ def base() -> Namespace:
         revision="r1",
         kv=KVLayout(num_layers=3, num_heads=2, head_dim=8, dtype="bfloat16", num_components=2),
         state=StateLayout(num_layers=4, shapes=((4, 8, 8), (16, 3)), dtype="float32"),
-        tp_rank=1,
-        tp_size=2,
         block_tokens=16,
         tenant="team-a",
     )
 
 
+def legacy() -> Namespace:
+    """A per-rank record of hash scheme 1, as a client of the earlier release registered it."""
+    return dataclasses.replace(base(), hash_scheme=1, tp_rank=1, tp_size=2)
+
+
+def per_head() -> Namespace:
+    """A state addressable per head: 4 head units, an fp32 recurrent state beside a bf16 conv state."""
+    return dataclasses.replace(base(), state=StateLayout(num_layers=2, shapes=((4, 8, 8), (4, 6, 3)), num_heads=4,
+                                                         dtypes=("float32", "bfloat16")))
+
+
 # ---------------------------------------------------------------- encoding and id
 
 
-@pytest.mark.parametrize("ns", [base(), make_namespace(), make_namespace(with_state=False)], ids=["hybrid", "factory", "no-state"])
+@pytest.mark.parametrize("ns", [base(), make_namespace(), make_namespace(with_state=False), legacy(), per_head()],
+                         ids=["hybrid", "factory", "no-state", "legacy", "per-head"])
 def test_wire_round_trip(ns: Namespace) -> None:
     assert Namespace.from_wire(ns.to_wire()) == ns
     # ... also through the bytes that actually travel (msgpack turns tuples into lists).
@@ -60,8 +70,29 @@ def test_id_is_stable() -> None:
     assert a.id == b.id == a.id
     # A golden value: if this changes, every stored entry becomes unreachable.
     # Changing the canonical encoding must bump HASH_SCHEME_VERSION (and this value).
-    assert make_namespace().id_hex == "b388ef478777052f"
-    assert HASH_SCHEME_VERSION == 1
+    assert make_namespace().id_hex == GOLDEN_ID
+    assert HASH_SCHEME_VERSION == 2
+
+
+GOLDEN_ID = "4c1c7d4d305bff09"
+
+
+def test_a_legacy_record_keeps_its_id() -> None:
+    """A per-rank namespace registered by a scheme-1 client before this release re-encodes to the
+    same bytes, so its stored entries stay reachable (the golden value of that release)."""
+    old = dataclasses.replace(make_namespace(), hash_scheme=1)
+    assert old.legacy and old.id_hex == "b388ef478777052f"
+    assert Namespace.decode(old.encode()) == old and len(old.to_wire()) == 9
+    assert make_namespace().id != old.id and len(make_namespace().to_wire()) == 7
+
+
+def test_no_tp_rank_in_a_canonical_namespace() -> None:
+    """Every TP size of a model keys one namespace: scheme 2 names no rank, and refuses one."""
+    assert "tp_rank" not in str(base().to_wire())
+    with pytest.raises(NamespaceError, match="^tp_rank/tp_size:"):
+        dataclasses.replace(base(), tp_rank=1, tp_size=2)
+    with pytest.raises(NamespaceError, match="^state:"):  # head-addressable state is scheme 2's
+        dataclasses.replace(per_head(), hash_scheme=1)
 
 
 def _replace_kv(ns: Namespace, **kw: object) -> Namespace:
@@ -86,8 +117,9 @@ CHANGES = {
     "state.shapes-order": lambda ns: _replace_state(ns, shapes=((16, 3), (4, 8, 8))),
     "state.shapes-transposed": lambda ns: _replace_state(ns, shapes=((8, 4, 8), (16, 3))),  # same bytes
     "state.dtype": lambda ns: _replace_state(ns, dtype="bfloat16"),
-    "tp_rank": lambda ns: dataclasses.replace(ns, tp_rank=0),
-    "tp_size": lambda ns: dataclasses.replace(ns, tp_size=4),
+    "state.num_heads": lambda ns: _replace_state(ns, shapes=((4, 8, 8), (4, 12)), num_heads=4),
+    "state.dtypes": lambda ns: _replace_state(ns, dtypes=("float32", "bfloat16")),
+    "hash_scheme": lambda ns: dataclasses.replace(ns, hash_scheme=1),
     "block_tokens": lambda ns: dataclasses.replace(ns, block_tokens=32),
     "tenant": lambda ns: dataclasses.replace(ns, tenant="team-b"),
 }
@@ -125,9 +157,14 @@ BAD_RECORDS = [
     ("block_tokens", lambda: Namespace(model="m", kv=_kv(), block_tokens=0)),
     ("block_tokens", lambda: Namespace(model="m", kv=_kv(), block_tokens=65537)),
     ("block_tokens", lambda: Namespace(model="m", kv=_kv(), block_tokens=4.0)),
-    ("tp_size", lambda: Namespace(model="m", kv=_kv(), tp_size=0)),
-    ("tp_rank", lambda: Namespace(model="m", kv=_kv(), tp_rank=2, tp_size=2)),
-    ("tp_rank", lambda: Namespace(model="m", kv=_kv(), tp_rank=-1)),
+    ("tp_size", lambda: Namespace(model="m", kv=_kv(), tp_size=0, hash_scheme=1)),
+    ("tp_rank", lambda: Namespace(model="m", kv=_kv(), tp_rank=2, tp_size=2, hash_scheme=1)),
+    ("tp_rank", lambda: Namespace(model="m", kv=_kv(), tp_rank=-1, hash_scheme=1)),
+    ("tp_rank/tp_size", lambda: Namespace(model="m", kv=_kv(), tp_rank=0, tp_size=2)),
+    ("state.num_heads", lambda: StateLayout(num_layers=1, shapes=((2,),), num_heads=-1)),
+    ("state.shapes", lambda: StateLayout(num_layers=1, shapes=((4, 2), (3, 2)), num_heads=4)),
+    ("state.dtypes", lambda: StateLayout(num_layers=1, shapes=((2,), (2,)), dtypes=("float32",))),
+    ("state.dtypes", lambda: StateLayout(num_layers=1, shapes=((2,),), dtypes=("fp4",))),
     ("hash_scheme", lambda: Namespace(model="m", kv=_kv(), hash_scheme=HASH_SCHEME_VERSION + 1)),
     ("kv/state", lambda: Namespace(model="m", kv=KVLayout(num_layers=0, num_heads=1, head_dim=4))),
     ("kv.num_layers", lambda: KVLayout(num_layers=-1, num_heads=1, head_dim=4)),
@@ -171,12 +208,21 @@ def _state_wire_with(index: int, value: object) -> list[object]:
     return raw
 
 
+def _legacy_wire_with(index: int, value: object) -> list[object]:
+    raw = legacy().to_wire()
+    raw[index] = value
+    return raw
+
+
 BAD_WIRE = [
     ("namespace", "not a list"),
-    ("namespace", base().to_wire()[:8]),
+    ("namespace", base().to_wire()[:6]),
     ("namespace", base().to_wire() + [0]),
+    ("namespace", legacy().to_wire()[:7]),  # a scheme-1 record has 9 fields
+    ("namespace", base().to_wire()[:6] + [0, 1, 16]),  # and a scheme-2 one 7
     ("hash_scheme", _wire_with(0, "1")),
     ("hash_scheme", _wire_with(0, 99)),
+    ("hash_scheme", _wire_with(0, [1])),  # unhashable: found by the fuzzer as a 500
     ("tenant", _wire_with(1, 7)),
     ("model", _wire_with(2, b"bytes-not-str")),
     ("model", _wire_with(2, "")),
@@ -184,10 +230,11 @@ BAD_WIRE = [
     ("kv", _wire_with(4, {"num_layers": 2})),
     ("kv", _wire_with(4, [2, 1, 4, "float32"])),
     ("state", _wire_with(5, "none")),
-    ("tp_rank", _wire_with(6, 1.0)),
-    ("tp_size", _wire_with(7, None)),
-    ("block_tokens", _wire_with(8, True)),
-    ("block_tokens", _wire_with(8, 0)),
+    ("tp_rank", _legacy_wire_with(6, 1.0)),
+    ("tp_size", _legacy_wire_with(7, None)),
+    ("block_tokens", _wire_with(6, True)),
+    ("block_tokens", _wire_with(6, 0)),
+    ("block_tokens", _legacy_wire_with(8, 0)),
     ("kv.num_layers", _kv_wire_with(0, "3")),
     ("kv.num_heads", _kv_wire_with(1, -1)),
     ("kv.head_dim", _kv_wire_with(2, None)),
@@ -199,6 +246,9 @@ BAD_WIRE = [
     ("state.shapes", _state_wire_with(1, [[4, "8"]])),
     ("state.shapes", _state_wire_with(1, [[4, 0]])),
     ("state.dtype", _state_wire_with(2, None)),
+    ("state", base().to_wire()[:5] + [[4, [[4, 8, 8]], "float32", 4]] + [16]),  # 4 fields: neither form
+    ("state.dtypes", base().to_wire()[:5] + [[4, [[4, 8, 8]], "float32", 4, "float32"]] + [16]),
+    ("state.num_heads", base().to_wire()[:5] + [[4, [[4, 8, 8]], "float32", "4", []]] + [16]),
 ]
 
 
@@ -211,8 +261,8 @@ def test_from_wire_rejects_and_names_the_field(field: str, raw: object) -> None:
 
 CONSTRUCTOR_ACCEPTS_UNENCODABLE = [
     ("block_tokens", {"block_tokens": True}),
-    ("tp_size", {"tp_size": True}),
-    ("tp_rank", {"tp_rank": False}),
+    ("tp_size", {"tp_size": True, "hash_scheme": 1}),
+    ("tp_rank", {"tp_rank": False, "hash_scheme": 1}),
     ("model", {"model": 5}),
     ("tenant", {"tenant": None}),
     ("revision", {"revision": 3}),
@@ -280,3 +330,57 @@ def test_state_only_namespace_is_valid() -> None:
     assert ns.block_bytes == 0
     assert ns.state.snapshot_bytes == 6
     assert Namespace.from_wire(ns.to_wire()) == ns
+
+
+def test_equal_dtypes_fold_into_dtype() -> None:
+    """One layout, one encoding: a per-tensor dtype tuple of equal names is the plain ``dtype``."""
+    a = StateLayout(num_layers=1, shapes=((2,), (3,)), dtypes=("bfloat16", "bfloat16"))
+    assert a == StateLayout(num_layers=1, shapes=((2,), (3,)), dtype="bfloat16")
+    mixed = StateLayout(num_layers=1, shapes=((2,), (3,)), dtypes=("float32", "bfloat16"))
+    assert mixed.tensor_bytes == (8, 6) and mixed.layer_bytes == 14
+
+
+# ---------------------------------------------------------------- ranges: layers and heads
+
+
+def test_kv_head_runs_hand_computed() -> None:
+    """Scheme 2 lays a KV payload out [layer][K|V][head][token][dim]: a head range is one run per
+    layer and component; all heads of a layer range is one run."""
+    ns = dataclasses.replace(base(), kv=KVLayout(num_layers=3, num_heads=4, head_dim=8, dtype="bfloat16"))
+    head = 5 * 8 * 2  # 5 tokens x 8 dims x 2 bytes
+    layer = 2 * 4 * head  # K and V of 4 heads
+    assert ns.payload_runs(False, 5, 0, None) == [(0, 3 * layer)]
+    assert ns.payload_runs(False, 5, 1, 3) == [(layer, 2 * layer)]
+    assert ns.payload_runs(False, 5, 0, 2, 1, 3) == [
+        (1 * head, 2 * head), (4 * head + 1 * head, 2 * head),  # layer 0: K heads 1-2, V heads 1-2
+        (layer + 1 * head, 2 * head), (layer + 5 * head, 2 * head)]
+    # The last heads of K and the first of V are adjacent: merged.
+    assert ns.payload_runs(False, 5, 2, 3, 0, 4) == [(2 * layer, layer)]
+    assert ns.payload_runs(False, 5, 0, 1, 2, None) == [(2 * head, 2 * head), (6 * head, 2 * head)]
+
+
+def test_state_head_runs_hand_computed() -> None:
+    ns = per_head()
+    t0, t1 = 8 * 8 * 4, 6 * 3 * 2  # per head unit: fp32 8x8, bf16 6x3
+    layer = 4 * (t0 + t1)
+    assert ns.state.layer_bytes == layer
+    assert ns.payload_runs(True, 0, 0, None, 2, 4) == [
+        (2 * t0, 2 * t0), (4 * t0 + 2 * t1, 2 * t1),
+        (layer + 2 * t0, 2 * t0), (layer + 4 * t0 + 2 * t1, 2 * t1)]
+
+
+@pytest.mark.parametrize(("ns", "args", "why"), [
+    (base(), (False, 4, 0, None, 0, 3), "2 heads"),
+    (base(), (False, 4, 0, None, 1, 1), "2 heads"),
+    (base(), (False, 4, 2, 5, 0, 1), "3 layers"),
+    (base(), (True, 0, 0, None, 0, 1), "not addressable per head"),
+    (legacy(), (False, 4, 0, None, 0, 1), "per-rank namespace"),
+    (per_head(), (True, 0, 0, None, 3, 5), "4 heads"),
+], ids=["heads-beyond", "heads-empty", "layers-beyond", "opaque-state", "legacy", "state-heads-beyond"])
+def test_head_ranges_that_do_not_exist_are_refused(ns: Namespace, args: tuple, why: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match=why):
+        ns.payload_runs(*args)
+
+
+def test_a_legacy_namespace_still_serves_layer_ranges() -> None:
+    assert legacy().payload_runs(False, 5, 1, 3) == [legacy().kv.layer_range_bytes(5, 1, 3)]

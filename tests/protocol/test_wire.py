@@ -201,16 +201,21 @@ get_items = st.lists(st.builds(
                   st.binary(min_size=16, max_size=16)),
     layer_start=st.integers(0, 50),
     layer_end=st.none() | st.integers(51, 2**32 - 1),
+    head_start=st.integers(0, 50) | st.just(0),
+    head_end=st.none() | st.integers(51, 2**32 - 1),
 ), max_size=LIMITS.max_items)
 
 
-@given(items=get_items, whole=st.booleans())
+@given(items=get_items, whole=st.booleans(), all_heads=st.booleans())
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
-def test_packed_get_items_round_trip(items: list[GetItem], whole: bool) -> None:
+def test_packed_get_items_round_trip(items: list[GetItem], whole: bool, all_heads: bool) -> None:
     if whole:
         items = [GetItem(key=it.key) for it in items]
+    if all_heads:
+        items = [GetItem(key=it.key, layer_start=it.layer_start, layer_end=it.layer_end) for it in items]
     header = encode_get_items(items)
     assert ("layers" in header) == any(it.layer_start or it.layer_end is not None for it in items)
+    assert ("heads" in header) == any(not it.all_heads for it in items)
     assert parse_get_items(through_msgpack(header), LIMITS) == items  # type: ignore[arg-type]
     # The older form is still read, with the same items.
     assert parse_get_items({"items": [it.to_wire() for it in items]}, LIMITS) == items
@@ -227,6 +232,8 @@ KEY = make_entry_key(Kind.BLOCK, HASHES[0])
     ({"keys": KEY * 2, "layers": struct.pack("<II", 0, 1)}, "layers", 400),
     ({"keys": KEY * 2, "layers": struct.pack("<IIII", 0, 0, 3, 3)}, "layers[1]", 400),
     ({"keys": KEY, "layers": struct.pack("<II", 5, 2)}, "layers[0]", 400),
+    ({"keys": KEY * 2, "heads": struct.pack("<II", 0, 1)}, "heads", 400),
+    ({"keys": KEY, "heads": struct.pack("<II", 3, 3)}, "heads[0]", 400),
     ({}, "items", 400),
 ])
 def test_packed_get_items_name_the_field(header: dict[str, object], field: str, status: int) -> None:
@@ -243,7 +250,9 @@ def test_packed_get_items_name_the_field(header: dict[str, object], field: str, 
     GetItem(key=KEY, layer_end=1 << 32),
     GetItem(key=KEY, layer_start=-1),
     GetItem(key=KEY[:-1]),
-], ids=["end-0", "empty", "reversed", "start-u32", "end-u32", "negative", "short-key"])
+    GetItem(key=KEY, head_end=0),
+    GetItem(key=KEY, head_start=2, head_end=1),
+], ids=["end-0", "empty", "reversed", "start-u32", "end-u32", "negative", "short-key", "heads-end-0", "heads-reversed"])
 def test_encoding_refuses_what_no_store_takes(item: GetItem) -> None:
     """A caller's malformed item is named before anything is sent (``layer_end=0`` would otherwise
     read as "to the last layer" in the packed form, where the older form was refused)."""
@@ -433,6 +442,9 @@ def test_lookup_request_names_the_field(header: dict[str, object], field: str, s
     ([make_entry_key(Kind.BLOCK, HASHES[0]), "0", None], "items[0].layer_start"),
     ([make_entry_key(Kind.BLOCK, HASHES[0]), 2, 2], "items[0].layer_end"),
     ([make_entry_key(Kind.BLOCK, HASHES[0]), 0, "all"], "items[0].layer_end"),
+    ([make_entry_key(Kind.BLOCK, HASHES[0]), 0, None, -1, None], "items[0].head_start"),
+    ([make_entry_key(Kind.BLOCK, HASHES[0]), 0, None, 2, 2], "items[0].head_end"),
+    ([make_entry_key(Kind.BLOCK, HASHES[0]), 0, None, 2], "items[0]"),
 ])
 def test_get_item_names_the_field(raw: object, field: str) -> None:
     with pytest.raises(WireError) as info:

@@ -49,7 +49,7 @@ FIELDS = {
     "/v1/offer": ["ns", "items"],
     "/v1/put": ["ns", "items", "commit"],
     "/v1/commit": ["ns", "keys"],
-    "/v1/get": ["ns", "items"],
+    "/v1/get": ["ns", "items", "keys", "layers", "heads"],
     "/v1/release": ["lease"],
     # cluster (store/cluster.py): served by every node
     "/v1/probe": ["ns", "start", "parent", "hashes", "tokens", "extras", "lease"],
@@ -59,7 +59,7 @@ FIELDS = {
 # NIXL (store/nixl_target.py): fuzzed against a store serving it, where nixl is installed.
 NIXL_FIELDS = {
     "/v1/nixl/metadata": ["x"],
-    "/v1/nixl/get": ["ns", "items"],
+    "/v1/nixl/get": ["ns", "items", "keys", "heads"],
     "/v1/nixl/reserve": ["ns", "items"],
     "/v1/nixl/commit": ["ns", "keys", "commit"],
     # a lookup that asks for placements (store/nixl_lookup.py), of the seeded prompt so it places some
@@ -92,7 +92,7 @@ def _valid_bodies() -> dict[str, bytes]:
         "/v1/put": encode_frame({"ns": NS.id, "items": items, "commit": False},
                                 [*payloads, state_payload(NS, toks, 7)]),
         "/v1/commit": encode_frame({"ns": NS.id, "keys": keys}),
-        "/v1/get": encode_frame({"ns": NS.id, "items": [[k, 0, None] for k in keys] + [[keys[0], 1, 2]]}),
+        "/v1/get": encode_frame({"ns": NS.id, "items": [[k, 0, None] for k in keys] + [[keys[0], 1, 2], [keys[0], 0, None, 0, 1]]}),
         "/v1/release": encode_frame({"lease": b"\x00" * 16}),
         "/v1/probe": encode_frame(ProbeRequest(namespace_id=NS.id, start=0, parent=p.root,
                                                hashes=b"".join(p.hashes[:2]), tokens=pack_tokens(toks[:10]),

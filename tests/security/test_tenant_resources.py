@@ -130,6 +130,39 @@ async def test_a_get_loads_each_disk_only_entry_once_and_only_its_range(
     store.check()
 
 
+async def test_head_ranges_read_into_a_shared_buffer_are_the_saved_slices(
+        start_store: StartStore, tmp_path: Path) -> None:
+    """Head ranges (a TP rank's read, docs/design.md "One layout for every TP size") of a disk-only
+    entry while every arena page is pinned: the items naming it share one buffer from the first
+    byte any of them asks for, and each gets exactly its runs -- equal to the slice cut by hand,
+    the entry still on disk only (it never came through the arena)."""
+    from ..factories import head_slice
+
+    running = await start_store(tenanted(tmp_path, {"alpha": 96 * MIB}, max_leased_share=1.0))
+    ns = mib_namespace("alpha")
+    async with PrefixClient(ns, ClientConfig(url=running.url, token=TOKENS["alpha"])) as c:
+        await save_prompts(c, 0, 48)
+    await running.store.drain_writes()
+    pins = await pin_arena(running.url, ns, 32, 16)
+    store = running.store
+    try:
+        assert store.arena.num_free == 0
+        asked = [(0, (2, 4), None), (0, (5, 6), None), (0, (1, 3), (1, 3)), (1, (7, 8), None)]
+        keys = [Prompt(ns, prompt_tokens(n)).block_key(0) for n in (0, 1)]
+        items = [GetItem(key=keys[n], head_start=h[0], head_end=h[1], layer_start=(l or (0, 0))[0],
+                         layer_end=None if l is None else l[1]) for n, h, l in asked]
+        want = [head_slice(ns, kv_payload(ns, prompt_tokens(n), 0, BLOCK), BLOCK, h, l) for n, h, l in asked]
+        async with PrefixClient(ns, ClientConfig(url=running.url, token=TOKENS["alpha"])) as c:
+            outs = [bytearray(len(w)) for w in want]
+            assert await c.read(items, outs) == [len(w) for w in want]
+        assert [bytes(o) for o in outs] == want
+        assert all(store.entry(ns.id, k).pages is None for k in keys)  # type: ignore[union-attr]
+        assert store.reads.buffered_bytes == 0
+    finally:
+        await pins.close()
+    store.check()
+
+
 async def test_read_buffers_are_bounded_across_gets(start_store: StartStore, tmp_path: Path) -> None:
     running = await start_store(tenanted(tmp_path, {"alpha": 96 * MIB}, max_leased_share=1.0,
                                          read_buffer_bytes=2 * MIB))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from queue import Empty
 from typing import Any
@@ -39,11 +40,25 @@ MODEL = "tiny-sglang"
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
 #: Axes of SGLang's ``get_data_page(index, flat=False)`` per host layout (c: K/V, l: layer,
-#: t: token in page, h: head, d: dim, p: the one page). The store's payload is "l c t h d".
+#: t: token in page, h: head, d: dim, p: the one page). The store's payload is "l c h t d" (head-major).
 PAGE_AXES = {"layer_first": "clthd", "page_first": "ctlhd", "page_first_direct": "cplthd",
              "page_head": "cphtld"}
 
 MAMBA_LAYERS = (0, 2)
+
+HOST_BUDGET = 1 << 30
+"""What the tests' host pools may book (they take a few MiB). SGLang checks a host pool against
+the machine's available memory less a 10 GiB reserve, so on a shared machine running other
+engines a 0.00 GB pool failed ("Not enough host memory available ... -1.00 GB free"): the tests
+book against this budget instead (SGLang's own ``host_memory_budget_scope``)."""
+
+
+def host_pool(make: Callable[[], Any]) -> Any:
+    """``make()`` (a HiCache host pool's constructor) booked against HOST_BUDGET."""
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    with host_memory_budget_scope(HOST_BUDGET):
+        return make()
 
 
 def value(c: Any, l: Any, pos: Any, h: Any, d: Any) -> Any:
@@ -69,8 +84,8 @@ def page_values(axes: str, first_pos: int) -> torch.Tensor:
 
 
 def canonical_page(first_pos: int) -> torch.Tensor:
-    """What the store must hold for the page starting at ``first_pos``: [layers, 2, P, heads, dim]."""
-    return page_values("lcthd", first_pos)
+    """What the store must hold for the page starting at ``first_pos``: [layers, 2, heads, P, dim]."""
+    return page_values("lchtd", first_pos)
 
 
 def state_values(slot_seed: int, shapes: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
@@ -93,10 +108,10 @@ def kv_pools(layout: str, size: int = 512, dtype: torch.dtype = DTYPE) -> tuple[
     device = MHATokenToKVPool(size=size, page_size=PAGE, dtype=dtype, head_num=HEADS, head_dim=HEAD_DIM,
                               layer_num=LAYERS, device="cpu", enable_memory_saver=False)
     info = device.get_device_pool_infos()[0].buffer_info
-    host = get_mha_host_pool_cls(info)(info, 2.0, 0, PAGE, layout, pin_memory=False,
-                                       device_capacity_tokens=device.size, start_layer=device.start_layer,
-                                       end_layer=device.end_layer,
-                                       write_back_staging=device.hicache_write_back_staging)
+    host = host_pool(lambda: get_mha_host_pool_cls(info)(info, 2.0, 0, PAGE, layout, pin_memory=False,
+                                                         device_capacity_tokens=device.size,
+                                                         start_layer=device.start_layer, end_layer=device.end_layer,
+                                                         write_back_staging=device.hicache_write_back_staging))
     return device, host
 
 
@@ -113,7 +128,8 @@ def mamba_host_pool(layout: str) -> Any:
     mamba_layout = "page_first" if layout == "layer_first" else layout  # MambaPoolHost takes page_first*
     if mamba_layout == "page_head":
         mamba_layout = "page_first_direct"
-    return MambaPoolHost(info.buffer_info, 2.0, 0, device_capacity=pool.size, pin_memory=False, layout=mamba_layout)
+    return host_pool(lambda: MambaPoolHost(info.buffer_info, 2.0, 0, device_capacity=pool.size, pin_memory=False,
+                                           layout=mamba_layout))
 
 
 def extra_config(url: str, **more: object) -> dict[str, object]:
@@ -193,13 +209,13 @@ def fill_pages(host: Any, host_indices: torch.Tensor, first_pos: int) -> None:
 
 
 def read_page(host: Any, index: int) -> torch.Tensor:
-    """A host page through SGLang's own ``get_data_page``, permuted to the store's l c t h d."""
+    """A host page through SGLang's own ``get_data_page``, permuted to the store's l c h t d."""
     axes = PAGE_AXES[host.layout]
     page = host.get_data_page(index, flat=False)
     if "p" in axes:
         page = page.squeeze(axes.index("p"))
         axes = axes.replace("p", "")
-    return page.permute(*[axes.index(a) for a in "lcthd"])
+    return page.permute(*[axes.index(a) for a in "lchtd"])
 
 
 def mamba_shapes(mamba: Any) -> list[tuple[torch.Size, torch.dtype]]:

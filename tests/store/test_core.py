@@ -6,16 +6,19 @@ import asyncio
 
 from pathlib import Path
 
+import numpy as np
+
 import pytest
 
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import Kind
+from prefixstore.protocol.keys import make_entry_key
 from prefixstore.protocol.probe import ProbeRequest
 from prefixstore.protocol.errors import Problem
 from prefixstore.protocol.wire import STATUS_OK, WANT, GetItem, WireError
 from prefixstore.store import StoreConfig
 
-from ..factories import kv_payload, make_namespace, state_payload
+from ..factories import head_slice, kv_payload, make_headed_namespace, make_namespace, state_head_slice, state_payload
 from .harness import CoreHarness, expected_prefix_bytes, fill_target
 
 
@@ -249,6 +252,44 @@ def test_layer_range_reads(ns, harness) -> None:  # type: ignore[no-untyped-def]
     h.store.finish_get(plan)
 
 
+@pytest.mark.parametrize("page_bytes", [256, 64], ids=["page-per-block", "block-over-pages"])
+def test_head_range_reads(harness, page_bytes: int) -> None:  # type: ignore[no-untyped-def]
+    """An engine at TP=2 reads its own heads of an entry written whole: each rank's bytes are the
+    heads' rows of every layer and component (KV) and of every tensor (state), cut here with numpy
+    from the layout's description, and their checksum is the xxh3 of exactly those bytes."""
+    import xxhash
+
+    ns = make_headed_namespace(block_tokens=4)
+    h = harness(StoreConfig(port=0, data_dir="none", ram_bytes=1 << 20, page_bytes=page_bytes,
+                            eviction="lru", state_admission="always"), ns)
+    toks = [1, 2, 3, 4, 5, 6]
+    h.save(toks, 6, {6: state_payload(ns, toks, 6)})
+    p = Prompt(ns, toks)
+    block, tail = p.block_key(0), p.kv_key_ending_at(6)
+    snap = make_entry_key(Kind.STATE, p.prefix_hash(6))
+    for rank in (0, 1):
+        heads = (2 * rank, 2 * rank + 2)
+        items = [GetItem(key=block, head_start=heads[0], head_end=heads[1]),
+                 GetItem(key=tail, head_start=heads[0], head_end=heads[1]),
+                 GetItem(key=block, layer_start=1, layer_end=2, head_start=heads[0], head_end=heads[1]),
+                 GetItem(key=snap, head_start=heads[0], head_end=heads[1])]
+        want = [head_slice(ns, kv_payload(ns, toks, 0, 4), 4, heads),
+                head_slice(ns, kv_payload(ns, toks, 4, 6), 2, heads),
+                head_slice(ns, kv_payload(ns, toks, 0, 4), 4, heads, layers=(1, 2)),
+                state_head_slice(ns, state_payload(ns, toks, 6), heads)]
+        assert h.read(items) == want
+        plan = h.run(h.store.prepare_get(ns.id, items))
+        try:
+            assert [s.checksum for s in plan.slots] == [xxhash.xxh3_64_intdigest(w) for w in want]
+        finally:
+            h.store.finish_get(plan)
+    # Both ranks' heads side by side are the whole payload's heads: nothing lost, nothing doubled.
+    halves = [h.read([GetItem(key=block, head_start=a, head_end=a + 2)])[0] for a in (0, 2)]
+    whole = np.frombuffer(kv_payload(ns, toks, 0, 4), np.uint8).reshape(2, 2, 4, -1)
+    assert np.array_equal(np.concatenate([np.frombuffer(x, np.uint8).reshape(2, 2, 2, -1) for x in halves], axis=2),
+                          whole)
+
+
 def test_a_get_over_max_get_bytes_is_refused_before_anything_is_hashed(ns, harness) -> None:  # type: ignore[no-untyped-def]
     """An attacker's get of one layer range repeated past max_get_bytes: 413 naming the field, and
     not one range hashed first (the budget is checked in the pass that pins, the hashing after it)."""
@@ -258,13 +299,13 @@ def test_a_get_over_max_get_bytes_is_refused_before_anything_is_hashed(ns, harne
     item = GetItem(key=Prompt(ns, toks).block_key(0), layer_start=1, layer_end=2)
     per_item = 4 * ns.kv.layer_token_bytes
     hashed: list[int] = []
-    real = h.store.arena.checksum
+    real = h.store.arena.checksum_runs
 
-    def counting(pages: list[int], offset: int, length: int) -> int:
-        hashed.append(length)
-        return real(pages, offset, length)
+    def counting(pages: list[int], ranges: list[tuple[int, int]]) -> int:
+        hashed.append(sum(n for _, n in ranges))
+        return real(pages, ranges)
 
-    h.store.arena.checksum = counting  # type: ignore[method-assign]
+    h.store.arena.checksum_runs = counting  # type: ignore[method-assign]
     for field, want in (("items", "items"), ("layers", "keys")):
         with pytest.raises(WireError) as info:
             h.run(h.store.prepare_get(ns.id, [item] * (64 * 1024 // per_item + 1), field=field))

@@ -254,3 +254,73 @@ async def test_corrupt_disk_payload_is_a_miss_and_deleted(tmp_path: Path, serve:
     finally:
         env.close()
 
+
+
+async def test_a_per_rank_namespace_of_the_earlier_scheme_is_still_served(tmp_path: Path, serve: StartServe) -> None:
+    """docs/design.md, "One layout for every TP size": a per-rank namespace (hash scheme 1) that an
+    engine of the earlier release registered keeps working -- registered, saved, found, read, and
+    after a restart read back from LMDB -- and shares nothing with the canonical namespace of the
+    same model; a head range of it is refused (its payloads hold one rank's heads)."""
+    import dataclasses
+
+    legacy = dataclasses.replace(make_namespace(), hash_scheme=1, tp_rank=1, tp_size=2)
+    data_dir = tmp_path / "lmdb"
+    first = serve(*_args(data_dir))
+    c = _client(first, legacy)
+    try:
+        await _save_all(c)
+        before = {i: await _find(c, s.tokens) for i, s in enumerate(SAVED)}
+    finally:
+        await c.close()
+    assert first.stop() == 0
+    second = serve(*_args(data_dir))
+    c, canonical = _client(second, legacy), _client(second, make_namespace())
+    try:
+        for i, s in enumerate(SAVED):
+            assert await _find(c, s.tokens) == before[i]
+            assert (await canonical.lookup(list(s.tokens))).kv_tokens == 0  # another namespace
+        key = c.prompt(SAVED[0].tokens).block_key(0)
+        assert await c.read([GetItem(key=key, head_start=0, head_end=1)], [bytearray(256)]) == [-1]
+        assert c.failures["read"] == 1
+    finally:
+        await c.close()
+        await canonical.close()
+    assert second.stop() == 0
+
+
+async def test_head_ranges_of_entries_read_back_from_disk(tmp_path: Path, serve: StartServe) -> None:
+    """After a restart every entry is on disk only: a head range of it is promoted (or read into a
+    buffer), hashed over exactly its runs, and equals the slice of what was saved."""
+    from ..factories import head_slice, make_headed_namespace, state_head_slice
+
+    ns = make_headed_namespace()
+    data_dir = tmp_path / "lmdb"
+    first = serve(*_args(data_dir))
+    c = _client(first, ns)
+    try:
+        await _save_all(c)
+    finally:
+        await c.close()
+    assert first.stop() == 0
+    second = serve(*_args(data_dir))
+    c = _client(second, ns)
+    try:
+        s = SAVED[0]
+        p = c.prompt(s.tokens)
+        for heads in ((0, 2), (2, 4), (1, 2)):
+            items, want = [], []
+            for spec, a, b in p.kv_items(s.kv_upto):
+                items.append(GetItem(key=make_entry_key(spec.kind, spec.hash), head_start=heads[0], head_end=heads[1]))
+                want.append(head_slice(ns, kv_payload(ns, s.tokens, a, b), b - a, heads))
+            for t in s.snapshots:
+                spec = p.state_item(t, s.kv_upto)
+                items.append(GetItem(key=make_entry_key(Kind.STATE, spec.hash), head_start=heads[0],
+                                     head_end=heads[1]))
+                want.append(state_head_slice(ns, state_payload(ns, s.tokens, t), heads))
+            outs = [bytearray(len(w)) for w in want]
+            assert await c.read(items, outs) == [len(w) for w in want]
+            assert [bytes(o) for o in outs] == want
+        assert c.failures == {}
+    finally:
+        await c.close()
+    assert second.stop() == 0

@@ -22,8 +22,11 @@ from vllm.v1.request import Request
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from prefixstore.client.vllm.slot_map import KernelWrite, cpu_kernel_write
+from prefixstore.client.vllm.tp import TpGroup
 
 BS = 16  # vLLM block size here; the store's block size is 16 too, but a different one is tested below
+HEADS = 2  # the model's KV heads (a rank of a TP=2 engine holds one)
+CONV_CHANNELS = 8  # the "short_conv" state: 8 channels x a window of 3
 ATTN = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
 MAMBA = ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
 
@@ -38,10 +41,18 @@ class Engine:
     """What vLLM builds around a connector: configs, views, both roles."""
 
     def __init__(self, url: str | list[str], model_id: str, *, hybrid: bool = False, tensor_parallel_size: int = 1,
-                 kernel: KernelWrite | None = None, dtype: torch.dtype = torch.float16, **extra: object) -> None:
+                 kernel: KernelWrite | None = None, dtype: torch.dtype = torch.float16, tp: TpGroup | None = None,
+                 state: str = "opaque", role: str = "kv_both", block_size: int = 16, **extra: object) -> None:
+        """``tensor_parallel_size`` > 1 with ``tp`` (this rank's member of a group joining several
+        Engines: tests/vllm/test_cross_tp.py): this Engine is that rank, with its share of the
+        model's 2 KV heads and of its state. ``state``: "opaque" (a Mamba2 spec vLLM's config does
+        not describe: moved as raw bytes, TP=1 only) or "short_conv" (8 channels x 3, split by
+        channel: LFM2's state). ``role``: vLLM's kv_role (kv_producer: a prefill instance,
+        kv_consumer: a decode instance); ``block_size``: vLLM's (the store's stays 16)."""
         self.kernel = kernel
         """The cache-write kernel the forward pass uses (default: vLLM's own CPU kernel)."""
-        kt = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role="kv_both",
+        BS = block_size
+        kt = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role=role,  # type: ignore[arg-type]
                               kv_connector_module_path="prefixstore.client.vllm.connector",
                               kv_connector_extra_config={"url": url, "model_id": model_id, "timeout_s": 2.0,
                                                          "connect_timeout_s": 0.5, **extra})
@@ -50,10 +61,19 @@ class Engine:
                                  parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
         self.config.cache_config.kv_cache_layout = "LBHNC"  # what the engine core resolves on CPU at start-up
         specs: dict[str, object] = {
-            name: FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=32, dtype=dtype) for name in ATTN}
-        if hybrid:
+            name: FullAttentionSpec(block_size=BS, num_kv_heads=HEADS // tensor_parallel_size, head_size=32, dtype=dtype)
+            for name in ATTN}
+        if hybrid and state == "opaque":
             specs.update({name: MambaSpec(block_size=BS, shapes=((4, 3), (2, 8, 8)),
                                           dtypes=(torch.float16, torch.float32), mamba_cache_mode="align")
+                          for name in MAMBA})
+        elif hybrid:
+            from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+            from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+            shapes = MambaStateShapeCalculator.short_conv_state_shape(tensor_parallel_size, CONV_CHANNELS, 4)
+            specs.update({name: MambaSpec(block_size=BS, shapes=shapes, dtypes=(torch.float16,),
+                                          mamba_type=MambaAttentionBackendEnum.SHORT_CONV, mamba_cache_mode="align")
                           for name in MAMBA})
         groups = get_kv_cache_groups(self.config, specs)
         self.kv_cache_config: KVCacheConfig = get_kv_cache_config_from_groups(self.config, groups, 64 * 4096 * 4)
@@ -62,6 +82,8 @@ class Engine:
         self.scheduler = KVConnectorFactory.create_connector(self.config, KVConnectorRole.SCHEDULER,
                                                              self.kv_cache_config)
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+        if tp is not None and self.worker.worker_side is not None:
+            self.worker.worker_side.tp = tp  # the seam: this rank's group, before it registers
         self.worker.register_kv_caches(self.views)
         self.num_groups = len(self.kv_cache_config.kv_cache_groups)
 
@@ -118,14 +140,15 @@ def write_kv(view: torch.Tensor, block_ids: list[int], kv: torch.Tensor, start: 
     blocks, heads, n, c = view.shape
     key_cache, value_cache = view.view(blocks, heads, 2 * n, c // 2).chunk(2, dim=2)  # as the kernel does
     pos = torch.arange(start, start + kv.shape[1])
-    slots = torch.tensor(block_ids)[pos // BS] * BS + pos % BS
+    slots = torch.tensor(block_ids)[pos // n] * n + pos % n  # the kernel's blocks: n tokens each
     write = kernel if kernel is not None else cpu_kernel_write(view.dtype, n, c // 2)
     write(kv[0].contiguous(), kv[1].contiguous(), key_cache, value_cache, slots)
 
 
 def random_kv(seed: int, n: int = 48, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """K and V ``[2, n, heads, 32]`` of every attention layer (all of the model's heads)."""
     g = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(2, n, 2, 32, generator=g).to(dtype) for name in ATTN}
+    return {name: torch.randn(2, n, HEADS, 32, generator=g).to(dtype) for name in ATTN}
 
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

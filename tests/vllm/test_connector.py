@@ -316,31 +316,6 @@ def test_a_save_wait_ends_once_it_costs_more_than_the_load_gains(engine_factory,
     e.step()
 
 
-def test_tensor_parallel_answer_is_the_least_over_ranks(store: ServeProcess) -> None:
-    """Each rank keys its own shard (tp_rank in the namespace); the scheduler asks every rank's
-    namespace and answers what all of them hold: a rank never loads a prefix another lacks."""
-    import numpy as np
-
-    from prefixstore.client import SyncPrefixClient
-    from prefixstore.client.vllm.connector import namespace_for
-
-    e = Engine(store.url, "tp-2", tensor_parallel_size=2, save_wait_s=0)  # one worker here reports, of two
-    try:
-        e.write([3, 7, 9], random_kv(seed=55), 0, 40)
-        e.finish(request("r1", PROMPT + [5], computed=40), ([3, 7, 9],))  # rank 0's shard: 40 tokens
-        s = e.scheduler
-        assert s.get_num_new_matched_tokens(request("a", PROMPT + [1] * 4), 0) == (0, False)  # rank 1 has none
-        side = s.scheduler_side
-        ns1 = namespace_for(e.config, side.groups, side.settings, 1)
-        with SyncPrefixClient(ns1, side.settings.client) as rank1:  # rank 1 saves 24 tokens of its shard
-            size = ns1.kv.layer_token_bytes * ns1.kv.num_layers
-            result = rank1.save(rank1.prompt(PROMPT[:24]), 24, lambda a, b: np.zeros((b - a) * size, np.uint8))
-            assert result.stored >= 2
-        assert s.get_num_new_matched_tokens(request("b", PROMPT + [1] * 4), 0) == (24, False)
-    finally:
-        e.close()
-
-
 def test_hybrid_refuses_replay_mode(store: ServeProcess) -> None:
     with pytest.raises(ValueError, match="mode: 'replay'"):
         Engine(store.url, "hybrid-replay", hybrid=True, mode="replay")

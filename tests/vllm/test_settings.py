@@ -36,6 +36,9 @@ def test_every_client_field_is_accepted() -> None:
     ({"switch_interval_s": True}, "switch_interval_s"),
     ({"idle_wait_s": "5ms"}, "idle_wait_s"),
     ({"url": []}, "url"),
+    ({"commit_wait_s": -1}, "commit_wait_s"),
+    ({"commit_wait_s": "5"}, "commit_wait_s"),
+    ({"keys": "sglang"}, "keys"),
 ])
 def test_bad_values_name_their_knob(extra: dict[str, object], knob: str) -> None:
     with pytest.raises(ValueError, match=knob):
