@@ -259,7 +259,7 @@ def prepare_tree(label: str, rev: str, workdir: Path) -> Tree:
     """This checkout for rev ".", else a detached worktree of rev in workdir with a copied venv (reused if there)."""
     if rev == ".":
         commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--", "protocol", "store", "client", "admission", "prefixstore"))
+        dirty = bool(git("status", "--porcelain", "--", "protocol", "transport", "store", "client", "admission", "prefixstore"))
         tree = Tree(label=label, rev=rev, commit=commit, root=REPO, python=REPO / ".venv" / "bin" / "python",
                     temporary=False, dirty=dirty)
     else:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COSMIC_RAY = str(Path(sys.executable).parent / "cosmic-ray")  # the console script beside this interpreter
-PACKAGES = {"protocol": "protocol", "store": "store", "client": "client", "admission": "admission",
+PACKAGES = {"protocol": "protocol", "transport": "transport", "store": "store", "client": "client", "admission": "admission",
             "gpu_staging": "gpu_staging"}  # prefixstore.<name> -> directory (pyproject's package-dir)
 
 POLICY_TESTS = ("tests/admission", "tests/store/test_policy_settings.py", "tests/store/test_metric_values.py")

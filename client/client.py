@@ -21,9 +21,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ..protocol.errors import StoreError
-from ..protocol.namespace import Namespace
-from ..protocol.wire import GetItem, ItemResult, ItemSpec
+from prefixstore.protocol.errors import StoreError
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec
 from .cluster import ClusterClient
 from .config import ClientConfig
 from .datapath import Buffer

@@ -49,13 +49,13 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from ..protocol.errors import ItemStatus, StoreError
-from ..protocol.hashing import root_hash
-from ..protocol.keys import Kind, make_entry_key
-from ..protocol.namespace import Namespace
-from ..protocol.placement import normalize_url, rank, root_branch
-from ..protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
-from ..protocol.wire import GetItem, ItemResult, ItemSpec
+from prefixstore.protocol.errors import ItemStatus, StoreError
+from prefixstore.protocol.hashing import root_hash
+from prefixstore.protocol.keys import Kind, make_entry_key
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.placement import normalize_url, rank, root_branch
+from prefixstore.protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
+from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec
 from .config import ClientConfig
 from .datapath import Buffer, as_view
 from .device import DeviceBuffer

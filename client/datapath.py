@@ -27,12 +27,12 @@ from typing import Protocol
 
 import numpy as np
 
-from ..protocol.errors import ItemStatus, Problem, StoreError
-from ..protocol.keys import Kind
-from ..protocol.namespace import Namespace
-from ..protocol.nixl_wire import NixlPlacements
-from ..protocol.transport import FramePool, get_into
-from ..protocol.wire import REASON_QUOTA, GetItem, ItemResult, ItemSpec, WireError, encode_get_items, encode_header
+from prefixstore.protocol.errors import ItemStatus, Problem, StoreError
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.nixl_wire import NixlPlacements
+from prefixstore.transport.frames import FramePool, get_into
+from prefixstore.protocol.wire import REASON_QUOTA, GetItem, ItemResult, ItemSpec, WireError, encode_get_items, encode_header
 from .config import ClientConfig
 from .device import DeviceBuffer
 from .failures import Failures

@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol import checksums
-from ..protocol.keys import make_entry_key
-from ..protocol.nixl_agent import NixlUnavailable, make_agent
-from ..protocol.errors import ItemStatus
-from ..protocol.nixl_wire import NixlGetAnswer, NixlMetadata, NixlPlacements, NixlReserveAnswer
-from ..protocol.wire import GetItem, ItemResult, ItemSpec, WireError, encode_get_items
+from prefixstore.protocol import checksums
+from prefixstore.protocol.keys import make_entry_key
+from prefixstore.transport.nixl_agent import NixlUnavailable, make_agent
+from prefixstore.protocol.errors import ItemStatus
+from prefixstore.protocol.nixl_wire import NixlGetAnswer, NixlMetadata, NixlPlacements, NixlReserveAnswer
+from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec, WireError, encode_get_items
 from .device import DeviceBuffer
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ result and never raises because of the store: a connection error, timeout, 4xx/5
 malformed frame or checksum mismatch becomes a miss (lookups, reads) or a dropped save, counted
 in :attr:`NodeClient.failures` and warned about at most once per ``warn_interval_s``.
 
-Every call goes over one frame transport (protocol/transport.py: pooled HTTP/1.1 connections,
+Every call goes over one frame transport (transport/frames.py: pooled HTTP/1.1 connections,
 payloads straight between the wire and the caller's buffers); payloads take the data path
 (client/datapath.py: NIXL when usable, HTTP otherwise). A call on the namespace registers it
 first, and once more when the store answers that it does not know it (a restart).
@@ -23,12 +23,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..protocol.errors import ItemStatus, Problem, StoreError
-from ..protocol.keys import Kind
-from ..protocol.namespace import Namespace
-from ..protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
-from ..protocol.transport import FramePool, get_json, post
-from ..protocol.wire import GetItem, ItemResult, ItemSpec, LookupAnswer, LookupRequest, WireError
+from prefixstore.protocol.errors import ItemStatus, Problem, StoreError
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
+from prefixstore.transport.frames import FramePool, get_json, post
+from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec, LookupAnswer, LookupRequest, WireError
 from .config import ClientConfig
 from .datapath import Buffer, DataPath, as_view, batches, results_of
 from .device import DeviceBuffer

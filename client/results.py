@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..protocol.keys import Kind
-from ..protocol.wire import EntryRef, GetItem, ItemResult
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.wire import EntryRef, GetItem, ItemResult
 from .prompt import Prompt
 
 

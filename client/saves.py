@@ -28,9 +28,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..protocol.errors import ItemStatus
-from ..protocol.keys import Kind
-from ..protocol.wire import ItemResult, ItemSpec
+from prefixstore.protocol.errors import ItemStatus
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.wire import ItemResult, ItemSpec
 from .datapath import Buffer
 from .results import SaveResult
 

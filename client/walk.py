@@ -33,10 +33,10 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..protocol.hashing import TOKEN_BYTES, BlockHash
-from ..protocol.placement import root_branch
-from ..protocol.probe import TIER_ELSEWHERE, ProbeAnswer, ProbeRequest
-from ..protocol.wire import EntryRef
+from prefixstore.protocol.hashing import TOKEN_BYTES, BlockHash
+from prefixstore.protocol.placement import root_branch
+from prefixstore.protocol.probe import TIER_ELSEWHERE, ProbeAnswer, ProbeRequest
+from prefixstore.protocol.wire import EntryRef
 from .prompt import Prompt
 
 MAX_EARLY = 2

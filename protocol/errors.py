@@ -58,7 +58,7 @@ class RequestError(ValueError):
 
 
 class StoreError(Exception):
-    """A call to a store that did not succeed, as its caller sees it (protocol/transport.py raises
+    """A call to a store that did not succeed, as its caller sees it (transport/frames.py raises
     it; the client turns it into a miss or a dropped save).
 
     ``path``: the endpoint; ``status``: the HTTP status the store answered (None: no answer — a

@@ -25,9 +25,9 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from ..protocol.errors import Problem
-from ..protocol.namespace import Namespace
-from ..protocol.wire import WireError
+from prefixstore.protocol.errors import Problem
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.wire import WireError
 from .config import StoreConfig
 from .lmdb_tier import LmdbTier, Scan, StoredRecord, TierDamaged, TierFull
 from .metrics import StoreMetrics

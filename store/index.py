@@ -43,9 +43,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash
-from ..protocol.keys import ENTRY_KEY_BYTES, Kind
-from ..protocol.namespace import NAMESPACE_ID_BYTES
+from prefixstore.protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash
+from prefixstore.protocol.keys import ENTRY_KEY_BYTES, Kind
+from prefixstore.protocol.namespace import NAMESPACE_ID_BYTES
 
 _BLOCK = bytes((Kind.BLOCK,))
 STORE_KEY_BYTES = 1 + NAMESPACE_ID_BYTES + HASH_BYTES

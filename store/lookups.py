@@ -43,13 +43,13 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from ..admission import AdmissionPolicy, EvictionPolicy
-from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, tail_hash
-from ..protocol.keys import Kind
-from ..protocol.namespace import Namespace
-from ..protocol.placement import root_branch
-from ..protocol.probe import TIER_ELSEWHERE, LookupReport, ProbeAnswer, ProbeRequest, StopLevel
-from ..protocol.wire import EntryRef, LookupAnswer, LookupRequest, split_hashes
+from prefixstore.admission import AdmissionPolicy, EvictionPolicy
+from prefixstore.protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, tail_hash
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.placement import root_branch
+from prefixstore.protocol.probe import TIER_ELSEWHERE, LookupReport, ProbeAnswer, ProbeRequest, StopLevel
+from prefixstore.protocol.wire import EntryRef, LookupAnswer, LookupRequest, split_hashes
 from .config import StoreConfig
 from .index import Entry, Index, ScanBudget, store_key
 from .leases import Leases

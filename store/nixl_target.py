@@ -86,9 +86,9 @@ from typing import Any
 
 from aiohttp import web
 
-from ..protocol.errors import ItemStatus, Problem
-from ..protocol.nixl_agent import NixlUnavailable, import_nixl, make_agent
-from ..protocol.nixl_wire import (
+from prefixstore.protocol.errors import ItemStatus, Problem
+from prefixstore.transport.nixl_agent import NixlUnavailable, import_nixl, make_agent
+from prefixstore.protocol.nixl_wire import (
     RUN,
     NixlGetAnswer,
     NixlItem,
@@ -97,7 +97,7 @@ from ..protocol.nixl_wire import (
     NixlReservation,
     NixlReserveAnswer,
 )
-from ..protocol.wire import (
+from prefixstore.protocol.wire import (
     ItemResult,
     WireError,
     parse_get_items,

@@ -52,10 +52,10 @@ import ssl
 import time
 from collections.abc import Callable, Sequence
 
-from ..protocol.errors import ItemStatus, StoreError
-from ..protocol.keys import Kind
-from ..protocol.transport import FramePool, post
-from ..protocol.wire import REASON_RECORD, STATUS_HAVE, STATUS_OK, GetItem, ItemResult, ItemSpec
+from prefixstore.protocol.errors import ItemStatus, StoreError
+from prefixstore.protocol.keys import Kind
+from prefixstore.transport.frames import FramePool, post
+from prefixstore.protocol.wire import REASON_RECORD, STATUS_HAVE, STATUS_OK, GetItem, ItemResult, ItemSpec
 from .core import Store
 from .index import Entry, scope, unscope
 from .membership import Membership
@@ -277,7 +277,7 @@ class Replicator:
 
     async def _post(self, node: str, path: str, header: dict[str, object],
                     payloads: Sequence[bytes] = ()) -> dict[str, object]:
-        """One call to another node over the frame transport (protocol/transport.py); raises StoreError."""
+        """One call to another node over the frame transport (transport/frames.py); raises StoreError."""
         return await post(self._pool(node), path, header, payloads,
                           timeout_s=max(5.0, self.config.request_timeout_s / 4))
 

@@ -38,13 +38,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..admission import AdmissionPolicy, EvictionPolicy
-from ..protocol import checksums
-from ..protocol.errors import ItemStatus, Problem
-from ..protocol.hashing import HASH_BYTES, BlockHash
-from ..protocol.keys import Kind
-from ..protocol.namespace import Namespace
-from ..protocol.wire import REASON_QUOTA, REASON_RECORD, ItemResult, ItemSpec, WireError
+from prefixstore.admission import AdmissionPolicy, EvictionPolicy
+from prefixstore.protocol import checksums
+from prefixstore.protocol.errors import ItemStatus, Problem
+from prefixstore.protocol.hashing import HASH_BYTES, BlockHash
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.wire import REASON_QUOTA, REASON_RECORD, ItemResult, ItemSpec, WireError
 from .arena import Arena
 from .behind import WriteBehind, puts_of
 from .config import StoreConfig

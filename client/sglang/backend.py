@@ -58,8 +58,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from ...protocol.namespace import Namespace, StateLayout
-from ...protocol.wire import HAVE, STATUS_HAVE, STATUS_OK, WANT
+from prefixstore.protocol.namespace import Namespace, StateLayout
+from prefixstore.protocol.wire import HAVE, STATUS_HAVE, STATUS_OK, WANT
 from ..prompt import Prompt
 from ..sync import SyncPrefixClient
 from .keys import KEYSPACE, page_prompt

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from ...protocol.namespace import Namespace
+from prefixstore.protocol.namespace import Namespace
 from ..prompt import Prompt
 
 KEYSPACE = "keys:sglang-page-sha256"

@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ...protocol.namespace import KVLayout, StateLayout
+from prefixstore.protocol.namespace import KVLayout, StateLayout
 
 #: torch dtype -> the dtype name a namespace records (protocol.namespace.DTYPE_BYTES).
 DTYPE_NAMES: dict[torch.dtype, str] = {

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from ...protocol.namespace import KVLayout, Namespace, StateLayout
+from prefixstore.protocol.namespace import KVLayout, Namespace, StateLayout
 from ..results import LookupResult
 from .layout import DTYPE_NAMES, LayoutUnsupported
 from .settings import ConnectorSettings

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...protocol.keys import Origin
+from prefixstore.protocol.keys import Origin
 from ..client import PrefixClient
 from ..results import LookupResult
 from .loop import ClientLoop

@@ -28,7 +28,7 @@ from .stats import RateLimitedLog, StatsBox, decode_step_keys
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from ...gpu_staging.staging import StagingBuffer
+    from prefixstore.gpu_staging.staging import StagingBuffer
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class PrefixStoreWorker:
             return
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        from ...gpu_staging.staging import StagingBuffer
+        from prefixstore.gpu_staging.staging import StagingBuffer
 
         try:
             tp_rank = get_tensor_model_parallel_rank()

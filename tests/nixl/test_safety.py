@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import prefixstore.protocol.nixl_agent as nixl_agent
+import prefixstore.transport.nixl_agent as nixl_agent
 from prefixstore.client import ClientConfig, PrefixClient
 
 from ..security.helpers import TOKENS, raw_post, write_tenants

@@ -1,4 +1,4 @@
-"""The frame transport (protocol/transport.py): get payloads received straight into caller buffers.
+"""The frame transport (transport/frames.py, transport/receiver.py): get payloads received straight into caller buffers.
 
 Against a real store (in-process, or a subprocess that is SIGKILLed mid-read)
 and against a scripted fake that answers /v1/get with malformed responses.
@@ -19,7 +19,7 @@ import pytest
 import xxhash
 
 from prefixstore.client import ClientConfig, PrefixClient
-from prefixstore.protocol import transport
+from prefixstore.transport import frames as transport, receiver as receiving
 from prefixstore.protocol import KVLayout, Kind, Namespace, make_entry_key
 from prefixstore.protocol.hashing import BlockHash
 from prefixstore.protocol.wire import CONTENT_TYPE, GetItem, encode_frame, encode_get_items, encode_header
@@ -111,7 +111,7 @@ async def test_the_store_answers_a_get_in_the_form_it_was_asked_in(big_store: Ru
 
 
 async def test_put_of_typed_payloads_sent_from_their_own_memory(big_store: RunningStore) -> None:
-    """A put's large parts go straight from the caller's buffers to the socket (protocol/sockets.py):
+    """A put's large parts go straight from the caller's buffers to the socket (transport/sockets.py):
     payloads given as 2-D float16 arrays arrive whole, byte for byte (tests/protocol/test_sockets.py
     pins the byte counting itself)."""
     from prefixstore.client.prompt import with_payload
@@ -446,7 +446,7 @@ GARBAGE = {
     "bad item": http_answer(encode_frame({"items": [["ok", "big", 0]] * 3})),
     "length mismatch": http_answer(get_frame(PAYLOADS) + b"extra"),
     "huge header_len": http_answer(b"PSF\x01\xff\xff\xff\x7f" + b"\0" * 64),
-    "head never ends": b"HTTP/1.1 200 OK\r\nX: " + b"a" * (transport.MAX_HEAD_BYTES + 100),
+    "head never ends": b"HTTP/1.1 200 OK\r\nX: " + b"a" * (receiving.MAX_HEAD_BYTES + 100),
     "500 with a body": http_answer(b'{"error": "boom"}', status="500 Internal Server Error"),
     "huge error body": b"HTTP/1.1 503 Unavailable\r\nContent-Length: 99999999\r\n\r\nxx",
 }
@@ -697,9 +697,9 @@ async def test_bulk_read_over_tls(big_store: RunningStore, tmp_path: Path) -> No
 def test_spans_group_back_to_back_destinations() -> None:
     region = memoryview(bytearray(100))
     elsewhere = memoryview(bytearray(10))
-    sinks: list[transport.Sink] = [region[0:10], region[10:30], 5, region[30:40], region[41:50], elsewhere,
+    sinks: list[receiving.Sink] = [region[0:10], region[10:30], 5, region[30:40], region[41:50], elsewhere,
                               region[50:60], region[60:60], region[60:70]]
-    spans = transport.spans_of(sinks)
+    spans = receiving.spans_of(sinks)
     assert spans[2] is None
     first, second = spans[0], spans[1]
     assert first is not None and second is not None
@@ -738,15 +738,15 @@ async def test_receiver_fills_any_layout_from_any_chunking(seed: int) -> None:
     """Random sinks (empty, dropped, small, large, back to back or not), random bytes ahead of fill(),
     random receive sizes: every sink gets exactly its bytes, on_data reports them in order."""
     rng = np.random.default_rng(seed)
-    receiver = transport.Receiver(scratch_bytes=int(rng.choice([64, 4096, 1 << 20])))
+    receiver = receiving.Receiver(scratch_bytes=int(rng.choice([64, 4096, 1 << 20])))
     fake = _FakeTransport()
     receiver.connection_made(fake)
     region = bytearray(4 << 20)
-    sinks: list[transport.Sink] = []
+    sinks: list[receiving.Sink] = []
     at = 0
     for _ in range(int(rng.integers(0, 14))):
         size = int(rng.choice([0, int(rng.integers(1, 100)), int(rng.integers(1, 5000)),
-                               int(rng.integers(transport.DIRECT_MIN_BYTES - 10, transport.DIRECT_MIN_BYTES + 50_000))]))
+                               int(rng.integers(receiving.DIRECT_MIN_BYTES - 10, receiving.DIRECT_MIN_BYTES + 50_000))]))
         if rng.random() < 0.15:
             sinks.append(size)  # dropped
             continue
