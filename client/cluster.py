@@ -49,7 +49,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from prefixstore.protocol.errors import ItemStatus, StoreError
+from prefixstore.protocol.errors import ItemStatus, Reason, StoreError
 from prefixstore.protocol.hashing import root_hash
 from prefixstore.protocol.keys import Kind, make_entry_key
 from prefixstore.protocol.namespace import Namespace
@@ -63,7 +63,7 @@ from .failures import Failures
 from .node import NodeClient, check_device_outs
 from .prompt import Prompt
 from .results import LookupResult, SaveResult
-from .saves import MAX_ROUNDS, UNAVAILABLE, SaveCalls, SaveItem, save_chain
+from .saves import MAX_ROUNDS, SaveCalls, SaveItem, save_chain
 from .walk import Walk
 
 log = logging.getLogger(__name__)
@@ -628,13 +628,13 @@ class ClusterClient(SaveCalls):
 
     async def offer_at(self, url: str, specs: Sequence[ItemSpec], place: bool = True) -> list[ItemResult]:
         got = await self._node(url).run("save", lambda c: c.offer(specs, place), unanswered=lambda rs: all(
-            r.reason == UNAVAILABLE for r in rs))
-        return got if got is not None else [ItemResult(ItemStatus.REJECTED, UNAVAILABLE)] * len(specs)
+            r.reason is Reason.UNAVAILABLE for r in rs))
+        return got if got is not None else [ItemResult(ItemStatus.REJECTED, Reason.UNAVAILABLE)] * len(specs)
 
     async def put_at(self, url: str, items: Sequence[tuple[ItemSpec, Buffer]]) -> list[ItemResult]:
         got = await self._node(url).run("save", lambda c: c.put(items), unanswered=lambda rs: all(
-            r.reason == UNAVAILABLE for r in rs))
-        return got if got is not None else [ItemResult(ItemStatus.DROPPED, UNAVAILABLE)] * len(items)
+            r.reason is Reason.UNAVAILABLE for r in rs))
+        return got if got is not None else [ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE)] * len(items)
 
     async def _route(self, items: Sequence[ItemSpec]) -> list[tuple[str, ItemSpec] | None]:
         """Each item's home and the item naming its branch (None: this client does not know where
@@ -658,7 +658,7 @@ class ClusterClient(SaveCalls):
         decisions: an engine putting what it was told to keeps its chain on that home). An item
         under a fork record there is asked again of that branch's node."""
         routes = await self._route(items)
-        out: list[ItemResult] = [ItemResult(ItemStatus.REJECTED, "placement unknown: look the prompt up first")
+        out: list[ItemResult] = [ItemResult(ItemStatus.REJECTED, Reason.PLACEMENT_UNKNOWN)
                                  ] * len(items)
         for _ in range(MAX_ROUNDS):
             groups: dict[str, list[int]] = collections.defaultdict(list)
@@ -685,7 +685,7 @@ class ClusterClient(SaveCalls):
     async def put(self, items: Sequence[tuple[ItemSpec, Buffer]], commit: bool = True) -> list[ItemResult]:
         """Payloads to the node each item was offered to (else to the home of its level)."""
         routed = await self._route([s for s, _ in items])
-        out: list[ItemResult] = [ItemResult(ItemStatus.DROPPED, "placement unknown: look the prompt up first")
+        out: list[ItemResult] = [ItemResult(ItemStatus.DROPPED, Reason.PLACEMENT_UNKNOWN)
                                  ] * len(items)
         groups: dict[str, list[tuple[int, ItemSpec]]] = collections.defaultdict(list)
         for i, ((spec, _), r) in enumerate(zip(items, routed)):
@@ -698,8 +698,8 @@ class ClusterClient(SaveCalls):
 
         async def one(url: str, idx: list[tuple[int, ItemSpec]]) -> None:
             got = await self._node(url).run("save", lambda c: c.put([(s, items[i][1]) for i, s in idx], commit),
-                                            unanswered=lambda rs: all(r.reason == UNAVAILABLE for r in rs))
-            for (i, _), r in zip(idx, got or [ItemResult(ItemStatus.DROPPED, UNAVAILABLE)] * len(idx)):
+                                            unanswered=lambda rs: all(r.reason is Reason.UNAVAILABLE for r in rs))
+            for (i, _), r in zip(idx, got or [ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE)] * len(idx)):
                 out[i] = r
 
         await asyncio.gather(*(one(url, idx) for url, idx in groups.items()))

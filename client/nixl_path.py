@@ -37,7 +37,7 @@ import numpy as np
 from prefixstore.protocol import checksums
 from prefixstore.protocol.keys import make_entry_key
 from prefixstore.transport.nixl_agent import NixlUnavailable, make_agent
-from prefixstore.protocol.errors import ItemStatus
+from prefixstore.protocol.errors import ItemStatus, Reason
 from prefixstore.protocol.nixl_wire import NixlGetAnswer, NixlMetadata, NixlPlacements, NixlReserveAnswer
 from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec, WireError, encode_get_items
 from .device import DeviceBuffer
@@ -701,10 +701,10 @@ class NixlChannel:
         if not todo:
             return results, problems, 0
 
-        def dropped(reason: str) -> tuple[list[ItemResult], list[tuple[str, str]], int]:
+        def dropped(detail: str) -> tuple[list[ItemResult], list[tuple[str, str]], int]:
             for i, _ in todo:
-                results[i] = ItemResult(ItemStatus.DROPPED, reason)
-            problems.append(("nixl", reason))
+                results[i] = ItemResult(ItemStatus.DROPPED, Reason.NIXL_FAILED, detail=detail)
+            problems.append(("nixl", detail))
             return results, problems, 0
 
         try:

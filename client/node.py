@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
-from prefixstore.protocol.errors import ItemStatus, Problem, StoreError
+from prefixstore.protocol.errors import ItemStatus, Problem, Reason, StoreError
 from prefixstore.protocol.keys import Kind
 from prefixstore.protocol.namespace import Namespace
 from prefixstore.protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
@@ -256,7 +256,7 @@ class NodeClient:
                 out.extend(results_of(answer, len(chunk)))
             except (StoreError, WireError) as err:
                 self._failures.record("offer", err)
-                out.extend(ItemResult(ItemStatus.REJECTED, "store unavailable") for _ in chunk)
+                out.extend(ItemResult(ItemStatus.REJECTED, Reason.UNAVAILABLE) for _ in chunk)
         return out
 
     async def put(self, items: Sequence[tuple[ItemSpec, Buffer]], commit: bool = True) -> list[ItemResult]:
@@ -272,7 +272,7 @@ class NodeClient:
                     out.extend(results_of(answer, len(records)))
                 except (StoreError, WireError) as err:
                     self._failures.record("put", err)
-                    out.extend(ItemResult(ItemStatus.DROPPED, "store unavailable") for _ in records)
+                    out.extend(ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE) for _ in records)
             return out
         for s in range(0, len(items), self.config.max_items):
             chunk = items[s : s + self.config.max_items]
@@ -323,7 +323,7 @@ class NodeClient:
             results = await self.put(wanted) if wanted else []
             stored += sum(r.status is ItemStatus.OK for r in results)
             dropped += sum(r.status is ItemStatus.DROPPED for r in results) + sum(
-                d.reason == "store unavailable" for d in decisions)
+                d.reason is Reason.UNAVAILABLE for d in decisions)
             have += sum(d.status is ItemStatus.HAVE for d in decisions) + sum(r.status is ItemStatus.HAVE for r in results)
             saved.extend((w.kind, r) for (w, _), r in zip(wanted, results))
         rejected = len(specs) - stored - have - dropped

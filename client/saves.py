@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from prefixstore.protocol.errors import ItemStatus
+from prefixstore.protocol.errors import ItemStatus, Reason
 from prefixstore.protocol.keys import Kind
 from prefixstore.protocol.wire import ItemResult, ItemSpec
 from .datapath import Buffer
@@ -36,8 +36,6 @@ from .results import SaveResult
 
 MAX_ROUNDS = 8
 """Branches one save crosses at most; items further down are dropped (a future miss)."""
-
-UNAVAILABLE = "store unavailable"
 
 
 @dataclass
@@ -80,9 +78,9 @@ async def save_chain(calls: SaveCalls, items: list[SaveItem], branch: bytes) -> 
         homes = calls.homes(branch)
         specs = [dataclasses.replace(items[i].spec, branch=branch) for i in todo]
         offers = list(await asyncio.gather(*(calls.offer_at(url, specs) for url in homes))) if homes else []
-        if not offers or all(d.reason == UNAVAILABLE for d in offers[0]):
+        if not offers or all(d.reason is Reason.UNAVAILABLE for d in offers[0]):
             for i in todo:
-                final[i] = ItemResult(ItemStatus.DROPPED, UNAVAILABLE)
+                final[i] = ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE)
             return _result(items, final, was_put)
         decided = dict(zip(todo, offers[0]))
         moved: list[int] = []
@@ -131,7 +129,7 @@ async def save_chain(calls: SaveCalls, items: list[SaveItem], branch: bytes) -> 
     else:
         for i in todo:
             if final[i] is None:
-                final[i] = ItemResult(ItemStatus.DROPPED, "too many forks in one save")
+                final[i] = ItemResult(ItemStatus.DROPPED, Reason.TOO_MANY_FORKS)
     return _result(items, final, was_put)
 
 
@@ -158,13 +156,13 @@ async def _put(calls: SaveCalls, url: str, answers: list[ItemResult], items: lis
 
 
 def _result(items: list[SaveItem], final: list[ItemResult | None], was_put: set[int]) -> SaveResult:
-    out = [r if r is not None else ItemResult(ItemStatus.DROPPED, UNAVAILABLE) for r in final]
+    out = [r if r is not None else ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE) for r in final]
     stored = sum(r.status is ItemStatus.OK for r in out)
     have = sum(r.status is ItemStatus.HAVE for r in out)
-    dropped = sum(r.status is ItemStatus.DROPPED or r.reason == UNAVAILABLE for r in out)
+    dropped = sum(r.status is ItemStatus.DROPPED or r.reason is Reason.UNAVAILABLE for r in out)
     saved = [(items[i].spec.kind, out[i]) for i in sorted(was_put)]
     return SaveResult(stored=stored, already=have, rejected=len(out) - stored - have - dropped, dropped=dropped,
                       results=saved)
 
 
-__all__ = ["MAX_ROUNDS", "UNAVAILABLE", "SaveCalls", "SaveItem", "save_chain"]
+__all__ = ["MAX_ROUNDS", "SaveCalls", "SaveItem", "save_chain"]

@@ -58,6 +58,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from prefixstore.protocol.errors import Reason
 from prefixstore.protocol.namespace import Namespace, StateLayout
 from prefixstore.protocol.wire import HAVE, STATUS_HAVE, STATUS_OK, WANT
 from ..prompt import Prompt
@@ -397,7 +398,7 @@ class PrefixStoreHiCache(HiCacheStorage):
                 self.stats["states_written"] += 1
                 return True
             return False
-        return None if decision.reason == "container not stored" else False
+        return None if decision.reason is Reason.CONTAINER_MISSING else False
 
     def _flush_pending(self, key: str, prompt: Prompt, pages: int) -> None:
         """Save the state waiting for page ``key`` (the ``pages``-th of ``prompt``), now stored."""

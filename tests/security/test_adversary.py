@@ -24,7 +24,7 @@ from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.node import NodeClient
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import Namespace
-from prefixstore.protocol.errors import ItemStatus
+from prefixstore.protocol.errors import ItemStatus, Reason
 from prefixstore.protocol.probe import ProbeRequest
 from prefixstore.protocol.wire import CONTENT_TYPE, encode_frame
 from prefixstore.store import STORE, StoreConfig, StoreRunner, create_app
@@ -102,7 +102,7 @@ async def test_a_replayed_hash_chain_answers_exactly_like_a_prompt_never_stored(
     assert lookup.body["kv_tokens"] == lookup.body["matched_blocks"] == lookup.body["state_tokens"] == 0
     assert lookup.body["lease"] is None and lookup.body["child"] is None and lookup.body["snapshot"] is None
     offer = await raw_post(running.url, "/v1/offer", replay_offer(STORED), TOKENS["beta"])
-    assert {r[1] for r in offer.body["results"]} <= {"parent not stored", "container not stored"}
+    assert {r[1] for r in offer.body["results"]} <= {Reason.PARENT_MISSING.value, Reason.CONTAINER_MISSING.value}
     # Nothing of alpha's was pinned or leased by any of it; alpha's own answers are unchanged.
     assert len(store.leases) == leases_before and sum(e.pins for e in store.index.entries.values()) == pins_before
     async with client(running, "alpha", NS_A) as a:

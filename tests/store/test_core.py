@@ -11,7 +11,7 @@ import pytest
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import Kind
 from prefixstore.protocol.probe import ProbeRequest
-from prefixstore.protocol.errors import Problem
+from prefixstore.protocol.errors import Problem, Reason
 from prefixstore.protocol.wire import STATUS_OK, WANT, GetItem, WireError
 from prefixstore.store import StoreConfig
 
@@ -160,7 +160,7 @@ def test_offer_answers_want_have_rejected(ns, harness) -> None:  # type: ignore[
     orphan = Prompt(ns, [99] * 12).kv_items(12)[2][0]  # block 3 of a chain never stored
     specs = [s for s, _, _ in p.kv_items(12)] + [orphan]
     assert [r.status for r in h.store.offer(ns.id, specs)] == ["have", WANT, WANT, "rejected"]
-    assert h.store.offer(ns.id, [orphan])[0].reason == "parent not stored"
+    assert h.store.offer(ns.id, [orphan])[0].reason is Reason.PARENT_MISSING
 
 
 def test_ram_eviction_with_lmdb_demotes_and_reads_promote(ns, harness, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from prefixstore.client.prompt import Prompt, with_payload
+from prefixstore.protocol.errors import Reason
 from prefixstore.protocol.wire import STATUS_OK
 from prefixstore.store import StoreConfig
 
@@ -29,7 +30,7 @@ def test_a_rejected_item_does_not_end_the_offer(ns, harness) -> None:  # type: i
     orphan = Prompt(ns, C).kv_items(12)[1][0]  # block 1 of C: its parent (block 0) is not stored
     first = Prompt(ns, A).kv_items(8)[0][0]
     got = h.store.offer(ns.id, [orphan, first])
-    assert [(d.status, d.reason) for d in got] == [("rejected", "parent not stored"), ("want", "")]
+    assert [(d.status, d.reason) for d in got] == [("rejected", Reason.PARENT_MISSING), ("want", Reason.NONE)]
     assert counters(h.store, "prefixstore_admission_total", "decision", DECISIONS) == {
         ("kv", "want"): 1, ("kv", "have"): 0, ("kv", "rejected"): 1,
         ("state", "want"): 0, ("state", "have"): 0, ("state", "rejected"): 0}
@@ -82,7 +83,7 @@ def test_a_put_never_evicts_the_parent_it_builds_on(ns, harness) -> None:  # typ
     before = counters(h.store, "prefixstore_admission_total", "decision", DECISIONS)[("kv", "rejected")]
     plan = h.store.plan_put(ns.id, [with_payload(b1, kv_payload(ns, A, a1, e1))])
     assert [(r.status, r.reason) for r in plan.results] == [
-        ("rejected", "RAM arena full of pinned or uncommitted entries")]
+        ("rejected", Reason.RAM_PINNED)]
     assert counters(h.store, "prefixstore_admission_total", "decision", DECISIONS)[("kv", "rejected")] == before + 1
     assert plan.keys == []
     assert h.lookup(A[:8], lease=False)[1].kv_tokens == 4
@@ -92,10 +93,10 @@ def test_an_item_larger_than_the_arena_is_refused_one_that_fills_it_is_taken(har
     big = make_namespace(block_tokens=8)  # a block is 512 bytes
     h = harness(ram_only(ram_bytes=512), big)
     got = h.store.offer(big.id, [Prompt(big, A[:8]).kv_items(8)[0][0]])
-    assert [(d.status, d.reason) for d in got] == [("want", "")]
+    assert [(d.status, d.reason) for d in got] == [("want", Reason.NONE)]
     small = harness(ram_only(ram_bytes=256), big)
     got = small.store.offer(big.id, [Prompt(big, A[:8]).kv_items(8)[0][0]])
-    assert [(d.status, d.reason) for d in got] == [("rejected", "larger than the RAM arena")]
+    assert [(d.status, d.reason) for d in got] == [("rejected", Reason.TOO_LARGE)]
 
 
 def test_a_reserved_put_survives_a_sweep_until_pending_ttl(ns, harness) -> None:  # type: ignore[no-untyped-def]
@@ -205,7 +206,7 @@ def test_an_item_too_large_for_the_arena_does_not_end_the_offer(ns, harness) -> 
     block = Prompt(ns, A).kv_items(4)[0][0]
     tail = Prompt(ns, C).kv_items(1)[0][0]
     got = h.store.offer(ns.id, [block, tail])
-    assert [(d.status, d.reason) for d in got] == [("rejected", "larger than the RAM arena"), ("want", "")]
+    assert [(d.status, d.reason) for d in got] == [("rejected", Reason.TOO_LARGE), ("want", Reason.NONE)]
 
 
 def test_an_owner_keeps_up_to_max_offers_per_tenant_wanted_offers(ns, harness) -> None:  # type: ignore[no-untyped-def]
@@ -225,6 +226,6 @@ def test_an_item_refused_by_admission_does_not_end_the_offer(ns, harness) -> Non
     h = harness(ram_only(kv_admission="second-hit"), ns)
     block = Prompt(ns, A).kv_items(4)[0][0]
     tail = Prompt(ns, C).kv_items(1)[0][0]
-    assert [(d.status, d.reason) for d in h.store.offer(ns.id, [tail])] == [("rejected", "admission")]
+    assert [(d.status, d.reason) for d in h.store.offer(ns.id, [tail])] == [("rejected", Reason.ADMISSION)]
     got = h.store.offer(ns.id, [block, tail])
-    assert [(d.status, d.reason) for d in got] == [("rejected", "admission"), ("want", "")]
+    assert [(d.status, d.reason) for d in got] == [("rejected", Reason.ADMISSION), ("want", Reason.NONE)]
