@@ -467,8 +467,8 @@ class ClusterClient(SaveCalls):
             self._fork_hints.popitem(last=False)
 
     def _merge(self, p: Prompt, walk: Walk) -> LookupResult:
-        B, n = p.block_tokens, len(p.hashes)
-        m = walk.matched()
+        res = walk.result()  # the one merge (protocol/match.py), as a single node answers
+        m = res.matched
         # Where each matched block was found (reads go there, or to a copy): written into _where when
         # a read first needs it (_routes), not here -- 2,048 keys of a 32k-token prompt were a third
         # of a cluster lookup's client time.
@@ -479,18 +479,16 @@ class ClusterClient(SaveCalls):
             branch = walk.branch_of[j] if 0 < j < len(walk.branch_of) else None
             if branch is not None:
                 self.learned(p.hashes[j - 1], branch)
-        found = walk.child(m)
-        child = found[0] if found is not None else None
-        if found is not None:
-            self._remember(found[0].key, found[1])
-            self._parent_of_key(found[0].key, p.parent_of_block(m))
-        kv = m * B + (child.usable_tokens if child is not None else 0)
-        best = walk.best_snapshot(m, kv)
-        snapshot = best[0] if best is not None else None
-        if best is not None:
-            self._remember(best[0].key, best[1])
-        state = snapshot.usable_tokens if snapshot is not None else 0
-        hint = kv if self.namespace.has_state and kv > state else 0
+        child = res.child.entry[0] if res.child is not None else None
+        if res.child is not None:
+            ref, url = res.child.entry
+            self._remember(ref.key, url)
+            self._parent_of_key(ref.key, p.parent_of_block(m))
+        snapshot = res.snapshot.entry[0] if res.snapshot is not None else None
+        if res.snapshot is not None:
+            ref, url = res.snapshot.entry
+            self._remember(ref.key, url)
+        kv, state, hint = res.kv_tokens, res.state_tokens, res.checkpoint_hint
         leases = walk.leases()
         lease_id = None
         if leases:

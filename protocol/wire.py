@@ -26,6 +26,7 @@ from typing import Final
 import msgpack
 
 from .errors import ItemStatus, Problem, Reason
+from .match import Levels
 from .fields import (  # re-exported (__all__): the readers and WireError have always been importable from here
     KIND_BYTES,
     WireError,
@@ -171,6 +172,10 @@ class LookupRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens) // TOKEN_BYTES
+
+    def levels(self, block_tokens: int, root: bytes) -> Levels:
+        """The prompt's levels from 0 (the namespace's ``root``), as the matcher reads them."""
+        return Levels(0, root, self.hashes, self.tokens, block_tokens, dict(self.extras))
 
     def to_header(self) -> dict[str, object]:
         d: dict[str, object] = {"ns": self.namespace_id, "hashes": self.hashes, "tokens": self.tokens,
