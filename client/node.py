@@ -34,7 +34,8 @@ from .datapath import Buffer, DataPath, as_view, batches, results_of
 from .device import DeviceBuffer
 from .failures import Failures
 from .prompt import Prompt, with_payload
-from .results import LookupResult, SaveResult
+from .results import LookupResult, SaveResult, lost, tally
+from .saves import save_items
 
 Observer = Callable[[str, dict[str, object], dict[str, object]], Awaitable[None]]
 """``(path, request header, answer header)``, awaited after each answered call, before the client
@@ -299,35 +300,25 @@ class NodeClient:
         stored ("parent not stored"), and every block after it chains off it.
         Once a batch is dropped because the store is unavailable, the rest are
         dropped without asking (their parents are missing anyway)."""
-        kv = prompt.kv_items(kv_upto, start - start % prompt.block_tokens)
-        specs = [spec for spec, _, _ in kv]
-        for t in sorted(snapshots or {}):
-            specs.append(prompt.state_item(t, kv_upto, (origins or {}).get(t, 0)))
-        stored = have = dropped = 0
-        saved: list[tuple[Kind, ItemResult]] = []
-        for s in range(0, len(specs), self.config.max_items):
-            chunk = specs[s : s + self.config.max_items]
-            if dropped:
-                dropped += len(chunk)
+        items = save_items(prompt, kv_upto, kv_payload, snapshots, start, origins)
+        final: list[ItemResult] = []  # per item: its put result where it was put, else its offer decision
+        put: list[tuple[Kind, ItemResult]] = []
+        gone = False
+        for s in range(0, len(items), self.config.max_items):
+            chunk = items[s : s + self.config.max_items]
+            if gone:
+                final.extend(ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE) for _ in chunk)
                 continue
-            decisions = await self.offer(chunk)
-            wanted: list[tuple[ItemSpec, Buffer]] = []
-            for n, (spec, d) in enumerate(zip(chunk, decisions), start=s):
-                if d.status is not ItemStatus.WANT:
-                    continue
-                if n < len(kv):
-                    _, a, b = kv[n]
-                    wanted.append((spec, kv_payload(a, b)))
-                else:
-                    wanted.append((spec, (snapshots or {})[spec.boundary]))
-            results = await self.put(wanted) if wanted else []
-            stored += sum(r.status is ItemStatus.OK for r in results)
-            dropped += sum(r.status is ItemStatus.DROPPED for r in results) + sum(
-                d.reason is Reason.UNAVAILABLE for d in decisions)
-            have += sum(d.status is ItemStatus.HAVE for d in decisions) + sum(r.status is ItemStatus.HAVE for r in results)
-            saved.extend((w.kind, r) for (w, _), r in zip(wanted, results))
-        rejected = len(specs) - stored - have - dropped
-        return SaveResult(stored=stored, already=have, rejected=rejected, dropped=dropped, results=saved)
+            decisions = await self.offer([it.spec for it in chunk])
+            wanted = [n for n, d in enumerate(decisions) if d.status is ItemStatus.WANT]
+            results = await self.put([(chunk[n].spec, chunk[n].payload()) for n in wanted]) if wanted else []
+            outcome = list(decisions)
+            for n, r in zip(wanted, results):
+                outcome[n] = r
+            final.extend(outcome)
+            put.extend((chunk[n].spec.kind, r) for n, r in zip(wanted, results))
+            gone = any(lost(r) for r in outcome)
+        return tally(final, put)
 
 
 def check_device_outs(items: Sequence[GetItem], outs: Sequence[object], config: ClientConfig) -> None:

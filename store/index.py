@@ -408,9 +408,11 @@ class Index:
                 if snap is not None:
                     snapshots[stop] = Hit(snap, snap.boundary)
         if snaps_under is not None and not (whole and snapshots):
+            # Thousands of levels may be passed over: h_{start+x} is sliced here, not asked of q.
+            first = namespace_id + q.parent
             for x in range(held - 1, -1, -1):
-                node = namespace_id + q.parent_of(x)
-                if not snaps_under.get(node):  # probe before slicing: most levels have none
+                node = namespace_id + hashes[(x - 1) * H : x * H] if x else first
+                if not snaps_under.get(node):  # probe before slicing tokens: most levels have none
                     continue
                 if budget.left <= 0:
                     break

@@ -28,9 +28,9 @@ def test_nodes_and_client_agree_on_placement(make_cluster) -> None:  # type: ign
         client = PrefixClient(ns, ClientConfig(urls=(cluster.urls[0],))).impl
         assert isinstance(client, ClusterClient)
         try:
-            await client.refresh_members()
-            assert client.members == tuple(sorted(cluster.urls))
-            return [client.owners(k) for k in keys]
+            await client.membership.refresh()
+            assert client.membership.members == tuple(sorted(cluster.urls))
+            return [client.membership.owners(k) for k in keys]
         finally:
             await client.close()
 
