@@ -75,6 +75,7 @@ class Walk:
     sent_early: int = 0  # hops sent at once from the hints
     early_levels: list[int] = field(default_factory=list)  # their levels
     early: dict[tuple[bytes, int], asyncio.Future[list[tuple[str, ProbeAnswer]]]] = field(default_factory=dict)
+    sent: list[ProbeRequest] = field(default_factory=list)  # every question handed to ``hop``, in order (diagnostics)
 
     def __post_init__(self) -> None:
         p = self.prompt
@@ -122,8 +123,7 @@ class Walk:
             stop = None
             got = await early
         else:
-            first = self.prompt.block_key(start) if start < self.n else None
-            got = await self.hop(branch, self.request(start, stop), first)
+            got = await self._send(branch, self.request(start, stop))
         out = []
         for url, answer in got:
             if answer.start != start:
@@ -133,6 +133,12 @@ class Walk:
             self._absorb(url, answer, branch, start, stop)
             out.append(answer)
         return out
+
+    def _send(self, branch: bytes, req: ProbeRequest) -> Awaitable[list[tuple[str, ProbeAnswer]]]:
+        """Hand one question to ``hop`` (recorded in ``sent``)."""
+        self.sent.append(req)
+        first = self.prompt.block_key(req.start) if req.start < self.n else None
+        return self.hop(branch, req, first)
 
     def head_hop(self, branch: bytes, start: int) -> bool:
         """Whether a hop asks the branch node of the fork head at level ``start`` (the prompt's block
@@ -182,7 +188,7 @@ class Walk:
                 self.probes += 1
                 self.sent_early += 1
                 self.early_levels.append(j)
-                self.early[(head, j)] = asyncio.ensure_future(self.hop(head, self.request(j), self.prompt.block_key(j)))
+                self.early[(head, j)] = asyncio.ensure_future(self._send(head, self.request(j)))
         tried: set[tuple[bytes, int]] = set()
         while self.probes < MAX_HOPS:
             tried.add((branch, start))

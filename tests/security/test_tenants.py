@@ -22,6 +22,7 @@ from prefixstore.store.tenants import load_tenants, token_sha256
 
 from ..conftest import RunningStore
 from ..factories import kv_payload, make_namespace
+from ..samples import sample
 from .helpers import ADMIN_TOKEN, CLUSTER_TOKEN, TOKENS, raw_get, raw_post, write_tenants
 
 StartStore = Callable[[StoreConfig], Awaitable[RunningStore]]
@@ -148,7 +149,7 @@ async def test_missing_or_bad_tokens_are_refused_then_a_good_one_works(start_sto
     assert await raw_get(running.url, "/v1/stats", TOKENS["alpha"]) == 401
     assert await raw_get(running.url, "/v1/stats", ADMIN_TOKEN) == 200
     assert await raw_get(running.url, "/v1/admin/flush", TOKENS["alpha"], method="POST") == 401
-    assert running.store.metrics.auth_failures._value.get() >= 8
+    assert sample(running.store, "prefixstore_auth_failures_total") >= 8
 
 
 async def test_quota_exhaustion_rejects_items_and_frees_on_delete(start_store: StartStore, tmp_path: Path) -> None:
@@ -196,7 +197,7 @@ async def test_quota_exhaustion_rejects_items_and_frees_on_delete(start_store: S
         assert len(running.store.index.entries) == 0
         results = await a.put(list(zip(specs[:2], payloads[:2])))
         assert [r.status for r in results] == ["ok", "ok"]
-        metrics = running.store.metrics.quota_rejections.labels("alpha")._value.get()
+        metrics = sample(running.store, "prefixstore_quota_rejections_total", tenant="alpha")
         assert metrics == 3  # block 3 in the offer, the raw put and the client's put (block 4 then lacks its parent)
     running.store.check()
 

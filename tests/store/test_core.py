@@ -16,6 +16,7 @@ from prefixstore.protocol.wire import STATUS_OK, WANT, GetItem, WireError
 from prefixstore.store import StoreConfig
 
 from ..factories import kv_payload, make_namespace, state_payload
+from ..samples import sample
 from .harness import CoreHarness, expected_prefix_bytes, fill_target
 
 
@@ -178,7 +179,7 @@ def test_ram_eviction_with_lmdb_demotes_and_reads_promote(ns, harness, tmp_path:
         assert ans.kv_tokens == 8
         kv, _ = h.read_prefix(s, ans, 8)
         assert kv == expected_prefix_bytes(ns, s, 8, 4)
-    demoted = h.store.metrics.evictions.labels("kv", "demoted")._value.get()
+    demoted = sample(h.store, "prefixstore_evictions_total", kind="kv", reason="demoted")
     assert demoted > 0
     h.store.check()
 
