@@ -307,3 +307,17 @@ def test_a_deleted_pinned_entry_frees_its_pages_even_if_its_key_is_put_again(ns,
     assert h.store.arena.num_free == free_after_save  # old pages back, the new put holds its own
     h.store.abort_put(put)
     h.store.check()
+
+
+def test_a_lease_holds_until_lease_ttl_s_and_not_past_it(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """docs/design.md: leases end on release or expiry (lease_ttl_s). Pinned on both sides of it."""
+    h = harness(ram_only(lease_ttl_s=10.0), ns)
+    toks = list(range(8))
+    h.save(toks, 8)
+    _, ans = h.lookup(toks)
+    h.now[0] += 9.99
+    h.store.sweep()
+    assert h.store.leases.holds(ans.lease_id)
+    h.now[0] += 0.02  # 10.01 s
+    h.store.sweep()
+    assert not h.store.leases.holds(ans.lease_id) and all(e.pins == 0 for e in h.store.index.entries.values())

@@ -102,11 +102,11 @@ def test_an_item_larger_than_the_arena_is_refused_one_that_fills_it_is_taken(har
 def test_a_reserved_put_survives_a_sweep_until_pending_ttl(ns, harness) -> None:  # type: ignore[no-untyped-def]
     h = harness(ram_only(pending_ttl_s=5.0), ns)
     keys, _ = h.stage(A[:4], 4)
-    h.now[0] += 4.0
-    h.store.sweep()  # 4 s of 5: still pending
+    h.now[0] += 4.99
+    h.store.sweep()  # 4.99 s of 5: still pending
     assert [r.status for r in h.run(h.store.commit(ns.id, keys))] == [STATUS_OK]
     keys, _ = h.stage(A[:8], 8)
-    h.now[0] += 6.0
+    h.now[0] += 5.01
     h.store.sweep()
     assert [r.status for r in h.run(h.store.commit(ns.id, keys))] != [STATUS_OK]
 
@@ -229,3 +229,16 @@ def test_an_item_refused_by_admission_does_not_end_the_offer(ns, harness) -> Non
     assert [(d.status, d.reason) for d in h.store.offer(ns.id, [tail])] == [("rejected", Reason.ADMISSION)]
     got = h.store.offer(ns.id, [block, tail])
     assert [(d.status, d.reason) for d in got] == [("rejected", Reason.ADMISSION), ("want", Reason.NONE)]
+
+
+def test_a_wanted_offer_is_kept_until_pending_ttl_s_and_not_past_it(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """docs/design.md: pending entries (and remembered offers) expire after pending_ttl_s."""
+    h = harness(ram_only(pending_ttl_s=5.0), ns)
+    owner = h.store.owner_of(ns)
+    assert [d.status for d in h.store.offer(ns.id, [Prompt(ns, A).kv_items(4)[0][0]])] == ["want"]
+    h.now[0] += 4.99
+    h.store.sweep()
+    assert h.store.held_by(owner)["offers"] == 1
+    h.now[0] += 0.02  # 5.01 s
+    h.store.sweep()
+    assert h.store.held_by(owner)["offers"] == 0
