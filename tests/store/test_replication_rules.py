@@ -128,3 +128,19 @@ def test_copies_stop_at_the_most(owner) -> None:  # type: ignore[no-untyped-def]
     o = owner(half_life_s=math.log(2), max_replicas=2)
     o.read(100)  # 10 T
     assert o.plan() == (o.order[1:2], [])
+
+
+def test_pushes_share_one_seconds_worth_of_replication_bytes_per_s() -> None:
+    """store/replication.py: a token bucket of ``replication_bytes_per_s``, bursts up to one second's
+    worth; a push larger than the bucket waits for a full one."""
+    from prefixstore.store.replication import TokenBucket
+
+    now = [0.0]
+    bucket = TokenBucket(100.0, clock=lambda: now[0])
+    assert bucket.delay(100) == 0.0  # a full second's worth at once
+    bucket.take(60)
+    assert bucket.delay(40) == 0.0 and bucket.delay(41) == pytest.approx(0.01)
+    now[0] = 10.0  # idle for long: never more than one second's worth
+    assert bucket.delay(100) == 0.0 and bucket.tokens == 100.0
+    bucket.take(250)  # larger than the bucket: taken, and later pushes wait it off
+    assert bucket.delay(1) == pytest.approx(1.51) and bucket.delay(1000) == pytest.approx(2.5)
