@@ -66,6 +66,10 @@ class BoundedLRU(Generic[K, V]):
     def pop(self, key: K, default: V | None = None) -> V | None:
         return self._data.pop(key, default)
 
+    def clear(self) -> None:
+        """Forget everything (not handed to ``on_evict``)."""
+        self._data.clear()
+
     def pop_oldest(self) -> tuple[K, V]:
         """The oldest key and its value, removed (not handed to ``on_evict``)."""
         return self._data.popitem(last=False)
