@@ -79,6 +79,7 @@ def owner():  # type: ignore[no-untyped-def]
 
 def test_the_decayed_rate_halves_every_half_life(owner) -> None:  # type: ignore[no-untyped-def]
     o = owner(half_life_s=4.0)
+    o.harness.now[0] = 3.0  # a clock whose readings are not multiples of one another
     o.read(8)
     key, now = o.entry.key, o.harness.now[0]
     assert o.rep.rate(key, now) == pytest.approx(8 * math.log(2) / 4.0)
@@ -144,3 +145,23 @@ def test_pushes_share_one_seconds_worth_of_replication_bytes_per_s() -> None:
     assert bucket.delay(100) == 0.0 and bucket.tokens == 100.0
     bucket.take(250)  # larger than the bucket: taken, and later pushes wait it off
     assert bucket.delay(1) == pytest.approx(1.51) and bucket.delay(1000) == pytest.approx(2.5)
+
+
+def test_an_entry_is_forgotten_once_its_decayed_count_falls_under_a_twentieth(owner) -> None:  # type: ignore[no-untyped-def]
+    """FORGET_BELOW = 0.05 decayed reads: one read is tracked for 4 half-lives (1/16) and not 5 (1/32)."""
+    o = owner(half_life_s=1.0)
+    o.read(1)
+    o.harness.now[0] += 4.0
+    o.plan()
+    assert o.rep.tracked == 1
+    o.harness.now[0] += 1.0
+    o.plan()
+    assert o.rep.tracked == 0 and o.rep.rate(o.entry.key) == 0.0
+
+
+def test_replicas_on_nodes_that_left_are_forgotten(owner) -> None:  # type: ignore[no-untyped-def]
+    o = owner(half_life_s=math.log(2))
+    o.rep.pushed[o.entry.key] = (o.order[1], "http://gone:8077")
+    o.read(6)  # 6 reads/s on the owner: 12 with its one live replica, so two copies stay
+    assert o.plan() == ([], [])
+    assert o.rep.replicas_of()[o.entry.key] == (o.order[1],)
