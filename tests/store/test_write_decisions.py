@@ -242,3 +242,39 @@ def test_a_wanted_offer_is_kept_until_pending_ttl_s_and_not_past_it(ns, harness)
     h.now[0] += 0.02  # 5.01 s
     h.store.sweep()
     assert h.store.held_by(owner)["offers"] == 0
+
+
+def test_with_a_disk_tier_a_put_into_ram_full_of_leased_entries_is_refused_then_demotes(ns, harness, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The arena holds one block, written through to LMDB and leased by a lookup: nothing may be
+    demoted, so another chain's put is refused (RAM_PINNED) and nothing is lost; once the lease is
+    released the same put demotes the block (still on disk) and is taken."""
+    h = harness(StoreConfig(port=0, data_dir=str(tmp_path), ram_bytes=256, page_bytes=64, durability="sync",
+                            eviction="lru"), ns)
+    h.save(A[:4], 4)
+    _, looked = h.lookup(A[:4])
+    assert looked.kv_tokens == 4 and looked.lease_id
+    other = [90, 91, 92, 93]
+    (spec, a, b), = Prompt(ns, other).kv_items(4)
+    refused = h.store.plan_put(ns.id, [with_payload(spec, kv_payload(ns, other, a, b))])
+    assert [(r.status, r.reason) for r in refused.results] == [("rejected", Reason.RAM_PINNED)]
+    assert h.lookup(A[:4], lease=False)[1].kv_tokens == 4
+    assert h.store.release(looked.lease_id)
+    assert h.save(other, 4)["committed"] == 1
+    assert h.lookup(A[:4], lease=False)[1].kv_tokens == 4 and h.lookup(other, lease=False)[1].kv_tokens == 4
+    h.store.check()
+
+
+def test_past_max_entries_a_commit_deletes_an_unleased_leaf_never_a_leased_one(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """max_entries = 2: two one-block chains held, the first leased. A third chain's commit makes
+    room by deleting the unleased one; the leased one stays readable."""
+    h = harness(ram_only(max_entries=2), ns)
+    leased, other, third = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    h.save(leased, 4)
+    _, looked = h.lookup(leased)
+    assert looked.lease_id
+    h.now[0] += 1.0
+    h.save(other, 4)
+    h.now[0] += 1.0
+    assert h.save(third, 4)["committed"] == 1
+    assert [h.lookup(t, lease=False)[1].kv_tokens for t in (leased, other, third)] == [4, 0, 4]
+    h.store.check()
