@@ -34,6 +34,7 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md constraints.txt ./
 COPY prefixstore ./prefixstore
 COPY protocol ./protocol
+COPY transport ./transport
 COPY admission ./admission
 COPY store ./store
 COPY client ./client

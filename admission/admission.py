@@ -12,7 +12,7 @@ Hooks the store calls (all pure bookkeeping, time passed in):
 
 from __future__ import annotations
 
-from ..protocol.keys import Kind
+from prefixstore.protocol.keys import Kind
 from .sighting import SightingFilter
 
 DEFAULT_FILTER_BYTES = 1 << 20

@@ -80,7 +80,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..protocol.keys import Kind
+from prefixstore.protocol.keys import Kind
 from .model_shape import ModelShape
 
 

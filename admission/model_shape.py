@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..protocol.namespace import DTYPE_BYTES
+from prefixstore.protocol.namespace import DTYPE_BYTES
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from ..protocol.keys import Kind
+from prefixstore.protocol.keys import Kind
 from .admission import Adaptive, AlwaysAdmit, SecondHit
 from .eviction import LRU, EntryView, FlopAware, PolicyContext
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..protocol.keys import Origin
+from prefixstore.protocol.keys import Origin
 
 
 def crossover_tokens(state_bytes: float, kv_bytes_per_token: float) -> float:

@@ -42,7 +42,7 @@ async def fill(client: PrefixClient, ns, seqs: list[list[int]]) -> None:  # type
         start = res.kv_tokens - res.kv_tokens % ns.block_tokens
         saved = await client.save(p, len(tokens), lambda a, b, v=values: payload(ns, v, a, b), start=start)
         if saved.dropped or saved.rejected:
-            reasons = Counter(r.reason for _, r in saved.results if r.reason)
+            reasons = Counter(r.text for _, r in saved.results if r.reason)
             raise SystemExit(f"the store did not take the prompt: {saved.stored} stored, {saved.rejected} rejected, "
                              f"{saved.dropped} dropped: {dict(reasons)}")
 

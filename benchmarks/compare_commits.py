@@ -80,7 +80,7 @@ import _harness as H
 
 REPO = H.HERE.parent
 DEFAULT_BASELINE = "9ba5d4e"  # the commit before the house redesign (issue 22)
-BENCHES = ("lookup", "transfer", "nixl_transfer")
+BENCHES = ("lookup", "cluster_lookup", "transfer", "nixl_transfer")
 IMPORT_CHECK = ("prefixstore", "prefixstore.protocol", "prefixstore.store", "prefixstore.client",
                 "prefixstore.protocol._chain", "prefixstore.protocol._checksums")
 FLAG_RE = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -165,8 +165,21 @@ def nixl_figures(payload: dict[str, object]) -> list[Figure]:
     return out
 
 
-EXTRACTORS: dict[str, Extractor] = {"lookup.py": lookup_figures, "transfer.py": transfer_figures,
-                                    "nixl_transfer.py": nixl_figures}
+def cluster_lookup_figures(payload: dict[str, object]) -> list[Figure]:
+    """The cluster walk against one node, per prompt shape: the cluster's median, the single node's (both
+    trees' own code: the single node is the matcher's other caller, not a control)."""
+    results = payload["results"]
+    assert isinstance(results, dict), "cluster_lookup.json's results map a prompt shape to its figures"
+    out = []
+    for shape, r in results.items():
+        assert isinstance(r, dict)
+        out.append(Figure(name=f"cluster lookup, {shape}: cluster", unit="ms", value=float(r["cluster_ms"])))
+        out.append(Figure(name=f"cluster lookup, {shape}: single node", unit="ms", value=float(r["single_ms"])))
+    return out
+
+
+EXTRACTORS: dict[str, Extractor] = {"lookup.py": lookup_figures, "cluster_lookup.py": cluster_lookup_figures,
+                                    "transfer.py": transfer_figures, "nixl_transfer.py": nixl_figures}
 
 
 # ---------------------------------------------------------------- cases and trees
@@ -195,6 +208,9 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
             for tokens in args.lookup_tokens[:1] if args.quick else args.lookup_tokens:
                 cases.append(Case(name=f"lookup@{tokens}", script="lookup.py", args=(("--tokens", str(tokens)),) + opts(
                                       ("--reps", str(args.lookup_reps)), ("--warmup", str(args.lookup_warmup)))))
+        elif bench == "cluster_lookup":
+            cases.append(Case(name="cluster_lookup", script="cluster_lookup.py", args=opts(
+                ("--tokens", str(args.cluster_lookup_tokens)), ("--reps", str(args.cluster_lookup_reps)))))
         elif bench == "transfer":
             cases.append(Case(name="transfer", script="transfer.py", args=opts(
                 ("--batch-bytes", args.transfer_batch_bytes), ("--reps", str(args.transfer_reps)))))
@@ -259,7 +275,7 @@ def prepare_tree(label: str, rev: str, workdir: Path) -> Tree:
     """This checkout for rev ".", else a detached worktree of rev in workdir with a copied venv (reused if there)."""
     if rev == ".":
         commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--", "protocol", "store", "client", "admission", "prefixstore"))
+        dirty = bool(git("status", "--porcelain", "--", "protocol", "transport", "store", "client", "admission", "prefixstore"))
         tree = Tree(label=label, rev=rev, commit=commit, root=REPO, python=REPO / ".venv" / "bin" / "python",
                     temporary=False, dirty=dirty)
     else:
@@ -549,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Revision measured as the head; '.' is this checkout as it stands, with its .venv. "
                         "Default: '.'.")
     p.add_argument("--bench", type=lambda s: [b for b in s.split(",") if b], default=list(BENCHES),
-                   metavar="B,B", help=f"Comma-separated benchmarks among {', '.join(BENCHES)}. Default: all three.")
+                   metavar="B,B", help=f"Comma-separated benchmarks among {', '.join(BENCHES)}. Default: all four.")
     p.add_argument("--rounds", type=int, default=3,
                    help="Rounds; each runs every case on both trees (B H, then H B, ...). The noise band needs "
                         "at least 2. Default: 3.")
@@ -558,6 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "Default: 16384,131072.")
     p.add_argument("--lookup-reps", type=int, default=150, help="lookup.py --reps. Default: 150.")
     p.add_argument("--lookup-warmup", type=int, default=10, help="lookup.py --warmup. Default: 10.")
+    p.add_argument("--cluster-lookup-tokens", type=int, default=32768,
+                   help="cluster_lookup.py --tokens (4 node processes and one, in each tree). Default: 32768.")
+    p.add_argument("--cluster-lookup-reps", type=int, default=60, help="cluster_lookup.py --reps. Default: 60.")
     p.add_argument("--transfer-batch-bytes", default="16MiB", help="transfer.py --batch-bytes. Default: 16MiB.")
     p.add_argument("--transfer-reps", type=int, default=7, help="transfer.py --reps. Default: 7.")
     p.add_argument("--nixl-batch-bytes", default="16MiB", help="nixl_transfer.py --batch-bytes. Default: 16MiB.")

@@ -19,7 +19,7 @@ if [ -n "${WHEELS:-}" ]; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 if ! python3 -c "import prefixstore.protocol" 2>/dev/null; then
-  for part in protocol store client admission gpu_staging; do ln -sfn "../$part" "prefixstore/$part"; done
+  for part in protocol transport store client admission gpu_staging; do ln -sfn "../$part" "prefixstore/$part"; done
   python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "no native hash loop (pure Python)"
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi

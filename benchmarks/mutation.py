@@ -41,13 +41,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COSMIC_RAY = str(Path(sys.executable).parent / "cosmic-ray")  # the console script beside this interpreter
-PACKAGES = {"protocol": "protocol", "store": "store", "client": "client", "admission": "admission",
+PACKAGES = {"protocol": "protocol", "transport": "transport", "store": "store", "client": "client", "admission": "admission",
             "gpu_staging": "gpu_staging"}  # prefixstore.<name> -> directory (pyproject's package-dir)
 
 POLICY_TESTS = ("tests/admission", "tests/store/test_policy_settings.py", "tests/store/test_metric_values.py")
 STORE_TESTS = ("tests/store/test_metric_values.py", "tests/store/test_policy_settings.py", "tests/store/test_core.py",
                "tests/store/test_lookup_signals.py", "tests/store/test_write_decisions.py",
                "tests/store/test_index_model.py", "tests/store/test_index_check.py")
+
+REPLICATION_TESTS = ("tests/store/test_replication_rules.py",)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,11 @@ TARGETS: list[Target] = [
     # store/writes.py, eviction (policy hooks, eviction counters) in store/space.py.
     Target("store/lookups.py", STORE_TESTS, ("lookup", "_junction", "report", "learn")),
     Target("store/writes.py", STORE_TESTS, ("_triage", "offer", "plan_put", "_count")),
-    Target("store/space.py", STORE_TESTS, ("charge", "make_room", "evict", "delete", "requeue")),
+    Target("store/space.py", STORE_TESTS),
+    # Hot-prefix replication's arithmetic (rates, copies, hysteresis, the push budget); the pushes
+    # and drops themselves are node-to-node I/O, tested by tests/cluster/test_replication.py.
+    Target("store/replication.py", REPLICATION_TESTS,
+           ("copies_for", "on_reads", "rate", "plan", "_fill", "delay", "take")),
     Target("store/core.py", STORE_TESTS, ("shape_of", "stats", "_gauges")),
 ]
 

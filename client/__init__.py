@@ -5,7 +5,7 @@ boundaries to snapshot, and reaches the planner through here). Never imports sto
 lmdb or aiohttp.web.
 """
 
-from ..admission.retention import RetentionPlanner
+from prefixstore.admission.retention import RetentionPlanner
 from .client import PrefixClient
 from .config import ClientConfig
 from .prompt import Prompt

@@ -21,9 +21,9 @@ from typing import Protocol
 
 import numpy as np
 
-from ..protocol.errors import StoreError
-from ..protocol.namespace import Namespace
-from ..protocol.wire import GetItem, ItemResult, ItemSpec
+from prefixstore.protocol.errors import StoreError
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec
 from .cluster import ClusterClient
 from .config import ClientConfig
 from .datapath import Buffer
@@ -119,14 +119,15 @@ class PrefixClient:
         talk to it as a node client. Its lookups then count themselves there; as a cluster's they
         were probes, which teach nothing, and lookup reports, which a node of no cluster refuses,
         so its hit rates and policies learned nothing (docs/cluster.md)."""
-        await cluster.refresh_members()
-        if not cluster.epoch:
+        members = cluster.membership
+        await members.refresh()
+        if not members.epoch:
             return  # no seed answered: its calls are misses; asked again later
         self._shape_known = True
-        if cluster.standalone is None:
+        if members.standalone is None:
             return
-        log.info("prefixstore: %s is a single node, not a cluster; talking to it as one", cluster.standalone)
-        self.impl = NodeClient(self.namespace, dataclasses.replace(self.config, url=cluster.standalone, urls=()))
+        log.info("prefixstore: %s is a single node, not a cluster; talking to it as one", members.standalone)
+        self.impl = NodeClient(self.namespace, dataclasses.replace(self.config, url=members.standalone, urls=()))
         for buf in self._buffers:
             self.impl.register_buffer(buf)
         await cluster.close()

@@ -27,12 +27,12 @@ from typing import Protocol
 
 import numpy as np
 
-from ..protocol.errors import ItemStatus, Problem, StoreError
-from ..protocol.keys import Kind
-from ..protocol.namespace import Namespace
-from ..protocol.nixl_wire import NixlPlacements
-from ..protocol.transport import FramePool, get_into
-from ..protocol.wire import REASON_QUOTA, GetItem, ItemResult, ItemSpec, WireError, encode_get_items, encode_header
+from prefixstore.protocol.errors import ItemStatus, Problem, Reason, StoreError
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.nixl_wire import NixlPlacements
+from prefixstore.transport.frames import FramePool, get_into
+from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec, WireError, encode_get_items, encode_header
 from .config import ClientConfig
 from .device import DeviceBuffer
 from .failures import Failures
@@ -398,7 +398,7 @@ class DataPath:
                     return self._dropped(len(specs), err)
             except (TransferFailed, WireError) as err:
                 self._failures.record("put", err)
-                return [ItemResult(ItemStatus.DROPPED, "store unavailable")] * len(specs)
+                return [ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE)] * len(specs)
             else:
                 self.bytes_moved["nixl"] += written
                 for kind, message in problems:
@@ -412,17 +412,17 @@ class DataPath:
             return self._dropped(len(specs), err)
         except WireError as err:
             self._failures.record("put", err)
-            return [ItemResult(ItemStatus.DROPPED, "store unavailable")] * len(specs)
+            return [ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE)] * len(specs)
         self.bytes_moved["http"] += sum(v.nbytes for v, r in zip(views, results) if r.status is ItemStatus.OK)
-        refused = sum(r.reason == REASON_QUOTA for r in results)
+        refused = sum(r.reason is Reason.QUOTA for r in results)
         if refused:  # never a silent drop: counted and warned like a failure
-            self._failures.record("quota", f"{refused} item(s) refused: {REASON_QUOTA}")
+            self._failures.record("quota", f"{refused} item(s) refused: {Reason.QUOTA.text}")
         return results
 
     def _dropped(self, n: int, err: StoreError) -> list[ItemResult]:
         over_quota = err.is_refusal(Problem.QUOTA)
         self._failures.record("quota" if over_quota else "put", err)
-        return [ItemResult(ItemStatus.DROPPED, REASON_QUOTA if over_quota else "store unavailable")] * n
+        return [ItemResult(ItemStatus.DROPPED, Reason.QUOTA if over_quota else Reason.UNAVAILABLE)] * n
 
 
 __all__ = ["Buffer", "DataPath", "NodeCalls", "as_view", "batches", "nixl_installed", "nixl_refused", "results_of"]

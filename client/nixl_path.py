@@ -34,13 +34,14 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol import checksums
-from ..protocol.keys import make_entry_key
-from ..protocol.nixl_agent import NixlUnavailable, make_agent
-from ..protocol.errors import ItemStatus
-from ..protocol.nixl_wire import NixlGetAnswer, NixlMetadata, NixlPlacements, NixlReserveAnswer
-from ..protocol.wire import GetItem, ItemResult, ItemSpec, WireError, encode_get_items
+from prefixstore.protocol import checksums
+from prefixstore.protocol.keys import make_entry_key
+from prefixstore.transport.nixl_agent import NixlUnavailable, make_agent
+from prefixstore.protocol.errors import ItemStatus, Reason
+from prefixstore.protocol.nixl_wire import NixlGetAnswer, NixlMetadata, NixlPlacements, NixlReserveAnswer
+from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec, WireError, encode_get_items
 from .device import DeviceBuffer
+from .lru import BoundedLRU
 
 log = logging.getLogger(__name__)
 
@@ -450,7 +451,7 @@ class LookupRuns:
 
     def __init__(self, max_entries: int = 1 << 16) -> None:
         self.max_entries = max_entries
-        self._by_key: dict[bytes, Described] = {}
+        self._by_key: BoundedLRU[bytes, Described] = BoundedLRU(max_entries)  # newest last: oldest go first
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -465,22 +466,19 @@ class LookupRuns:
         parsed = [(p.key, Described(lease, deadline, part.agent, part.meta_gen, p.size, p.checksum, p.runs))
                   for p in part.entries]
         for key, described in parsed:
-            self._by_key.pop(key, None)  # newest last: the oldest go first when full
-            self._by_key[key] = described
-        while len(self._by_key) > self.max_entries:
-            del self._by_key[next(iter(self._by_key))]
+            self._by_key.put(key, described)
         return len(parsed)
 
     def get(self, key: bytes, now: float) -> Described | None:
         d = self._by_key.get(key)
         if d is not None and d.deadline <= now:
-            del self._by_key[key]
+            self._by_key.pop(key)
             return None
         return d
 
     def forget_lease(self, lease: bytes) -> None:
-        for key in [k for k, d in self._by_key.items() if d.lease == lease]:
-            del self._by_key[key]
+        for key in [k for k in self._by_key if (d := self._by_key.get(k)) is not None and d.lease == lease]:
+            self._by_key.pop(key)
 
     def clear(self) -> None:
         self._by_key.clear()
@@ -701,10 +699,10 @@ class NixlChannel:
         if not todo:
             return results, problems, 0
 
-        def dropped(reason: str) -> tuple[list[ItemResult], list[tuple[str, str]], int]:
+        def dropped(detail: str) -> tuple[list[ItemResult], list[tuple[str, str]], int]:
             for i, _ in todo:
-                results[i] = ItemResult(ItemStatus.DROPPED, reason)
-            problems.append(("nixl", reason))
+                results[i] = ItemResult(ItemStatus.DROPPED, Reason.NIXL_FAILED, detail=detail)
+            problems.append(("nixl", detail))
             return results, problems, 0
 
         try:

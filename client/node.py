@@ -5,7 +5,7 @@ result and never raises because of the store: a connection error, timeout, 4xx/5
 malformed frame or checksum mismatch becomes a miss (lookups, reads) or a dropped save, counted
 in :attr:`NodeClient.failures` and warned about at most once per ``warn_interval_s``.
 
-Every call goes over one frame transport (protocol/transport.py: pooled HTTP/1.1 connections,
+Every call goes over one frame transport (transport/frames.py: pooled HTTP/1.1 connections,
 payloads straight between the wire and the caller's buffers); payloads take the data path
 (client/datapath.py: NIXL when usable, HTTP otherwise). A call on the namespace registers it
 first, and once more when the store answers that it does not know it (a restart).
@@ -23,18 +23,19 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..protocol.errors import ItemStatus, Problem, StoreError
-from ..protocol.keys import Kind
-from ..protocol.namespace import Namespace
-from ..protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
-from ..protocol.transport import FramePool, get_json, post
-from ..protocol.wire import GetItem, ItemResult, ItemSpec, LookupAnswer, LookupRequest, WireError
+from prefixstore.protocol.errors import ItemStatus, Problem, Reason, StoreError
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
+from prefixstore.transport.frames import FramePool, get_json, post
+from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec, LookupAnswer, LookupRequest, WireError
 from .config import ClientConfig
 from .datapath import Buffer, DataPath, as_view, batches, results_of
 from .device import DeviceBuffer
 from .failures import Failures
 from .prompt import Prompt, with_payload
-from .results import LookupResult, SaveResult
+from .results import LookupResult, SaveResult, lost, tally
+from .saves import save_items
 
 Observer = Callable[[str, dict[str, object], dict[str, object]], Awaitable[None]]
 """``(path, request header, answer header)``, awaited after each answered call, before the client
@@ -256,7 +257,7 @@ class NodeClient:
                 out.extend(results_of(answer, len(chunk)))
             except (StoreError, WireError) as err:
                 self._failures.record("offer", err)
-                out.extend(ItemResult(ItemStatus.REJECTED, "store unavailable") for _ in chunk)
+                out.extend(ItemResult(ItemStatus.REJECTED, Reason.UNAVAILABLE) for _ in chunk)
         return out
 
     async def put(self, items: Sequence[tuple[ItemSpec, Buffer]], commit: bool = True) -> list[ItemResult]:
@@ -272,7 +273,7 @@ class NodeClient:
                     out.extend(results_of(answer, len(records)))
                 except (StoreError, WireError) as err:
                     self._failures.record("put", err)
-                    out.extend(ItemResult(ItemStatus.DROPPED, "store unavailable") for _ in records)
+                    out.extend(ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE) for _ in records)
             return out
         for s in range(0, len(items), self.config.max_items):
             chunk = items[s : s + self.config.max_items]
@@ -299,35 +300,25 @@ class NodeClient:
         stored ("parent not stored"), and every block after it chains off it.
         Once a batch is dropped because the store is unavailable, the rest are
         dropped without asking (their parents are missing anyway)."""
-        kv = prompt.kv_items(kv_upto, start - start % prompt.block_tokens)
-        specs = [spec for spec, _, _ in kv]
-        for t in sorted(snapshots or {}):
-            specs.append(prompt.state_item(t, kv_upto, (origins or {}).get(t, 0)))
-        stored = have = dropped = 0
-        saved: list[tuple[Kind, ItemResult]] = []
-        for s in range(0, len(specs), self.config.max_items):
-            chunk = specs[s : s + self.config.max_items]
-            if dropped:
-                dropped += len(chunk)
+        items = save_items(prompt, kv_upto, kv_payload, snapshots, start, origins)
+        final: list[ItemResult] = []  # per item: its put result where it was put, else its offer decision
+        put: list[tuple[Kind, ItemResult]] = []
+        gone = False
+        for s in range(0, len(items), self.config.max_items):
+            chunk = items[s : s + self.config.max_items]
+            if gone:
+                final.extend(ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE) for _ in chunk)
                 continue
-            decisions = await self.offer(chunk)
-            wanted: list[tuple[ItemSpec, Buffer]] = []
-            for n, (spec, d) in enumerate(zip(chunk, decisions), start=s):
-                if d.status is not ItemStatus.WANT:
-                    continue
-                if n < len(kv):
-                    _, a, b = kv[n]
-                    wanted.append((spec, kv_payload(a, b)))
-                else:
-                    wanted.append((spec, (snapshots or {})[spec.boundary]))
-            results = await self.put(wanted) if wanted else []
-            stored += sum(r.status is ItemStatus.OK for r in results)
-            dropped += sum(r.status is ItemStatus.DROPPED for r in results) + sum(
-                d.reason == "store unavailable" for d in decisions)
-            have += sum(d.status is ItemStatus.HAVE for d in decisions) + sum(r.status is ItemStatus.HAVE for r in results)
-            saved.extend((w.kind, r) for (w, _), r in zip(wanted, results))
-        rejected = len(specs) - stored - have - dropped
-        return SaveResult(stored=stored, already=have, rejected=rejected, dropped=dropped, results=saved)
+            decisions = await self.offer([it.spec for it in chunk])
+            wanted = [n for n, d in enumerate(decisions) if d.status is ItemStatus.WANT]
+            results = await self.put([(chunk[n].spec, chunk[n].payload()) for n in wanted]) if wanted else []
+            outcome = list(decisions)
+            for n, r in zip(wanted, results):
+                outcome[n] = r
+            final.extend(outcome)
+            put.extend((chunk[n].spec.kind, r) for n, r in zip(wanted, results))
+            gone = any(lost(r) for r in outcome)
+        return tally(final, put)
 
 
 def check_device_outs(items: Sequence[GetItem], outs: Sequence[object], config: ClientConfig) -> None:

@@ -14,10 +14,10 @@ from typing import cast
 import numpy as np
 import xxhash
 
-from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, chain_bytes, pack_tokens, root_hash, tail_hash
-from ..protocol.keys import Kind, make_entry_key
-from ..protocol.namespace import Namespace
-from ..protocol.wire import ItemSpec
+from prefixstore.protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, chain_bytes, pack_tokens, root_hash, tail_hash
+from prefixstore.protocol.keys import Kind, make_entry_key
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.wire import ItemSpec
 
 
 class Prompt:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..protocol.keys import Kind
-from ..protocol.wire import EntryRef, GetItem, ItemResult
+from prefixstore.protocol.errors import ItemStatus, Reason
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.wire import EntryRef, GetItem, ItemResult
 from .prompt import Prompt
 
 
@@ -75,3 +77,20 @@ class SaveResult:
     rejected: int = 0
     dropped: int = 0  # store failure: nothing was saved for these
     results: list[tuple[Kind, ItemResult]] = field(default_factory=list)
+
+
+def lost(r: ItemResult) -> bool:
+    """Whether an item's outcome means no store took it up: dropped, or an offer no store answered."""
+    return r.status is ItemStatus.DROPPED or r.reason is Reason.UNAVAILABLE
+
+
+def tally(final: Sequence[ItemResult], put: Sequence[tuple[Kind, ItemResult]]) -> SaveResult:
+    """A save's outcome, counted the one way every client counts it: per item its last answer
+    (``final``: the put's where it was put, the offer's otherwise) is stored (OK), already there
+    (HAVE), dropped (:func:`lost`) or rejected (the rest); ``put`` lists the items whose payloads were
+    sent, with their put results (SaveResult.results)."""
+    stored = sum(r.status is ItemStatus.OK for r in final)
+    have = sum(r.status is ItemStatus.HAVE for r in final)
+    dropped = sum(lost(r) for r in final)
+    return SaveResult(stored=stored, already=have, rejected=len(final) - stored - have - dropped, dropped=dropped,
+                      results=list(put))

@@ -25,48 +25,65 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from ..protocol.errors import ItemStatus
-from ..protocol.keys import Kind
-from ..protocol.wire import ItemResult, ItemSpec
+from prefixstore.protocol.errors import ItemStatus, Reason
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.wire import ItemResult, ItemSpec
+
 from .datapath import Buffer
-from .results import SaveResult
+from .prompt import Prompt
+from .results import SaveResult, tally
 
 MAX_ROUNDS = 8
 """Branches one save crosses at most; items further down are dropped (a future miss)."""
 
-UNAVAILABLE = "store unavailable"
 
-
-@dataclass
+@dataclass(frozen=True, slots=True)
 class SaveItem:
     spec: ItemSpec
     level: int  # the level it registers under: a block's or tail's parent index, a snapshot's container's
-    payload: Callable[[], Buffer]
+    payload: Callable[[], Buffer]  # made only for what a store wants
 
 
-class SaveCalls:
-    """What a save needs from the cluster client (client/cluster.py implements it)."""
+def save_items(prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
+               snapshots: Mapping[int, Buffer] | None = None, start: int = 0,
+               origins: Mapping[int, int] | None = None) -> list[SaveItem]:
+    """The items of a save, one way for every client (NodeClient.save, ClusterClient.save): KV
+    [start, kv_upto) from the block ``start`` falls in, block by block and a tail, then the snapshots
+    by boundary (each in the block, or the tail, whose range holds it); ``origins``: why each
+    snapshot was taken (protocol.keys.Origin), 0 where not named."""
+    B = prompt.block_tokens
+    items = [SaveItem(spec, a // B, functools.partial(kv_payload, a, b))
+             for spec, a, b in prompt.kv_items(kv_upto, start - start % B)]
+    for t in sorted(snapshots or {}):
+        spec = prompt.state_item(t, kv_upto, (origins or {}).get(t, 0))
+        block_end = -(-t // B) * B
+        level = block_end // B - 1 if block_end <= kv_upto else kv_upto // B
+        items.append(SaveItem(spec, level, functools.partial((snapshots or {}).__getitem__, t)))
+    return items
+
+
+class SaveCalls(Protocol):
+    """What a cluster save needs of its client (client/cluster.py's ClusterClient is one)."""
 
     def homes(self, branch: bytes) -> list[str]:
         """Live nodes holding ``branch``, its primary first (at most ``replicas``)."""
-        raise NotImplementedError
 
     def owner(self, key: bytes) -> str | None:
         """The primary of a branch key, as this client sees the members."""
-        raise NotImplementedError
 
     async def offer_at(self, url: str, specs: Sequence[ItemSpec], place: bool = True) -> list[ItemResult]:
-        raise NotImplementedError
+        """One node's offer decisions (with fork decisions when ``place``)."""
 
     async def put_at(self, url: str, items: Sequence[tuple[ItemSpec, Buffer]]) -> list[ItemResult]:
-        raise NotImplementedError
+        """One node's put results."""
 
     def learned(self, parent: bytes, branch: bytes) -> None:
         """The level under block ``parent`` is homed on ``branch`` (for later saves)."""
-        raise NotImplementedError
 
 
 async def save_chain(calls: SaveCalls, items: list[SaveItem], branch: bytes) -> SaveResult:
@@ -80,9 +97,9 @@ async def save_chain(calls: SaveCalls, items: list[SaveItem], branch: bytes) -> 
         homes = calls.homes(branch)
         specs = [dataclasses.replace(items[i].spec, branch=branch) for i in todo]
         offers = list(await asyncio.gather(*(calls.offer_at(url, specs) for url in homes))) if homes else []
-        if not offers or all(d.reason == UNAVAILABLE for d in offers[0]):
+        if not offers or all(d.reason is Reason.UNAVAILABLE for d in offers[0]):
             for i in todo:
-                final[i] = ItemResult(ItemStatus.DROPPED, UNAVAILABLE)
+                final[i] = ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE)
             return _result(items, final, was_put)
         decided = dict(zip(todo, offers[0]))
         moved: list[int] = []
@@ -131,7 +148,7 @@ async def save_chain(calls: SaveCalls, items: list[SaveItem], branch: bytes) -> 
     else:
         for i in todo:
             if final[i] is None:
-                final[i] = ItemResult(ItemStatus.DROPPED, "too many forks in one save")
+                final[i] = ItemResult(ItemStatus.DROPPED, Reason.TOO_MANY_FORKS)
     return _result(items, final, was_put)
 
 
@@ -158,13 +175,8 @@ async def _put(calls: SaveCalls, url: str, answers: list[ItemResult], items: lis
 
 
 def _result(items: list[SaveItem], final: list[ItemResult | None], was_put: set[int]) -> SaveResult:
-    out = [r if r is not None else ItemResult(ItemStatus.DROPPED, UNAVAILABLE) for r in final]
-    stored = sum(r.status is ItemStatus.OK for r in out)
-    have = sum(r.status is ItemStatus.HAVE for r in out)
-    dropped = sum(r.status is ItemStatus.DROPPED or r.reason == UNAVAILABLE for r in out)
-    saved = [(items[i].spec.kind, out[i]) for i in sorted(was_put)]
-    return SaveResult(stored=stored, already=have, rejected=len(out) - stored - have - dropped, dropped=dropped,
-                      results=saved)
+    out = [r if r is not None else ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE) for r in final]
+    return tally(out, [(items[i].spec.kind, out[i]) for i in sorted(was_put)])
 
 
-__all__ = ["MAX_ROUNDS", "UNAVAILABLE", "SaveCalls", "SaveItem", "save_chain"]
+__all__ = ["MAX_ROUNDS", "SaveCalls", "SaveItem", "save_chain", "save_items"]

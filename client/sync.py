@@ -25,8 +25,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..protocol.namespace import Namespace
-from ..protocol.wire import GetItem, ItemResult, ItemSpec
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec
 from .client import Buffer, PrefixClient
 from .config import ClientConfig
 from .prompt import Prompt

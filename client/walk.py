@@ -21,22 +21,24 @@ the rest of that level. Where an exact answer can change the result, the walk as
   beats what the level could hold: its home, for the snapshots registered there (the root
   level's snapshots -- a system prompt shorter than one block -- are the usual case).
 
-Merged as one node would (DESIGN §5): m = the first level whose next block no node holds in
-full; kv = m·B + usable tokens of level m's best child; state = the largest snapshot boundary of
-levels 0..m that kv reaches; hint = kv when kv > state (with state). Exact by construction when
-every home answers; a dead home's levels are misses (the match stops there), never wrong bytes.
+Each answer is a run of levels (protocol/match.py), kept as it came (clipped to the levels asked);
+the walk's answer is :func:`protocol.match.merge` of them, the same merge a single node answers
+with. Exact by construction when every home answers; a dead home's levels are misses (the match
+stops there), never wrong bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..protocol.hashing import TOKEN_BYTES, BlockHash
-from ..protocol.placement import root_branch
-from ..protocol.probe import TIER_ELSEWHERE, ProbeAnswer, ProbeRequest
-from ..protocol.wire import EntryRef
+from prefixstore.protocol.hashing import TOKEN_BYTES, BlockHash
+from prefixstore.protocol.match import Hit, Match, Run, best_child, matched, merge
+from prefixstore.protocol.placement import root_branch
+from prefixstore.protocol.probe import TIER_ELSEWHERE, ProbeAnswer, ProbeRequest
+from prefixstore.protocol.wire import EntryRef
 from .prompt import Prompt
 
 MAX_EARLY = 2
@@ -61,12 +63,10 @@ class Walk:
     prompt: Prompt
     hop: Hop
     has_state: bool
-    held_at: list[str | None] = field(default_factory=list)  # level j -> a node holding block j+1 in full
+    held_at: list[str | None] = field(default_factory=list)  # level j -> a node holding block j+1 in full (reads)
     exact: bytearray = field(default_factory=bytearray)  # level j -> 1 when its home answered it
     branch_of: list[bytes | None] = field(default_factory=list)  # level -> branch key of its home
-    forks: set[int] = field(default_factory=set)  # levels whose next block a home holds as a fork record
-    children: dict[int, list[Found]] = field(default_factory=dict)
-    snapshots: dict[int, list[Found]] = field(default_factory=dict)
+    runs: list[Run[Found]] = field(default_factory=list)  # every answer, as its run of levels (the merge's input)
     answered: list[tuple[str, ProbeAnswer]] = field(default_factory=list)
     probes: int = 0
     nodes: set[str] = field(default_factory=set)  # nodes that answered (cluster_scale counts them)
@@ -75,6 +75,7 @@ class Walk:
     sent_early: int = 0  # hops sent at once from the hints
     early_levels: list[int] = field(default_factory=list)  # their levels
     early: dict[tuple[bytes, int], asyncio.Future[list[tuple[str, ProbeAnswer]]]] = field(default_factory=dict)
+    sent: list[ProbeRequest] = field(default_factory=list)  # every question handed to ``hop``, in order (diagnostics)
 
     def __post_init__(self) -> None:
         p = self.prompt
@@ -122,8 +123,7 @@ class Walk:
             stop = None
             got = await early
         else:
-            first = self.prompt.block_key(start) if start < self.n else None
-            got = await self.hop(branch, self.request(start, stop), first)
+            got = await self._send(branch, self.request(start, stop))
         out = []
         for url, answer in got:
             if answer.start != start:
@@ -133,6 +133,12 @@ class Walk:
             self._absorb(url, answer, branch, start, stop)
             out.append(answer)
         return out
+
+    def _send(self, branch: bytes, req: ProbeRequest) -> Awaitable[list[tuple[str, ProbeAnswer]]]:
+        """Hand one question to ``hop`` (recorded in ``sent``)."""
+        self.sent.append(req)
+        first = self.prompt.block_key(req.start) if req.start < self.n else None
+        return self.hop(branch, req, first)
 
     def head_hop(self, branch: bytes, start: int) -> bool:
         """Whether a hop asks the branch node of the fork head at level ``start`` (the prompt's block
@@ -157,16 +163,14 @@ class Walk:
             first = start + 1 if self.head_hop(branch, start) else start
             if end >= first:
                 self.branch_of[first:end + 1] = [branch] * (end + 1 - first)
-        if a.stop is not None and start + a.held == end:
-            if a.stop.fork:
-                self.forks.add(end)
-                if end + 1 < len(self.branch_of) and end < self.n:
-                    self.branch_of[end + 1] = self.prompt.hashes[end]  # the fork head's branch holds the next level
-            if a.stop.child is not None:
-                self.children.setdefault(end, []).append((a.stop.child, url))
-        for j, ref in a.snapshots.items():
-            if start <= j <= end:
-                self.snapshots.setdefault(j, []).append((ref, url))
+        stopped = a.stop is not None and start + a.held == end and held_end == start + a.held
+        if a.stop is not None and stopped and a.stop.fork and end + 1 < len(self.branch_of) and end < self.n:
+            self.branch_of[end + 1] = self.prompt.hashes[end]  # the fork head's branch holds the next level
+        ref = a.stop.child if a.stop is not None and stopped else None
+        self.runs.append(Run(
+            start=start, held=max(0, held_end - start), stopped=stopped, fork=stopped and a.stop is not None and a.stop.fork,
+            child=Hit((ref, url), ref.usable_tokens, ref.tier == TIER_ELSEWHERE) if ref is not None else None,
+            snapshots={j: Hit((s, url), s.usable_tokens) for j, s in a.snapshots.items() if start <= j <= end}))
 
     async def run(self) -> None:
         """Walk the branches from the prompt's first block (module docstring), then follow up."""
@@ -184,7 +188,7 @@ class Walk:
                 self.probes += 1
                 self.sent_early += 1
                 self.early_levels.append(j)
-                self.early[(head, j)] = asyncio.ensure_future(self.hop(head, self.request(j), self.prompt.block_key(j)))
+                self.early[(head, j)] = asyncio.ensure_future(self._send(head, self.request(j)))
         tried: set[tuple[bytes, int]] = set()
         while self.probes < MAX_HOPS:
             tried.add((branch, start))
@@ -237,26 +241,23 @@ class Walk:
         return min(later) + 1 if later else None
 
     def matched(self) -> int:
-        try:
-            return self.held_at.index(None, 0, self.n)
-        except ValueError:
-            return self.n
+        """m: the first level no answer holds (protocol.match.matched)."""
+        return matched(self.runs, self.n)
 
-    def best_child(self, m: int) -> Found | None:
-        kids = [(c, u) for c, u in self.children.get(m, ()) if c.usable_tokens > 0]
-        return max(kids, key=lambda cu: (cu[0].usable_tokens, cu[0].tier != TIER_ELSEWHERE)) if kids else None
+    def result(self) -> Match[Found]:
+        """The merged answer of every run so far (protocol.match.merge): the single-node answer."""
+        return merge(self.runs, block_tokens=self.prompt.block_tokens, num_blocks=self.n, has_state=self.has_state)
 
     async def _confirm_child(self) -> None:
         """A best child that is a fork record is read from its branch node: ask that node to confirm
         (and lease) it; if it cannot, the record is stale and the next best child stands."""
         for _ in range(2):
             m = self.matched()
-            best = self.best_child(m)
-            if best is None or best[0].tier != TIER_ELSEWHERE:
+            best = best_child(self.runs, m)
+            if best is None or not best.elsewhere:
                 return
-            ref = best[0]
-            self.children[m] = [(c, u) for c, u in self.children.get(m, ()) if c is not ref]
-            head = ref.key[1:]
+            self.runs = [dataclasses.replace(r, child=None) if r.child is best else r for r in self.runs]
+            head = best.entry[0].key[1:]
             await self._ask(head, m, m + 1)
             # the branch node's answer, if any, was absorbed: it names the child as held there
 
@@ -267,9 +268,8 @@ class Walk:
         B = self.prompt.block_tokens
         asked: set[int] = set()
         while self.probes < MAX_HOPS:
-            m = self.matched()
-            kv = self.kv_tokens(m)
-            best = self.state_tokens(m, kv)
+            res = self.result()
+            m, kv, best = res.matched, res.kv_tokens, res.state_tokens
             # The highest level j with best <= jB < kv that no home answered and whose home is known.
             lo = -(-best // B)
             hi = min(m, self.num_levels - 1, (kv - 1) // B if kv else -1)
@@ -286,25 +286,6 @@ class Walk:
             asked.add(j)
             self.exact[j] = 1  # asked once, whatever the answer
             await self._ask(branch, j, j + 1)
-
-    # ------------------------------------------------------------ the merge
-
-    def kv_tokens(self, m: int) -> int:
-        best = self.best_child(m)
-        usable = best[0].usable_tokens if best is not None and best[0].tier != TIER_ELSEWHERE else 0
-        return m * self.prompt.block_tokens + usable
-
-    def state_tokens(self, m: int, kv: int) -> int:
-        best = self.best_snapshot(m, kv)
-        return best[0].usable_tokens if best is not None else 0
-
-    def best_snapshot(self, m: int, kv: int) -> Found | None:
-        found = [(s, u) for j, ss in self.snapshots.items() if j <= m for s, u in ss if s.usable_tokens <= kv]
-        return max(found, key=lambda su: su[0].usable_tokens) if found else None
-
-    def child(self, m: int) -> Found | None:
-        best = self.best_child(m)
-        return best if best is not None and best[0].tier != TIER_ELSEWHERE else None
 
     def leftover(self) -> list[asyncio.Future[list[tuple[str, ProbeAnswer]]]]:
         """Early hops the walk did not use (their answers are not part of the lookup)."""

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..client import RetentionPlanner
-from ..client.client import PrefixClient
-from ..client.config import ClientConfig
+from prefixstore.client import RetentionPlanner
+from prefixstore.client.client import PrefixClient
+from prefixstore.client.config import ClientConfig
 from .engine import Engine, EngineConfig, RequestResult, ReuseMode
 from .reference_model import HybridModel, ModelConfig
 

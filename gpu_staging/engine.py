@@ -34,10 +34,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ..client import RetentionPlanner
-from ..client.client import PrefixClient
-from ..client.results import LookupResult
-from ..protocol.wire import STATUS_HAVE, STATUS_OK, WANT, ItemResult, ItemSpec
+from prefixstore.client import RetentionPlanner
+from prefixstore.client.client import PrefixClient
+from prefixstore.client.results import LookupResult
+from prefixstore.protocol.wire import STATUS_HAVE, STATUS_OK, WANT, ItemResult, ItemSpec
 from .loader import LayerwiseLoad, LoadFailed
 from .paged_kv import PagedKVCache, SequenceKV
 from .reference_model import HybridModel, RecurrentState

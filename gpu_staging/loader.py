@@ -28,8 +28,8 @@ import logging
 import threading
 import time
 
-from ..client.client import PrefixClient
-from ..client.results import LookupResult
+from prefixstore.client.client import PrefixClient
+from prefixstore.client.results import LookupResult
 from .paged_kv import SequenceKV, Span
 from .reference_model import ModelConfig, RecurrentState
 from .staging import StagingBuffer

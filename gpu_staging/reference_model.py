@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..protocol.namespace import KVLayout, Namespace, StateLayout
+from prefixstore.protocol.namespace import KVLayout, Namespace, StateLayout
 
 
 
@@ -297,7 +297,8 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        out: Tensor = self.down(F.silu(gate) * up)
+        return out
 
 
 class DeltaRuleLayer(nn.Module):
@@ -339,7 +340,8 @@ class DeltaRuleLayer(nn.Module):
         b = torch.sigmoid(self.write_proj(x))
         o = delta_rule_chunked(q, k, v, log_a, b, ssm)
         o = self.head_norm(o).reshape(n, H * d) * F.silu(self.gate_proj(x))
-        return self.out_proj(o)
+        out: Tensor = self.out_proj(o)
+        return out
 
 
 def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
@@ -379,7 +381,8 @@ class AttentionLayer(nn.Module):
             # Query i sits at position start + i: it sees keys [0, start + i].
             mask = torch.ones(n, start + n, dtype=torch.bool, device=x.device).tril(start)
             o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, enable_gqa=True)
-        return self.out_proj(o.squeeze(0).transpose(0, 1).reshape(n, self.Hq * self.D))
+        out: Tensor = self.out_proj(o.squeeze(0).transpose(0, 1).reshape(n, self.Hq * self.D))
+        return out
 
 
 class Block(nn.Module):
@@ -462,11 +465,13 @@ class HybridModel(nn.Module):
             x = x + mixed
             x = x + block.mlp(block.norm2(x))
         if logits == "none":
-            return x.new_empty(0)
+            empty: Tensor = x.new_empty(0)
+            return empty
         if logits == "last":
             x = x[-1:]
         out = self.lm_head(self.norm(x))
-        return out[0] if logits == "last" else out
+        result: Tensor = out[0] if logits == "last" else out
+        return result
 
 
 __all__ = ["DELTA_CHUNK", "HybridModel", "LayerKind", "ModelConfig", "RecurrentState", "delta_rule_chunked",

@@ -35,11 +35,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..client.device import DeviceBuffer
+from prefixstore.client.device import DeviceBuffer
 
 if TYPE_CHECKING:
-    from ..client.client import PrefixClient
-    from ..protocol.wire import GetItem
+    from prefixstore.client.client import PrefixClient
+    from prefixstore.protocol.wire import GetItem
 
 class StagingFull(ValueError):
     """A round asked for more bytes than the region holds; the message names the knob."""

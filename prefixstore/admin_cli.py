@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 from . import preflight
 from .flags import add_knob_flags, format_size, human_bytes, knob_sources, load_config, with_source
-from .protocol.wire import CONTENT_TYPE, encode_frame
-from .store.config import ENV_PREFIX, ConfigError, StoreConfig
+from prefixstore.protocol.wire import CONTENT_TYPE, encode_frame
+from prefixstore.store.config import ENV_PREFIX, ConfigError, StoreConfig
 
 ADMIN_TOKEN_ENV = ENV_PREFIX + "ADMIN_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8077"
@@ -155,7 +155,7 @@ _TOKEN_NOTE = (f" A store with tenants needs the admin token, read from ${ADMIN_
                "show in process lists). Exits 1 with one line when a store cannot be reached or refuses.")
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     stats = commands.add_parser(
         "stats", help="a running store's statistics: hit rates, occupancy, uptime, version (GET /v1/stats)",
         description="Ask a running store for its statistics (GET URL/v1/stats) and print them: lookups and "

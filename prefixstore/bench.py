@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .client import ClientConfig, PrefixClient
+from prefixstore.client import ClientConfig, PrefixClient
 from .flags import human_bytes
-from .protocol import KVLayout, Namespace, StateLayout
-from .store.config import ENV_PREFIX
+from prefixstore.protocol import KVLayout, Namespace, StateLayout
+from prefixstore.store.config import ENV_PREFIX
 
 TOKEN_ENV = ENV_PREFIX + "TOKEN"
 OPS = ("lookup", "read", "save")
@@ -309,7 +309,7 @@ def format_report(report: dict[str, object]) -> str:
 # ---------------------------------------------------------------- the command
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = commands.add_parser(
         "bench", help="load a running store or cluster like redis-benchmark: lookups, reads, saves; p50/p99, "
                       "hit rates",
@@ -353,7 +353,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 def config_of(args: argparse.Namespace) -> BenchConfig:
     """The BenchConfig the flags describe; raises ValueError naming the flag."""
-    from .store.knobs import parse_size
+    from prefixstore.store.knobs import parse_size
 
     for flag in ("requests", "concurrency", "conversations", "turn_tokens", "block_tokens", "layers", "heads",
                  "head_dim"):

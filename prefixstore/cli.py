@@ -30,16 +30,16 @@ from aiohttp import web
 
 from . import __version__, logs, preflight
 from .flags import add_knob_flags, flag_name, format_size, knob_sources, load_config, with_source
-from .store.admin import sources_of
-from .store.cluster import MEMBERSHIP
-from .store.config import ENV_PREFIX, ConfigError, StoreConfig
+from prefixstore.store.admin import sources_of
+from prefixstore.store.cluster import MEMBERSHIP
+from prefixstore.store.config import ENV_PREFIX, ConfigError, StoreConfig
 from .preflight import check_memory
-from .store.heap import keep_freed_memory
-from .store.runner import StoreRunner
-from .store.server import STORE, create_app
+from prefixstore.store.heap import keep_freed_memory
+from prefixstore.store.runner import StoreRunner
+from prefixstore.store.server import STORE, create_app
 
 if TYPE_CHECKING:
-    from .gpu_staging.demo import DemoOptions
+    from prefixstore.gpu_staging.demo import DemoOptions
 
 log = logging.getLogger("prefixstore.serve")
 
@@ -259,7 +259,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 async def demo(config: StoreConfig, options: DemoOptions) -> int:
     """Serve ``config`` on loopback, run the conversation against it, stop the store."""
-    from .gpu_staging.demo import run_conversation  # torch: imported only by this command
+    from prefixstore.gpu_staging.demo import run_conversation  # torch: imported only by this command
 
     runner = StoreRunner(create_app(config), config, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     try:
@@ -291,7 +291,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ImportError:
         print(f"prefixstore demo: needs torch (the CPU build is enough): {TORCH_CPU_INSTALL}", file=sys.stderr)
         return EXIT_FAILURE
-    from .gpu_staging.demo import DemoOptions
+    from prefixstore.gpu_staging.demo import DemoOptions
 
     try:
         options = DemoOptions(turns=args.turns, user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,

@@ -13,8 +13,8 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from .admission import ADMISSION_POLICIES, EVICTION_POLICIES
-from .store.config import ENV_PREFIX, LOG_FORMATS, LOG_LEVELS, ConfigError, StoreConfig
+from prefixstore.admission import ADMISSION_POLICIES, EVICTION_POLICIES
+from prefixstore.store.config import ENV_PREFIX, LOG_FORMATS, LOG_LEVELS, ConfigError, StoreConfig
 
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
 """Environment variable naming the TOML config file when --config is not given."""

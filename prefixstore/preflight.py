@@ -21,7 +21,7 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 
 from .flags import format_size, human_bytes
-from .store.config import ConfigError, StoreConfig
+from prefixstore.store.config import ConfigError, StoreConfig
 
 # Budgets the store allocates at start: the RAM arena (prefaulted, so resident), and the
 # sighting filter. Either larger than the memory this process may use is a configuration error.

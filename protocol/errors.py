@@ -7,6 +7,8 @@ so code on either side branches on ``err.problem`` and ``err.field``, never on t
 
 Per item, offers, puts, commits and gets answer an :class:`ItemStatus` instead of failing the
 request; ``DROPPED`` exists only on the client (a save the client could not hand to a store).
+Why an item got its status is a :class:`Reason`: a code on the wire, words for humans
+(:attr:`Reason.text`); code branches on the member, never on the words.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class RequestError(ValueError):
 
 
 class StoreError(Exception):
-    """A call to a store that did not succeed, as its caller sees it (protocol/transport.py raises
+    """A call to a store that did not succeed, as its caller sees it (transport/frames.py raises
     it; the client turns it into a miss or a dropped save).
 
     ``path``: the endpoint; ``status``: the HTTP status the store answered (None: no answer — a
@@ -96,4 +98,85 @@ class ItemStatus(enum.StrEnum):
     DROPPED = "dropped"  # client only: the save could not reach a store (a future miss)
 
 
-__all__ = ["HTTP_STATUS", "ItemStatus", "Problem", "RequestError", "StoreError", "problem_of_status"]
+class Reason(enum.StrEnum):
+    """Why an item of an offer, put or commit got its status (the store's reasons), or why a save the
+    client could not hand to a store was dropped (the client's). The wire carries the value, a short
+    code; :attr:`text` says it for humans (logs, warnings, the CLI). A code this end does not know (a
+    newer peer's) is read as ``OTHER``, its code kept as the detail."""
+
+    NONE = ""
+    # The store's: an offer or put.
+    PARENT_MISSING = "parent_missing"  # the block's parent is neither stored nor in the same request
+    CONTAINER_MISSING = "container_missing"  # the snapshot's container is not stored
+    QUOTA = "quota"  # the tenant's quota_bytes (or its share of max_entries) would be exceeded
+    RECORD = "record"  # a payload for a block this node keeps as a fork record (protocol/placement.py)
+    FORK_BRANCH = "fork_branch"  # ELSEWHERE: below a fork head; its branch node takes it (ItemResult.branch)
+    TOO_LARGE = "too_large"  # larger than the whole RAM arena
+    ADMISSION = "admission"  # the admission policy did not take it (second-hit, adaptive)
+    CHECKSUM = "checksum"  # the payload's bytes do not match its xxh3-64
+    RAM_PINNED = "ram_pinned"  # no arena pages free: the RAM arena is held by pinned or uncommitted entries
+    # The store's: a commit.
+    NOT_RESERVED = "not_reserved"  # NIXL commit of a key with no reservation (or expired, or committing)
+    NOT_PUT = "not_put"  # commit of a key never put (or expired)
+    COMMITTING = "committing"  # a commit of this entry is already in flight
+    DISK_FULL = "disk_full"  # the LMDB tier's disk is full
+    DISK_PINNED = "disk_pinned"  # the LMDB tier's budget is held by pinned entries
+    ENTRIES_PINNED = "entries_pinned"  # max_entries is held by pinned entries
+    DISK_FAILED = "disk_failed"  # the LMDB write failed (the detail says how)
+    DROPPED_BEFORE_COMMIT = "dropped_before_commit"  # dropped (a flush, a reset) while its write was in flight
+    ANCHOR_GONE = "anchor_gone"  # its parent or container was deleted before the commit
+    MALFORMED = "malformed"  # an answer that does not list one result per item (a node's, to its peer)
+    # The client's (with DROPPED, or REJECTED for an offer it could not ask).
+    UNAVAILABLE = "unavailable"  # no store answered: a connection error, a timeout, a 5xx, a malformed answer
+    PLACEMENT_UNKNOWN = "placement_unknown"  # a cluster client does not know the item's level's home
+    TOO_MANY_FORKS = "too_many_forks"  # a cluster save crossed more branches than it may
+    NIXL_FAILED = "nixl_failed"  # a NIXL WRITE failed or came too late (the detail says which)
+    OTHER = "other"  # not known at this end (a newer peer's code, kept as the detail)
+
+    @property
+    def text(self) -> str:
+        """The reason in words."""
+        return _REASON_TEXT[self]
+
+    @classmethod
+    def of_wire(cls, raw: str) -> tuple[Reason, str]:
+        """The reason a wire string names and the detail it adds: a code; else the words an older
+        peer sent instead of a code (read once, here, into their member); else ``OTHER``."""
+        try:
+            return cls(raw), ""
+        except ValueError:
+            known = _REASON_OF_TEXT.get(raw)
+            return (known, "") if known is not None else (cls.OTHER, raw)
+
+
+_REASON_TEXT: dict[Reason, str] = {
+    Reason.NONE: "",
+    Reason.PARENT_MISSING: "parent not stored",
+    Reason.CONTAINER_MISSING: "container not stored",
+    Reason.QUOTA: "tenant quota exceeded",
+    Reason.RECORD: "held here as a fork record: the block's branch node holds its payload",
+    Reason.FORK_BRANCH: "on the branch of its fork head",
+    Reason.TOO_LARGE: "larger than the RAM arena",
+    Reason.ADMISSION: "admission",
+    Reason.CHECKSUM: "payload does not match its checksum",
+    Reason.RAM_PINNED: "RAM arena full of pinned or uncommitted entries",
+    Reason.NOT_RESERVED: "not reserved, expired, or committing",
+    Reason.NOT_PUT: "not put, or expired",
+    Reason.COMMITTING: "a commit of this entry is in flight",
+    Reason.DISK_FULL: "the LMDB tier's disk is full: not written; writes resume when space returns",
+    Reason.DISK_PINNED: "LMDB tier full of pinned entries",
+    Reason.ENTRIES_PINNED: "max_entries reached by pinned entries",
+    Reason.DISK_FAILED: "disk write failed",
+    Reason.DROPPED_BEFORE_COMMIT: "dropped before commit",
+    Reason.ANCHOR_GONE: "parent or container gone",
+    Reason.MALFORMED: "malformed answer",
+    Reason.UNAVAILABLE: "store unavailable",
+    Reason.PLACEMENT_UNKNOWN: "placement unknown: look the prompt up first",
+    Reason.TOO_MANY_FORKS: "too many forks in one save",
+    Reason.NIXL_FAILED: "NIXL transfer failed",
+    Reason.OTHER: "other",
+}
+_REASON_OF_TEXT: dict[str, Reason] = {text: r for r, text in _REASON_TEXT.items() if text}
+
+
+__all__ = ["HTTP_STATUS", "ItemStatus", "Problem", "Reason", "RequestError", "StoreError", "problem_of_status"]

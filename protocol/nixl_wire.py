@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from .errors import ItemStatus
+from .errors import ItemStatus, Reason
 from .fields import WireError, opt_bin, req_bin, req_int, req_list
 from .keys import ENTRY_KEY_BYTES
 
@@ -127,18 +127,19 @@ class NixlReservation:
     """One item of a ``/v1/nixl/reserve`` answer: PENDING with the runs to WRITE into, or refused."""
 
     status: ItemStatus
-    reason: str = ""
+    reason: Reason = Reason.NONE
     runs: bytes = b""
 
     def to_wire(self) -> list[object]:
-        return [self.status.value, self.reason, self.runs]
+        return [self.status.value, self.reason.value, self.runs]
 
     @classmethod
     def from_wire(cls, raw: object, ctx: str) -> NixlReservation:
         if not isinstance(raw, list) or len(raw) != 3 or not isinstance(raw[1], str):
             raise WireError(ctx, "expected [status, reason, runs]")
         status = _status(raw[0], f"{ctx}.status")
-        return cls(status, raw[1], _runs(raw[2], f"{ctx}.runs", required=status is ItemStatus.PENDING))
+        reason, _ = Reason.of_wire(raw[1])
+        return cls(status, reason, _runs(raw[2], f"{ctx}.runs", required=status is ItemStatus.PENDING))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from .hashing import HASH_BYTES, TOKEN_BYTES
 from .namespace import NAMESPACE_ID_BYTES
 from .errors import Problem
+from .match import Levels
 from .nixl_wire import NixlPlacements
 from .wire import MAX_EXTRA_BYTES, EntryRef, Limits, WireError, opt_bin, req_bin, req_bool, req_int, req_list
 
@@ -65,9 +66,11 @@ class ProbeRequest:
         return len(self.hashes) // HASH_BYTES
 
     def num_levels(self, block_tokens: int) -> int:
-        T = len(self.tokens) // TOKEN_BYTES
-        k = self.num_blocks
-        return k + (1 if T > k * block_tokens else 0)
+        return self.levels(block_tokens).num_levels
+
+    def levels(self, block_tokens: int) -> Levels:
+        """The prompt's levels from ``start`` on, as the matcher reads them."""
+        return Levels(self.start, self.parent, self.hashes, self.tokens, block_tokens, dict(self.extras))
 
     def to_header(self) -> dict[str, object]:
         d: dict[str, object] = {"ns": self.namespace_id, "start": self.start, "parent": self.parent,

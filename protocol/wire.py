@@ -25,7 +25,8 @@ from typing import Final
 
 import msgpack
 
-from .errors import ItemStatus, Problem
+from .errors import ItemStatus, Problem, Reason
+from .match import Levels
 from .fields import (  # re-exported (__all__): the readers and WireError have always been importable from here
     KIND_BYTES,
     WireError,
@@ -171,6 +172,10 @@ class LookupRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens) // TOKEN_BYTES
+
+    def levels(self, block_tokens: int, root: bytes) -> Levels:
+        """The prompt's levels from 0 (the namespace's ``root``), as the matcher reads them."""
+        return Levels(0, root, self.hashes, self.tokens, block_tokens, dict(self.extras))
 
     def to_header(self) -> dict[str, object]:
         d: dict[str, object] = {"ns": self.namespace_id, "hashes": self.hashes, "tokens": self.tokens,
@@ -529,13 +534,6 @@ STATUS_CORRUPT: Final = ItemStatus.CORRUPT
 STATUS_HTTP: Final = ItemStatus.HTTP
 STATUS_DROPPED: Final = ItemStatus.DROPPED
 
-#: The reason of a put or offer item refused because its tenant holds its quota_bytes.
-REASON_QUOTA: Final = "tenant quota exceeded"
-REASON_RECORD: Final = "held here as a fork record: the block's branch node holds its payload"
-"""A put of a block's payload to the node that keeps the block as a fork record (its level's home,
-protocol/placement.py) is refused: the record answers for the level; the payload belongs on the
-branch node. Replication skips such a node as a copy holder for that block."""
-
 #: Offer decisions.
 WANT: Final = ItemStatus.WANT
 HAVE: Final = ItemStatus.HAVE
@@ -544,38 +542,55 @@ REJECTED: Final = ItemStatus.REJECTED
 
 @dataclass(frozen=True, slots=True)
 class ItemResult:
+    """One item's answer: its status, why (a :class:`protocol.errors.Reason`, a code on the wire) and,
+    where the reason alone does not say it all, ``detail`` in words (what a failed disk write
+    raised). Wire form: ``[status, reason]``, or ``[status, reason, {fork, branch, detail}]``."""
+
     status: ItemStatus
-    reason: str = ""
+    reason: Reason = Reason.NONE
     # Cluster offers (protocol/placement.py). ``fork``: this block is a fork head at its level's
     # home, which keeps its record (put it with ``record``); the block itself and what hangs from
     # it go to its branch's node. ``branch``: with ELSEWHERE, the branch key whose node takes it.
     fork: bool = False
     branch: bytes | None = None
+    detail: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, ItemStatus):  # a plain string of a status: typed here, once
             object.__setattr__(self, "status", _status(self.status, "status"))
 
+    @property
+    def text(self) -> str:
+        """The reason in words, with the detail (for humans: logs, warnings)."""
+        words = self.reason.text
+        return f"{words}: {self.detail}" if words and self.detail else words or self.detail
+
     def to_wire(self) -> list[object]:
-        if not self.fork and self.branch is None:
-            return [self.status.value, self.reason]
+        if not self.fork and self.branch is None and not self.detail:
+            return [self.status.value, self.reason.value]
         placed: dict[str, object] = {"fork": self.fork}
         if self.branch is not None:
             placed["branch"] = self.branch
-        return [self.status.value, self.reason, placed]
+        if self.detail:
+            placed["detail"] = self.detail
+        return [self.status.value, self.reason.value, placed]
 
     @classmethod
     def from_wire(cls, raw: object) -> ItemResult:
         if not isinstance(raw, list) or len(raw) not in (2, 3) or not all(isinstance(x, str) for x in raw[:2]) \
                 or (len(raw) == 3 and not isinstance(raw[2], dict)):
             raise WireError("results", "expected [status, reason] strings, and the placement")
+        reason, detail = Reason.of_wire(raw[1])
         if len(raw) == 2:
-            return cls(_status(raw[0], "results"), raw[1])
+            return cls(_status(raw[0], "results"), reason, detail=detail)
         placed = raw[2]
         branch = placed.get("branch")
-        if not isinstance(placed.get("fork", False), bool) or not (branch is None or isinstance(branch, bytes)):
-            raise WireError("results", "placement: expected {fork: bool, branch: bytes}")
-        return cls(_status(raw[0], "results"), raw[1], bool(placed.get("fork", False)), branch)
+        more = placed.get("detail", "")
+        if not isinstance(placed.get("fork", False), bool) or not (branch is None or isinstance(branch, bytes)) \
+                or not isinstance(more, str):
+            raise WireError("results", "placement: expected {fork: bool, branch: bytes, detail: str}")
+        return cls(_status(raw[0], "results"), reason, bool(placed.get("fork", False)), branch,
+                   "; ".join(d for d in (detail, more) if d))
 
 
 def _status(raw: object, ctx: str) -> ItemStatus:
@@ -684,8 +699,6 @@ __all__ = [
     "MAGIC",
     "PREFIX",
     "PREFIX_BYTES",
-    "REASON_QUOTA",
-    "REASON_RECORD",
     "REJECTED",
     "STATUS_CORRUPT",
     "STATUS_DROPPED",

@@ -35,10 +35,10 @@ from collections.abc import AsyncIterator, Mapping
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..protocol import checksums, hashing
-from ..protocol.errors import Problem
-from ..protocol.namespace import MAX_NAME_BYTES, Namespace
-from ..protocol.wire import WireError, req_bin
+from prefixstore.protocol import checksums, hashing
+from prefixstore.protocol.errors import Problem
+from prefixstore.protocol.namespace import MAX_NAME_BYTES, Namespace
+from prefixstore.protocol.wire import WireError, req_bin
 from .config import StoreConfig
 from .core import Store
 from .http import CLUSTER_SIZE, READINESS, STORE, control_header

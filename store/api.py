@@ -24,10 +24,10 @@ import logging
 
 from aiohttp import web
 
-from ..protocol.errors import ItemStatus, Problem
-from ..protocol.namespace import Namespace
-from ..protocol.stream import FrameReader
-from ..protocol.wire import (
+from prefixstore.protocol.errors import ItemStatus, Problem
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.transport.stream import FrameReader
+from prefixstore.protocol.wire import (
     CONTENT_TYPE,
     PREFIX_BYTES,
     ItemSpec,

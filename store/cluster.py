@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from ..protocol.errors import Problem
-from ..protocol.probe import LookupReport, ProbeRequest
-from ..protocol.wire import WireError, req_bin, req_entry_keys
+from prefixstore.protocol.errors import Problem
+from prefixstore.protocol.probe import LookupReport, ProbeRequest
+from prefixstore.protocol.wire import WireError, req_bin, req_entry_keys
 from .config import StoreConfig
 from .http import CLUSTER_SIZE, PROBE_NIXL, READINESS, STORE, control_header, frame_response, owned
 from .membership import DnsResolver, Membership

@@ -238,7 +238,7 @@ class StoreConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive seconds, got {getattr(self, name)!r}")
         # Policy names are checked against the registries here, at start-up.
-        from ..admission import ADMISSION_POLICIES, EVICTION_POLICIES
+        from prefixstore.admission import ADMISSION_POLICIES, EVICTION_POLICIES
 
         for knob in ("kv_admission", "state_admission"):
             if getattr(self, knob) not in ADMISSION_POLICIES:
@@ -429,3 +429,6 @@ def _convert(cls: type[StoreConfig], name: str, value: object) -> object:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"{name}: {value!r} is not a valid {type(default).__name__}") from err
+
+
+__all__ = ["ENV_PREFIX", "LOG_FORMATS", "LOG_LEVELS", "ConfigError", "StoreConfig", "default_data_dir", "parse_size"]

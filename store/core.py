@@ -28,11 +28,11 @@ import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from ..admission import ModelShape, PolicyContext, make_admission, make_eviction
-from ..protocol.keys import Kind
-from ..protocol.namespace import Namespace
-from ..protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
-from ..protocol.wire import GetItem, ItemResult, ItemSpec, Limits, LookupAnswer, LookupRequest
+from prefixstore.admission import ModelShape, PolicyContext, make_admission, make_eviction
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
+from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec, Limits, LookupAnswer, LookupRequest
 from .arena import Arena
 from .behind import WriteBehind
 from .config import StoreConfig

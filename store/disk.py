@@ -25,9 +25,9 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from ..protocol.errors import Problem
-from ..protocol.namespace import Namespace
-from ..protocol.wire import WireError
+from prefixstore.protocol.errors import Problem, Reason
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.wire import WireError
 from .config import StoreConfig
 from .lmdb_tier import LmdbTier, Scan, StoredRecord, TierDamaged, TierFull
 from .metrics import StoreMetrics
@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 FULL_RETRY_S = 1.0
 """After a write met a full disk, how long writes are refused before the next one tries again."""
-DISK_FULL = "the LMDB tier's disk is full: not written; writes resume when space returns"
+DISK_FULL = Reason.DISK_FULL.text
+"""What a request refused for the full disk says (its items say ``Reason.DISK_FULL``)."""
 
 
 class Disk:

@@ -28,11 +28,11 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from ..protocol.errors import HTTP_STATUS, Problem, RequestError
-from ..protocol.namespace import Namespace, NamespaceError
-from ..protocol.nixl_wire import NixlPlacements
-from ..protocol.probe import ProbeAnswer, ProbeRequest
-from ..protocol.wire import CONTENT_TYPE, PREFIX_BYTES, LookupAnswer, LookupRequest, WireError, decode_frame, encode_frame
+from prefixstore.protocol.errors import HTTP_STATUS, Problem, RequestError
+from prefixstore.protocol.namespace import Namespace, NamespaceError
+from prefixstore.protocol.nixl_wire import NixlPlacements
+from prefixstore.protocol.probe import ProbeAnswer, ProbeRequest
+from prefixstore.protocol.wire import CONTENT_TYPE, PREFIX_BYTES, LookupAnswer, LookupRequest, WireError, decode_frame, encode_frame
 from .core import Store
 from .ledger import OPEN_TENANT
 from .namespaces import unknown

@@ -1,4 +1,4 @@
-"""The in-memory index of committed entries, and the longest-match search.
+"""The in-memory index of committed entries, and the runs of levels a match is made of (protocol/match.py).
 
 Structure (all keyed by fixed-width bytes, never tuples)::
 
@@ -41,11 +41,13 @@ record) this node took first: the continuation a fork decision is made against.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash
-from ..protocol.keys import ENTRY_KEY_BYTES, Kind
-from ..protocol.namespace import NAMESPACE_ID_BYTES
+from prefixstore.protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash
+from prefixstore.protocol.keys import ENTRY_KEY_BYTES, Kind
+from prefixstore.protocol.match import Hit, Levels, Run
+from prefixstore.protocol.namespace import NAMESPACE_ID_BYTES
 
 _BLOCK = bytes((Kind.BLOCK,))
 STORE_KEY_BYTES = 1 + NAMESPACE_ID_BYTES + HASH_BYTES
@@ -192,15 +194,15 @@ class ScanBudget:
         return n
 
 
-@dataclass(slots=True)
-class Match:
-    matched_blocks: int
-    last_block: Entry | None
-    child: Entry | None
-    child_usable: int
-    kv_tokens: int
-    snapshot: Entry | None
-    state_tokens: int
+@dataclass(frozen=True, slots=True)
+class IndexRun:
+    """:meth:`Index.run`'s answer: the run (protocol/match.py) over this index's entries, the deepest
+    block held (its ancestors here are not leaves, so a lease on it keeps the run), and the levels
+    entered through a hot copy (their home is another node)."""
+
+    run: Run[Entry]
+    last: Entry | None
+    copied: list[int]
 
 
 class IndexInvariantError(AssertionError):
@@ -333,75 +335,103 @@ class Index:
 
     # ------------------------------------------------------------ queries (no side effects)
 
-    def match(self, namespace_id: bytes, root: BlockHash, block_tokens: int, hashes: bytes,
-              tokens: bytes, max_child_scan: int, extras: dict[int, bytes] | None = None,
-              budget: ScanBudget | None = None) -> Match:
-        """The longest token-exact match of a prompt (DESIGN §5). Pure: changes nothing.
+    def run(self, namespace_id: bytes, q: Levels, *, scan: int, budget: ScanBudget,
+            copies: Collection[bytes] = (), whole: bool = False) -> IndexRun:
+        """What this index knows of the prompt's levels from ``q.start`` on, as a run
+        (protocol/match.py). Pure: changes nothing.
 
-        ``hashes`` is h_1..h_n concatenated (16 bytes each), sliced on demand:
-        splitting 8,192 hashes up front would cost more than the search.
-        ``extras`` maps a 0-based block index to the prompt's extra keys there:
-        an entry inside block j+1 (a tail, or a block that diverges) is only
-        reusable if it was stored with the same extra (same LoRA, same image).
-        ``budget`` bounds the comparisons in all (ScanBudget)."""
-        budget = budget or ScanBudget(max_child_scan)
+        1. The held run: blocks of the prompt stored here, each under the one before. Where this
+           node holds no hot ``copies`` (store keys of entries held as another node's copies), its
+           blocks are prefix-closed (invariant 1; copies arrive one by one) and a fork record can
+           only end a run (nothing is ever stored under a record on the node that keeps it:
+           WritePath answers such an item ``elsewhere``), so a binary search finds the run in
+           O(log n) dict probes, not a walk over 8,192 blocks. With copies, level by level.
+        2. The stop level (the level after the run, when the prompt has it): whether its next
+           block is a fork record, and the best child (``best_child``; a fork's own record skipped).
+        3. Snapshots: the stop level's (up to what its KV reaches), then the deepest held level's,
+           searched from the top down and stopping at the first level that has one: level j holds
+           boundaries in (jB, (j+1)B], so no lower level can beat it. ``whole`` (a single node's
+           lookup: this run is the whole answer): held levels are not searched when the stop level
+           has one. Otherwise (a cluster probe) both are reported: the merge may find the stop
+           level's child beaten or unconfirmed and need the one below.
+
+        ``budget`` bounds the comparisons in all (ScanBudget): a budget spent answers lower."""
         entries = self.entries
-        extra_at = (extras or {}).get
-        H = HASH_BYTES
-        ns = namespace_id
-        blocks = _BLOCK + ns  # every key probed below is this namespace's (module docstring)
-
-        def h(j: int) -> bytes:  # h_j, 1-based as in DESIGN §3
-            return hashes[(j - 1) * H : j * H]
-
-        # 1. Full blocks: presence is prefix-closed (invariant 1), so binary search.
-        lo, hi = 0, len(hashes) // H
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if (blocks + h(mid)) in entries:
-                lo = mid
-            else:
-                hi = mid - 1
-        m = lo
-        last = entries[blocks + h(m)] if m else None
-        B, TB = block_tokens, TOKEN_BYTES
-
-        def level(j: int) -> tuple[bytes, bytes]:
-            """Parent node key at level j and the prompt's tokens of block j+1."""
-            return ns + (h(j) if j else root), tokens[j * B * TB : (j + 1) * B * TB]
-
-        # 2. Children of the last matched block: the match continues inside one of them.
-        parent, seg = level(m)
-        child, usable = self.best_child(parent, seg, extra_at(m, b""), max_child_scan, budget)
-        kv_tokens = m * B + usable
-
-        # 3. Snapshots: the largest boundary whose container agrees with the prompt
-        #    at least up to it. Level j holds boundaries in (jB, (j+1)B], so scan
-        #    from the top level down and stop at the first level that has one.
-        snapshot, state_tokens = None, 0
-        if self.snapshots_per_ns.get(namespace_id):
-            snaps_under = self.snaps_under
-            for j in range(m, -1, -1):
-                parent = ns + (h(j) if j else root)
-                if not snaps_under.get(parent):  # probe before slicing: most levels have none
+        H, B = HASH_BYTES, q.block_tokens
+        blocks = _BLOCK + namespace_id  # every key probed below is this namespace's (module docstring)
+        hashes, start = q.hashes, q.start
+        k, levels = q.num_blocks, q.num_levels
+        last: Entry | None = None
+        record: Entry | None = None  # the stop level's next block, held here as a fork record
+        copied: list[int] = []
+        if not copies:
+            lo, hi = 0, k
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if (blocks + hashes[(mid - 1) * H : mid * H]) in entries:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            held = lo
+            if held:
+                last = entries[blocks + hashes[(held - 1) * H : held * H]]
+                if last.record:
+                    record, held = last, held - 1
+                    last = entries[blocks + hashes[(held - 1) * H : held * H]] if held else None
+        else:
+            held, parent = 0, q.parent
+            while held < k:
+                e = entries.get(blocks + hashes[held * H : (held + 1) * H])
+                if e is None or e.parent != parent:
+                    break
+                if e.record:
+                    record = e
+                    break
+                if e.key in copies and held + 1 < levels:
+                    copied.append(start + held + 1)  # that level's parent is a copy here: not its home
+                last, parent = e, e.hash
+                held += 1
+        stop = start + held
+        child: Entry | None = None
+        usable = 0
+        snapshots: dict[int, Hit[Entry]] = {}
+        snaps_under = self.snaps_under if self.snapshots_per_ns.get(namespace_id) else None
+        if held < levels:
+            node = namespace_id + q.parent_of(held)
+            seg = q.segment(held)
+            extra = q.extra(stop)
+            child, usable = self.best_child(node, seg, extra, scan, budget, skip=record)
+            if snaps_under is not None and snaps_under.get(node):
+                snap = self.best_snapshot_under(
+                    node, seg, stop * B, B, own_next=record.hash if record is not None else None, extra=extra,
+                    limit=stop * B + (B if record is not None else usable), scan=scan, budget=budget)
+                if snap is not None:
+                    snapshots[stop] = Hit(snap, snap.boundary)
+        if snaps_under is not None and not (whole and snapshots):
+            # Thousands of levels may be passed over: h_{start+x} is sliced here, not asked of q.
+            first = namespace_id + q.parent
+            for x in range(held - 1, -1, -1):
+                node = namespace_id + hashes[(x - 1) * H : x * H] if x else first
+                if not snaps_under.get(node):  # probe before slicing tokens: most levels have none
                     continue
                 if budget.left <= 0:
                     break
-                snapshot = self.best_snapshot_under(
-                    parent, tokens[j * B * TB : (j + 1) * B * TB], j * B, B,
-                    own_next=h(j + 1) if j < m else None, extra=extra_at(j, b""), limit=kv_tokens,
-                    scan=max_child_scan, budget=budget)
-                if snapshot is not None:
-                    state_tokens = snapshot.boundary
+                j = start + x
+                snap = self.best_snapshot_under(node, q.segment(x), j * B, B, own_next=q.next_hash(x),
+                                                extra=q.extra(j), limit=j * B + B, scan=scan, budget=budget)
+                if snap is not None:
+                    snapshots[j] = Hit(snap, snap.boundary)
                     break
-        return Match(m, last, child, usable, kv_tokens, snapshot, state_tokens)
+        run = Run(start=start, held=held, stopped=held < levels, fork=record is not None,
+                  child=Hit(child, usable, child.record) if child is not None else None, snapshots=snapshots)
+        return IndexRun(run=run, last=last, copied=copied)
 
     def best_child(self, parent: bytes, seg: bytes, extra: bytes, scan: int,
                    budget: ScanBudget, skip: Entry | None = None) -> tuple[Entry | None, int]:
         """Of the (``scan`` most recent) blocks and tails under ``parent`` (a :func:`node_key`)
         stored with extra keys ``extra``, the one whose tokens agree longest with the prompt's
         ``seg`` (packed), and how many tokens agree; (None, 0) if none does; ``skip`` is not
-        considered. Used by lookups (``match``) and by cluster probes (store/lookups.py)."""
+        considered. Used by :meth:`run` at a run's stop level."""
         child, usable = None, 0
         kids = self.children.get(parent)
         if not kids or not seg:
@@ -428,8 +458,7 @@ class Index:
 
         ``own_next`` is the prompt's own next block hash: a container that is that block agrees
         for the whole block. A container stored under other extra keys (LoRA, image) never
-        agrees. The ``scan`` most recent snapshots are compared. Used by lookups (``match``)
-        and by cluster probes (store/probe.py)."""
+        agrees. The ``scan`` most recent snapshots are compared. Used by :meth:`run`."""
         entries = self.entries
         best: Entry | None = None
         agree: dict[bytes, int] = {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..protocol.namespace import Namespace
+from prefixstore.protocol.namespace import Namespace
 from .index import IndexInvariantError
 from .metrics import StoreMetrics
 from .tenants import Tenants

@@ -67,7 +67,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from ..protocol import checksums
+from prefixstore.protocol import checksums
 from .heap import unmap_pages
 
 log = logging.getLogger(__name__)

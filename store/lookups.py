@@ -43,13 +43,14 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from ..admission import AdmissionPolicy, EvictionPolicy
-from ..protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, tail_hash
-from ..protocol.keys import Kind
-from ..protocol.namespace import Namespace
-from ..protocol.placement import root_branch
-from ..protocol.probe import TIER_ELSEWHERE, LookupReport, ProbeAnswer, ProbeRequest, StopLevel
-from ..protocol.wire import EntryRef, LookupAnswer, LookupRequest, split_hashes
+from prefixstore.admission import AdmissionPolicy, EvictionPolicy
+from prefixstore.protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, tail_hash
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.placement import root_branch
+from prefixstore.protocol.match import merge
+from prefixstore.protocol.probe import TIER_ELSEWHERE, LookupReport, ProbeAnswer, ProbeRequest, StopLevel
+from prefixstore.protocol.wire import EntryRef, LookupAnswer, LookupRequest, split_hashes
 from .config import StoreConfig
 from .index import Entry, Index, ScanBudget, store_key
 from .leases import Leases
@@ -127,40 +128,44 @@ class LookupService:
     # ------------------------------------------------------------ answers
 
     def lookup(self, req: LookupRequest) -> LookupAnswer:
-        """Longest token-exact match (DESIGN §5). Creates a lease when asked; teaches the policies."""
+        """Longest token-exact match (DESIGN §5): one run from level 0, merged (protocol/match.py).
+        Creates a lease when asked; teaches the policies."""
         ns = self._namespaces.get(req.namespace_id)
         root = self._namespaces.root(ns.id)
         assert root is not None
         now = self._clock()
         self._leases.expire(now)
-        m = self._index.match(ns.id, root, ns.block_tokens, req.hashes, req.tokens, self._config.max_child_scan,
-                              dict(req.extras) if req.extras else None)
-        hint = m.kv_tokens if ns.has_state and m.kv_tokens > m.state_tokens else 0
-        junction = self._junction(ns, req, m.kv_tokens) if hint else None
-        missing = req.hashes[m.matched_blocks * HASH_BYTES : (m.matched_blocks + 1) * HASH_BYTES] \
-            if m.matched_blocks < req.num_blocks else None
-        self.learn(ns, req.num_tokens, m.kv_tokens, m.state_tokens, (m.child or m.last_block, m.snapshot),
+        scan = self._config.max_child_scan
+        found = self._index.run(ns.id, req.levels(ns.block_tokens, root), scan=scan, budget=ScanBudget(scan),
+                                whole=True)
+        m = merge([found.run], block_tokens=ns.block_tokens, num_blocks=req.num_blocks, has_state=ns.has_state)
+        child = m.child.entry if m.child is not None else None
+        snapshot = m.snapshot.entry if m.snapshot is not None else None
+        junction = self._junction(ns, req, m.kv_tokens) if m.checkpoint_hint else None
+        missing = req.hashes[m.matched * HASH_BYTES : (m.matched + 1) * HASH_BYTES] \
+            if m.matched < req.num_blocks else None
+        self.learn(ns, req.num_tokens, m.kv_tokens, m.state_tokens, (child or found.last, snapshot),
                    junction, missing, now)
         lease_id = None
         if req.lease and m.kv_tokens:
             held: list[Entry] = []
-            for e in (m.last_block, m.child, m.snapshot):
+            for e in (found.last, child, snapshot):
                 if e is not None and e not in held:
                     held.append(e)
-            if m.snapshot is not None:
-                c = self._index.get(m.snapshot.container or b"")
+            if snapshot is not None:
+                c = self._index.get(snapshot.container or b"")
                 if c is not None and c not in held:
                     held.append(c)
             lease_id = self._leases.grant(held, now, self._config.lease_ttl_s, owner=self._ledger.owner_of(ns))
         tiers = None
-        if req.locations and m.matched_blocks:
+        if req.locations and m.matched:
             tiers = bytes(0 if (e := self._index.get_block(ns.id, h)) is not None and e.pages is not None else 1
-                          for h in split_hashes(req.hashes[: m.matched_blocks * HASH_BYTES]))
+                          for h in split_hashes(req.hashes[: m.matched * HASH_BYTES]))
         return LookupAnswer(
-            num_tokens=req.num_tokens, matched_blocks=m.matched_blocks, kv_tokens=m.kv_tokens,
-            state_tokens=m.state_tokens, checkpoint_hint=hint, block_bytes=ns.block_bytes,
-            child=entry_ref(m.child, m.child_usable) if m.child is not None else None,
-            snapshot=entry_ref(m.snapshot, m.state_tokens) if m.snapshot is not None else None,
+            num_tokens=req.num_tokens, matched_blocks=m.matched, kv_tokens=m.kv_tokens,
+            state_tokens=m.state_tokens, checkpoint_hint=m.checkpoint_hint, block_bytes=ns.block_bytes,
+            child=entry_ref(child, m.child.tokens) if m.child is not None and child is not None else None,
+            snapshot=entry_ref(snapshot, m.state_tokens) if snapshot is not None else None,
             lease_id=lease_id, lease_ttl_s=self._config.lease_ttl_s if lease_id else 0.0, block_tiers=tiers,
         )
 
@@ -178,7 +183,8 @@ class LookupService:
     def probe(self, req: ProbeRequest, replicas_of: Mapping[bytes, tuple[str, ...]] | None = None,
               root_home: Callable[[bytes], bool] = lambda key: True,
               copies: Collection[bytes] = frozenset()) -> ProbeAnswer:
-        """One hop of a walk (module docstring); leases what it reports, as a lookup does (the
+        """One hop of a walk (module docstring): this index's run from the level asked, and whether
+        this node is the home of what it answers. Leases what it reports, as a lookup does (the
         deepest held block -- its ancestors here are not leaves, so eviction spares them -- the
         child, the snapshots and their containers). ``root_home(key)``: whether this node is the
         home of the root level with branch key ``key``; ``copies``: store keys of entries held as
@@ -188,136 +194,31 @@ class LookupService:
         root = self._namespaces.root(ns_id)
         assert root is not None
         self.reports.earn(self._ledger.owner_of(ns), len(req.tokens) // TOKEN_BYTES)
-        B, TB, H = ns.block_tokens, TOKEN_BYTES, HASH_BYTES
+        B = ns.block_tokens
         index = self._index
-        entries = index.entries
-        scan = self._config.max_child_scan
-        budget = ScanBudget(scan)  # comparisons in all, over every level (store/index.py)
         now = self._clock()
         self._leases.expire(now)
-        start, hashes, tokens = req.start, req.hashes, req.tokens
-        k, levels = req.num_blocks, req.num_levels(B)
-        extra_at = dict(req.extras).get
-        block_prefix = store_key(ns_id, Kind.BLOCK, bytes(H))[:-H]
-        snaps_under = index.snaps_under if index.snapshots_per_ns.get(ns_id) else None
-        inexact: list[int] = []
-        snapshots: dict[int, EntryRef] = {}
-        leased: list[Entry] = []
-        reported: list[Entry] = []  # held entries (replica sets)
-        parent = req.parent
-        if parent == root:
-            exact = root_home(root_branch(root, tokens))
+        scan = self._config.max_child_scan
+        found = index.run(ns_id, req.levels(B), scan=scan, budget=ScanBudget(scan), copies=copies)
+        run = found.run
+        # The first level is this node's (exact) when it is the root level's home, or when its parent
+        # block is held here in its own right (not a fork record, not a copy); a later level is, unless
+        # the run entered it through a copy (Index.run).
+        if req.parent == root:
+            exact = root_home(root_branch(root, req.tokens))
         else:
-            p = index.get_block(ns_id, parent)
+            p = index.get_block(ns_id, req.parent)
             exact = p is not None and not p.record and p.key not in copies
-        stop: StopLevel | None = None
-        last: Entry | None = None
-        # The run of held blocks. Fast path, as a single node's match: where this node holds no hot
-        # copies, its own blocks from level ``start`` on are prefix-closed (each hangs from the one
-        # before, and eviction is leaf-first) and a fork record can only end the run, so a binary
-        # search finds the run and only the levels with snapshots are visited. That holds also where
-        # the first level is not this node's (the branch node of a fork head h_1 is seldom the root
-        # level's home): only that level is inexact. With copies (which arrive one by one), every
-        # level is checked in the loop below.
-        found: list[Entry | None] = []
-        i = 0
-        if not copies and k > 8:
-            lo, hi = 0, k
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if (block_prefix + hashes[(mid - 1) * H:mid * H]) in entries:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            run = lo
-            if run and entries[block_prefix + hashes[(run - 1) * H:run * H]].record:
-                run -= 1  # the record ends the run: the loop answers its level
-            if run > 1:
-                skip = run - 1  # levels [start, start+skip) answered here; the loop goes on at the last held
-                if snaps_under is not None:
-                    for x in range(skip - 1, -1, -1):  # the deepest level with a snapshot is the one that counts
-                        parent_x = req.parent if x == 0 else hashes[(x - 1) * H:x * H]
-                        if not snaps_under.get(ns_id + parent_x):
-                            continue
-                        j = start + x
-                        snap = index.best_snapshot_under(
-                            ns_id + parent_x, tokens[x * B * TB:(x + 1) * B * TB], j * B, B,
-                            own_next=hashes[x * H:(x + 1) * H], extra=extra_at(j, b""), limit=j * B + B, scan=scan,
-                            budget=budget)
-                        if snap is not None:
-                            snapshots[j] = entry_ref(snap, snap.boundary)
-                            leased.append(snap)
-                            break
-                if replicas_of:
-                    for key in replicas_of:
-                        e = entries.get(key)
-                        x = (e.start // B - start) if e is not None and e.kind is Kind.BLOCK else -1
-                        if e is not None and 0 <= x < skip and hashes[x * H:(x + 1) * H] == e.hash:
-                            reported.append(e)
-                if not exact:
-                    inexact.append(start)  # the first level only: every later one hangs from a block held here
-                exact = True  # level start+skip's parent is held here, not as a copy: its home
-                i = skip
-                parent = hashes[(skip - 1) * H:skip * H]
-                found = [None] * skip
-        while i < levels:
-            j = start + i
-            if not exact:
-                inexact.append(j)
-            if i == len(found) and i < k:  # the next chunk of the prompt's blocks, one C-level pass each
-                hi = min(k, 2 * i + 16)
-                found += map(entries.get, [block_prefix + hashes[x * H:(x + 1) * H] for x in range(i, hi)])
-            nxt = found[i] if i < k else None
-            held = nxt is not None and nxt.parent == parent
-            if held and nxt is not None and not nxt.record:
-                if snaps_under is not None and snaps_under.get(ns_id + parent):
-                    seg = tokens[i * B * TB:(i + 1) * B * TB]
-                    snap = index.best_snapshot_under(ns_id + parent, seg, j * B, B, own_next=nxt.hash,
-                                                     extra=extra_at(j, b""), limit=j * B + B, scan=scan, budget=budget)
-                    if snap is not None:
-                        snapshots[j] = entry_ref(snap, snap.boundary)
-                        leased.append(snap)
-                last = nxt
-                if replicas_of:
-                    reported.append(nxt)
-                if copies:
-                    exact = nxt.key not in copies  # level j+1's parent is held here: its home, unless a copy
-                else:
-                    exact = True
-                parent = nxt.hash
-                i += 1
-                continue
-            nxt_hash = hashes[i * H:(i + 1) * H] if i < k else b""
-            seg = tokens[i * B * TB:(i + 1) * B * TB]
-            fork = held
-            extra = extra_at(j, b"")
-            if fork:
-                # Confirmed by its branch node; if that node has lost it, the match ends here, inside
-                # the best other child: answered now, so the client need not ask again.
-                child, usable = index.best_child(ns_id + parent, seg, extra, scan, budget, skip=nxt)
-                limit = j * B + B
-            else:
-                child, usable = index.best_child(ns_id + parent, seg, extra, scan, budget)
-                limit = j * B + usable
-            if snaps_under is not None and snaps_under.get(ns_id + parent):
-                snap = index.best_snapshot_under(ns_id + parent, seg, j * B, B, own_next=nxt_hash if held else None,
-                                                 extra=extra, limit=limit, scan=scan, budget=budget)
-                if snap is not None:
-                    snapshots[j] = entry_ref(snap, snap.boundary)
-                    leased.append(snap)
-            if child is not None and not child.record:
-                leased.append(child)
-                if replicas_of:
-                    reported.append(child)
-            stop = StopLevel(fork=fork, child=entry_ref(child, usable) if child is not None else None)
-            break
-        if last is not None:
-            leased.append(last)
-        for e in list(leased):
-            if e.kind is Kind.STATE:
-                container = index.get(e.container or b"")
-                if container is not None and not container.record:
-                    leased.append(container)
+        inexact = ([] if exact else [req.start]) + found.copied
+        child = run.child.entry if run.child is not None else None
+        snapshots = [h.entry for h in run.snapshots.values()]
+        leased = snapshots + ([child] if child is not None and not child.record else [])
+        if found.last is not None:
+            leased.append(found.last)
+        for snap in snapshots:
+            container = index.get(snap.container or b"")
+            if container is not None and not container.record:
+                leased.append(container)
         lease_id = None
         if req.lease and leased:
             unique: dict[bytes, Entry] = {e.key: e for e in leased}
@@ -325,13 +226,34 @@ class LookupService:
                                           owner=self._ledger.owner_of(ns))
         replicas: dict[bytes, tuple[str, ...]] = {}
         if replicas_of:
-            for e in reported + [s for s in leased if s.kind is Kind.STATE]:
+            reported = self._held_with_copies(req, B, run.held, replicas_of) + \
+                [e for e in ([child] if child is not None and not child.record else []) + snapshots]
+            for e in reported:
                 where = replicas_of.get(e.key)
                 if where:
                     replicas[e.wire_key] = where
-        return ProbeAnswer(start=start, held=i, stop=stop, inexact=tuple(inexact), snapshots=snapshots,
+        return ProbeAnswer(start=req.start, held=run.held,
+                           stop=StopLevel(fork=run.fork, child=entry_ref(child, run.child.tokens)
+                                          if child is not None and run.child is not None else None)
+                           if run.stopped else None,
+                           inexact=tuple(inexact), snapshots={j: entry_ref(h.entry, h.tokens) for j, h in run.snapshots.items()},
                            lease_id=lease_id, lease_ttl_s=self._config.lease_ttl_s if lease_id else 0.0,
                            replicas=replicas)
+
+    def _held_with_copies(self, req: ProbeRequest, block_tokens: int, held: int,
+                          replicas_of: Mapping[bytes, tuple[str, ...]]) -> list[Entry]:
+        """The blocks of the run's held levels that have copies on other nodes (the client spreads its
+        hops and reads over them): found from the few entries with copies, not the run's many levels."""
+        out: list[Entry] = []
+        entries = self._index.entries
+        for key in replicas_of:
+            e = entries.get(key)
+            if e is None or e.kind is not Kind.BLOCK:
+                continue
+            x = e.start // block_tokens - req.start
+            if 0 <= x < held and req.hashes[x * HASH_BYTES : (x + 1) * HASH_BYTES] == e.hash:
+                out.append(e)
+        return out
 
     def report(self, report: LookupReport) -> bool:
         """A cluster client's account of a lookup it merged: taught as a single node's lookup would,

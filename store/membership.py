@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from ..protocol.placement import normalize_url, rank
+from prefixstore.protocol.placement import normalize_url, rank
 from .config import StoreConfig
 from .tasks import stop_task
 

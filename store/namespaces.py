@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..admission import MODEL_PRESETS, ModelShape
-from ..protocol.errors import Problem
-from ..protocol.hashing import BlockHash, root_hash
-from ..protocol.namespace import Namespace
-from ..protocol.wire import WireError
+from prefixstore.admission import MODEL_PRESETS, ModelShape
+from prefixstore.protocol.errors import Problem
+from prefixstore.protocol.hashing import BlockHash, root_hash
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.wire import WireError
 from .config import StoreConfig
 from .index import node_key
 from .ledger import TenantLedger, namespace_charge

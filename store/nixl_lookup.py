@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..protocol.hashing import HASH_BYTES
-from ..protocol.nixl_wire import NixlPlacement, NixlPlacements
-from ..protocol.probe import ProbeAnswer, ProbeRequest
-from ..protocol.wire import LookupAnswer, LookupRequest, split_hashes
+from prefixstore.protocol.hashing import HASH_BYTES
+from prefixstore.protocol.nixl_wire import NixlPlacement, NixlPlacements
+from prefixstore.protocol.probe import ProbeAnswer, ProbeRequest
+from prefixstore.protocol.wire import LookupAnswer, LookupRequest, split_hashes
 from .core import Store
 from .index import Entry, scope
 

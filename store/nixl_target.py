@@ -5,8 +5,9 @@
     client                                   store (this file)
     POST /v1/nixl/metadata  ---------------> agent metadata (the arena, registered once)
     add_remote_agent(metadata)
-    POST /v1/nixl/get {ns, items} ---------> prepare_get (pin; LMDB values pinned in LMDB's map or
-                                             promoted; checksums)
+    POST /v1/nixl/get {ns, items} ---------> NixlGets.plan (store/nixl_gets.py): prepare_get (pin;
+                                             LMDB values pinned in LMDB's map or promoted; checksums),
+                                             per payload NIXL or HTTP, one lease
                             <--------------- per item: status, size, xxh3, descriptors; a lease
     READ descriptors -> registered buffers   (one-sided: the store's Python does nothing)
     verify xxh3 of every payload
@@ -80,24 +81,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from ..protocol.errors import ItemStatus, Problem
-from ..protocol.nixl_agent import NixlUnavailable, import_nixl, make_agent
-from ..protocol.nixl_wire import (
-    RUN,
+from prefixstore.protocol.errors import ItemStatus, Problem
+from prefixstore.transport.nixl_agent import NixlUnavailable, import_nixl, make_agent
+from prefixstore.protocol.nixl_wire import (
     NixlGetAnswer,
-    NixlItem,
     NixlMetadata,
     NixlPlacements,
     NixlReservation,
     NixlReserveAnswer,
 )
-from ..protocol.wire import (
+from prefixstore.protocol.wire import (
     ItemResult,
     WireError,
     parse_get_items,
@@ -107,10 +106,14 @@ from ..protocol.wire import (
     req_entry_keys,
 )
 from . import nixl_lookup
+from .arena import Arena
 from .config import StoreConfig
-from .core import GetSlot, Store
 from .http import LOOKUP_NIXL, PROBE_NIXL, STORE, control_header, frame_response, owned
-from .lmdb_tier import MapPin, ReadOutcome
+from .index import Entry
+from .leases import Leases
+from .lmdb_tier import LmdbTier, MapPin
+from .metrics import StoreMetrics
+from .nixl_gets import NixlGets
 from .tasks import stop_task
 
 log = logging.getLogger(__name__)
@@ -156,13 +159,23 @@ def run_descriptors(base: int, page_bytes: int, pages: list[int], offset: int, l
 
 
 class NixlTarget:
-    """The store side of the NIXL path; one per store process, made by :meth:`start`."""
+    """The store side of the NIXL path; one per store process, made by :meth:`start`.
 
-    def __init__(self, store: Store, agent: Any, name: str) -> None:
-        self.store = store
+    It receives the parts it uses (the arena it registers, the leases it grants and ends, the LMDB
+    tier whose map it registers, the metrics it counts in) and holds no reference to the store."""
+
+    def __init__(self, agent: Any, name: str, *, arena: Arena, leases: Leases, tier: LmdbTier | None,
+                 metrics: StoreMetrics, clock: Callable[[], float], lease_ttl_s: float,
+                 pending: Mapping[bytes, Entry]) -> None:
         self.agent = agent
         self.name = name
-        arena = store.arena
+        self._arena = arena
+        self._leases = leases
+        self._tier = tier
+        self._metrics = metrics
+        self._clock = clock
+        self._lease_ttl_s = lease_ttl_s
+        self._pending = pending  # reservations not yet committed (WritePath.pending): progress while held
         self.base = int(arena.region.ctypes.data)
         self.size = arena.capacity_bytes
         # The only registration this agent ever makes (DESIGN §7: one region).
@@ -177,7 +190,6 @@ class NixlTarget:
         self.meta_gen = 0  # bumped whenever the metadata changes (the map moved); in every answer
         self._map_reg: Any = None
         self._map_leases: set[bytes] = set()  # leases holding a pinned LMDB read transaction
-        tier = store.tier
         if tier is not None and tier.max_pins > 0:
             self._register_map()
             tier.before_grow.append(self._before_grow)
@@ -186,7 +198,7 @@ class NixlTarget:
     # ------------------------------------------------------------ LMDB's map
 
     def _register_map(self) -> None:
-        tier = self.store.tier
+        tier = self._tier
         region = tier.map_region() if tier is not None else None
         if region is None:
             log.warning("NIXL: LMDB's map cannot be located; LMDB-resident entries are promoted into RAM first")
@@ -213,8 +225,8 @@ class NixlTarget:
         READs fail cleanly: the release answer says the lease did not hold; xxh3 catches the rest)."""
         revoked = list(self._map_leases)
         for lease in revoked:
-            self.store.leases.release(lease)
-        self.store.metrics.nixl_map_revoked.inc(len(revoked))
+            self._leases.release(lease)
+        self._metrics.nixl_map_revoked.inc(len(revoked))
         if revoked:
             log.info("NIXL: LMDB's map grows; ended %d leases reading from it", len(revoked))
         self._deregister_map()
@@ -227,7 +239,7 @@ class NixlTarget:
     def map_reads(self) -> bool:
         return self._map_reg is not None
 
-    def lease_pin(self, pin: MapPin, entries: list[Any], owner: str) -> bytes:
+    def lease_pin(self, pin: MapPin, entries: list[Entry], owner: str) -> bytes:
         """A lease over ``entries`` that also ends ``pin`` when it ends (release, expiry, growth)."""
         box: list[bytes] = []
 
@@ -236,34 +248,35 @@ class NixlTarget:
             if box:
                 self._map_leases.discard(box[0])
 
-        lease = self.store.leases.grant(entries, self.store.clock(), self.store.config.lease_ttl_s, on_end=on_end,
-                                        owner=owner)
+        lease = self._leases.grant(entries, self._clock(), self._lease_ttl_s, on_end=on_end, owner=owner)
         box.append(lease)
         self._map_leases.add(lease)
         return lease
 
     @classmethod
-    def start(cls, store: Store) -> NixlTarget:
-        if store.arena.virtual or store.arena.capacity_bytes == 0:
+    def start(cls, arena: Arena, leases: Leases, tier: LmdbTier | None, metrics: StoreMetrics,
+              clock: Callable[[], float], lease_ttl_s: float, pending: Mapping[bytes, Entry]) -> NixlTarget:
+        if arena.virtual or arena.capacity_bytes == 0:
             raise NixlUnavailable("the arena holds no memory (virtual payloads)")
         agent, name = make_agent("prefixstore-store")
-        target = cls(store, agent, name)
+        target = cls(agent, name, arena=arena, leases=leases, tier=tier, metrics=metrics, clock=clock,
+                     lease_ttl_s=lease_ttl_s, pending=pending)
         target._task = asyncio.create_task(target._progress_forever(), name="nixl-progress")
-        store.metrics.data_path.labels("nixl").set(1)
+        metrics.data_path.labels("nixl").set(1)
         log.info("NIXL data path: agent %s serves the arena (%d bytes at one registration)", name, target.size)
         return target
 
     async def close(self) -> None:
-        self.store.metrics.data_path.labels("nixl").set(0)
+        self._metrics.data_path.labels("nixl").set(0)
         await stop_task(self._task)
         self._task = None
-        tier = self.store.tier
+        tier = self._tier
         if tier is not None:
             for hooks, hook in ((tier.before_grow, self._before_grow), (tier.after_grow, self._after_grow)):
                 if hook in hooks:
                     hooks.remove(hook)
         for lease in list(self._map_leases):  # their transactions end before the map is deregistered
-            self.store.leases.release(lease)
+            self._leases.release(lease)
         self._deregister_map()
         try:
             self.agent.deregister_memory(self._reg)
@@ -273,7 +286,11 @@ class NixlTarget:
     # ------------------------------------------------------------ descriptors
 
     def descriptors(self, pages: list[int], offset: int, length: int) -> bytes:
-        return run_descriptors(self.base, self.store.arena.page_bytes, pages, offset, length)
+        return run_descriptors(self.base, self._arena.page_bytes, pages, offset, length)
+
+    def count_transfer(self, direction: str, nbytes: int) -> None:
+        """Payload bytes handed out for READs ("out") or verified after WRITEs ("in") on this path."""
+        self._metrics.transfer_bytes.labels(direction, "nixl").inc(nbytes)
 
     # ------------------------------------------------------------ progress
 
@@ -288,8 +305,8 @@ class NixlTarget:
     def _busy(self, now: float) -> bool:
         if not self._outstanding:
             return False
-        leases = self.store.leases
-        pending = self.store.pending
+        leases = self._leases
+        pending = self._pending
         stale = [t for t, since in self._outstanding.items()
                  if now - since > BUSY_WINDOW_S or (len(t) == 16 and not leases.holds(t))
                  or (len(t) != 16 and t not in pending)]
@@ -301,7 +318,7 @@ class NixlTarget:
         loop = asyncio.get_running_loop()
         while True:
             if self._map_leases:  # expiry is lazy elsewhere; a pinned read transaction must end on time
-                self.store.leases.expire(self.store.clock())
+                self._leases.expire(self._clock())
             try:
                 self.agent.get_new_notifs()
             except Exception as err:  # the agent must keep serving; count and go on
@@ -322,9 +339,11 @@ class NixlTarget:
 
 @dataclass(slots=True)
 class NixlSlot:
-    """Where the app keeps its target (set after start-up, when the app is already frozen)."""
+    """Where the app keeps its target and the get planner (set after start-up, when the app is
+    already frozen)."""
 
     target: NixlTarget | None = None
+    gets: NixlGets | None = None
 
 
 NIXL = web.AppKey("nixl", NixlSlot)
@@ -348,95 +367,20 @@ async def nixl_metadata(request: web.Request) -> web.Response:
 
 
 async def nixl_get(request: web.Request) -> web.Response:
-    """Descriptors of the requested payloads under one lease (released by POST /v1/release)."""
+    """Descriptors of the requested payloads under one lease (released by POST /v1/release); which
+    payload goes which way is decided by NixlGets.plan (store/nixl_gets.py)."""
     target = _target(request)
+    gets = request.app[NIXL].gets
+    assert gets is not None  # set with the target
     store = request.app[STORE]
     header = await control_header(request)
     ns_id = req_bin(header, "ns", size=8)
     owned(request, ns_id)
     items = parse_get_items(header, store.limits)
-    pins: list[MapPin] = []  # the one read transaction of this request's LMDB-resident payloads
-
-    async def map_disk(slots: list[GetSlot]) -> list[str | None]:
-        """Offer LMDB-resident payloads straight from LMDB's map, verified, in one read txn."""
-        assert store.tier is not None
-        if not target.map_reads:  # nixl_map_txns = 0, or the map could not be registered
-            store.metrics.nixl_disk_reads.labels("promoted").inc(len(slots))
-            return []
-        # A head range is several runs of the value: promoted into RAM and described page by page,
-        # not pinned in the map (one pin is one address and one checksum).
-        mappable = [s for s in slots if s.runs is None and s.entry is not None]
-        pin, found = await store.tier.pin([(s.entry.key, s.entry.size, s.entry.checksum, s.offset, s.length)
-                                           for s in mappable if s.entry is not None]) if mappable else (None, [])
-        if pin is not None:
-            pins.append(pin)
-        if not found:  # refused before looking (cap reached, map growing): all promoted
-            store.metrics.nixl_disk_reads.labels("promoted").inc(len(slots))
-            return []
-        outcome_of: dict[int, str | None] = {}
-        for slot, f in zip(mappable, found):
-            if f.outcome == ReadOutcome.OK and pin is not None:
-                slot.address, slot.checksum = f.address, f.checksum
-            outcome_of[id(slot)] = f.outcome if pin is not None or f.outcome != ReadOutcome.OK else None
-        outcomes = [outcome_of.get(id(slot)) for slot in slots]
-        mapped = sum(o == ReadOutcome.OK for o in outcomes)
-        store.metrics.nixl_disk_reads.labels("map").inc(mapped)
-        store.metrics.nixl_disk_reads.labels("promoted").inc(sum(o is None for o in outcomes))
-        return outcomes
-
-    lease = None
-    try:
-        plan = await store.prepare_get(ns_id, items, map_disk, field="layers" if "keys" in header else "items")
-        pin = pins[0] if pins else None
-        try:
-            out: list[NixlItem] = []
-            leased = []
-            offered = 0
-            in_map = False
-            owner = store.owner_of(store.namespace(ns_id))
-            room = store.leases.room(owner)  # the lease below pins what is offered: within its owner's bound
-            pinned = 0
-            for slot in plan.slots:
-                e = slot.entry
-                if slot.status is not ItemStatus.OK or e is None:
-                    out.append(NixlItem(slot.status))
-                elif room is not None and pinned + e.size > room:
-                    out.append(NixlItem(ItemStatus.HTTP, slot.length, slot.checksum))
-                elif slot.address:
-                    if pin is None or pin.ended:  # the map moved meanwhile: this one goes over HTTP
-                        out.append(NixlItem(ItemStatus.HTTP, slot.length, slot.checksum))
-                        continue
-                    out.append(NixlItem(ItemStatus.OK, slot.length, slot.checksum, RUN.pack(slot.address, slot.length)))
-                    leased.append(e)
-                    pinned += e.size
-                    offered += slot.length
-                    in_map = True
-                elif slot.buffer is not None or e.pages is None:
-                    out.append(NixlItem(ItemStatus.HTTP, slot.length, slot.checksum))
-                else:
-                    out.append(NixlItem(ItemStatus.OK, slot.length, slot.checksum,
-                                        b"".join([target.descriptors(e.pages, lo, n) for lo, n in slot.ranges()])))
-                    leased.append(e)
-                    pinned += e.size
-                    offered += slot.length
-            # The lease pins what the descriptors point into (and holds the read transaction of
-            # those in LMDB's map); prepare_get's own pins drop below.
-            if leased and in_map and pin is not None:
-                lease = target.lease_pin(pin, leased, owner)
-                pins.clear()  # the lease ends it now
-            elif leased:
-                lease = store.leases.grant(leased, store.clock(), store.config.lease_ttl_s, owner=owner)
-        finally:
-            store.finish_get(plan)
-    finally:
-        for unused in pins:  # not handed to a lease (nothing in the map was offered, or an error)
-            unused.end()
-    if lease is not None:
-        target.expect_traffic(lease)
-        store.metrics.transfer_bytes.labels("out", "nixl").inc(offered)
-    return frame_response(NixlGetAnswer(agent=target.name, items=tuple(out), lease=lease,
-                                        lease_ttl_s=store.config.lease_ttl_s if lease else 0.0,
-                                        meta_gen=target.meta_gen).to_header())
+    owner = store.owner_of(store.namespace(ns_id))
+    plan = await gets.plan(ns_id, owner, items, field="layers" if "keys" in header else "items")
+    return frame_response(NixlGetAnswer(agent=target.name, items=plan.items, lease=plan.lease,
+                                        lease_ttl_s=plan.lease_ttl_s, meta_gen=target.meta_gen).to_header())
 
 
 async def nixl_reserve(request: web.Request) -> web.Response:
@@ -463,14 +407,14 @@ async def nixl_reserve(request: web.Request) -> web.Response:
 async def nixl_commit(request: web.Request) -> web.Response:
     """After the WRITEs: verify every reserved payload's xxh3 in the arena, then commit (unless
     ``commit`` is false: verified and left pending for a later /v1/commit)."""
-    _target(request)
+    target = _target(request)
     store = request.app[STORE]
     header = await control_header(request)
     ns_id = req_bin(header, "ns", size=8)
     owned(request, ns_id)
     keys = req_entry_keys(header, "keys", store.limits.max_items)
     verified, received = store.verify_pending(ns_id, keys)
-    store.metrics.transfer_bytes.labels("in", "nixl").inc(received)
+    target.count_transfer("in", received)
     results: list[ItemResult] = list(verified)
     if req_bool(header, "commit", default=True):
         todo = [i for i, r in enumerate(results) if r.status is ItemStatus.PENDING]
@@ -500,7 +444,7 @@ def install(app: web.Application, config: StoreConfig) -> None:
                 target.expect_traffic(answer.lease_id)
                 # The client READs these without asking again (no /v1/nixl/get): counted here, when
                 # they are handed out under the lease, as /v1/nixl/get counts what it hands out.
-                store.metrics.transfer_bytes.labels("out", "nixl").inc(sum(p.size for p in out.entries))
+                target.count_transfer("out", sum(p.size for p in out.entries))
             return out
         return extension
 
@@ -509,16 +453,23 @@ def install(app: web.Application, config: StoreConfig) -> None:
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         target: NixlTarget | None = None
+        store = app[STORE]
         if config.nixl != "off":
+            # The one place the NIXL path is wired to the store's parts: the target and the get
+            # planner receive them here and never reach through the store afterwards.
             try:
-                target = NixlTarget.start(app[STORE])
+                target = NixlTarget.start(store.arena, store.leases, store.tier, store.metrics, store.clock,
+                                          config.lease_ttl_s, store.pending)
             except NixlUnavailable as err:
                 if config.nixl == "on":
                     raise RuntimeError(f"nixl: 'on' but {err}") from err
                 log.info("NIXL data path not served (HTTP only): %s", err)
         slot.target = target
+        if target is not None:
+            slot.gets = NixlGets(target, store, store.leases, store.tier, store.metrics, store.clock,
+                                 config.lease_ttl_s)
         yield
-        slot.target = None
+        slot.target = slot.gets = None
         if target is not None:
             await target.close()
 

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from ..protocol.errors import ItemStatus, Problem
-from ..protocol.keys import Kind
-from ..protocol.namespace import Namespace
-from ..protocol.wire import GetAnswer, GetItem, WireError
+from prefixstore.protocol.errors import ItemStatus, Problem
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.wire import GetAnswer, GetItem, WireError
 from .arena import Arena
 from .config import StoreConfig
 from .disk import Disk

@@ -52,10 +52,10 @@ import ssl
 import time
 from collections.abc import Callable, Sequence
 
-from ..protocol.errors import ItemStatus, StoreError
-from ..protocol.keys import Kind
-from ..protocol.transport import FramePool, post
-from ..protocol.wire import REASON_RECORD, STATUS_HAVE, STATUS_OK, GetItem, ItemResult, ItemSpec
+from prefixstore.protocol.errors import ItemStatus, Reason, StoreError
+from prefixstore.protocol.keys import Kind
+from prefixstore.transport.frames import FramePool, post
+from prefixstore.protocol.wire import STATUS_HAVE, STATUS_OK, GetItem, ItemResult, ItemSpec
 from .core import Store
 from .index import Entry, scope, unscope
 from .membership import Membership
@@ -277,7 +277,7 @@ class Replicator:
 
     async def _post(self, node: str, path: str, header: dict[str, object],
                     payloads: Sequence[bytes] = ()) -> dict[str, object]:
-        """One call to another node over the frame transport (protocol/transport.py); raises StoreError."""
+        """One call to another node over the frame transport (transport/frames.py); raises StoreError."""
         return await post(self._pool(node), path, header, payloads,
                           timeout_s=max(5.0, self.config.request_timeout_s / 4))
 
@@ -340,14 +340,14 @@ class Replicator:
             self._registered.discard((node, e.namespace_id))
             log.debug("replica push of %s to %s failed: %s", e.key.hex(), node, err)
             return
-        mine = results[-1] if len(results) == len(batch) else ItemResult(ItemStatus.REJECTED, "malformed answer")
+        mine = results[-1] if len(results) == len(batch) else ItemResult(ItemStatus.REJECTED, Reason.MALFORMED)
         if mine.status in (STATUS_OK, STATUS_HAVE):
             metrics.replication_pushes.labels("ok").inc()
             metrics.replication_bytes.inc(size)
             self.pushed[e.key] = tuple(sorted(set(self.pushed.get(e.key, ())) | {node}))
         else:
             metrics.replication_pushes.labels("skipped").inc()  # the receiver's admission or budget said no
-            if mine.reason == REASON_RECORD:  # that node is the level's home: the next node takes the copy
+            if mine.reason is Reason.RECORD:  # that node is the level's home: the next node takes the copy
                 self.refused[e.key] = tuple(sorted(set(self.refused.get(e.key, ())) | {node}))
 
     async def _drop(self, e: Entry, node: str) -> None:

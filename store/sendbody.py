@@ -1,10 +1,10 @@
 """Send a get answer's payloads from the arena's pages straight to the socket.
 
 Why not ``StreamResponse.write``: an asyncio socket transport (CPython 3.11) copies whatever the
-socket does not take at once into its own buffer (protocol/sockets.py), one more memcpy of most
+socket does not take at once into its own buffer (transport/sockets.py), one more memcpy of most
 of a 64 MiB answer (about 7% of the store's CPU in a profile of 1 MiB gets, plus the buffer's
 write-ready callbacks), and heap a stalled reader would keep filled. :func:`write_body` sends the
-payloads with :func:`protocol.sockets.send_views` instead, where that is safe:
+payloads with :func:`transport.sockets.send_views` instead, where that is safe:
 
 * the status line, headers and frame header go through the response as usual; the payloads go
   straight to the socket only where that write left nothing in the transport's buffer (the
@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 from aiohttp import web
 
-from ..protocol.sockets import duplicate_socket, send_views
+from prefixstore.transport.sockets import duplicate_socket, send_views
 
 
 async def write_body(request: web.Request, response: web.StreamResponse, views: Iterable[memoryview]) -> int:

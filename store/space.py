@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 
-from ..admission import AdmissionPolicy, EvictionPolicy
-from ..protocol.keys import Kind
+from prefixstore.admission import AdmissionPolicy, EvictionPolicy
+from prefixstore.protocol.keys import Kind
 from .arena import Arena, ArenaFull
 from .disk import Disk
 from .evict_queue import EvictionQueue

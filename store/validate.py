@@ -7,11 +7,11 @@ a put would have been refused for.
 
 from __future__ import annotations
 
-from ..protocol.errors import Problem
-from ..protocol.hashing import TOKEN_BYTES, BlockHash, chain_hash, tail_hash
-from ..protocol.keys import Kind
-from ..protocol.namespace import Namespace
-from ..protocol.wire import ItemSpec, WireError
+from prefixstore.protocol.errors import Problem
+from prefixstore.protocol.hashing import TOKEN_BYTES, BlockHash, chain_hash, tail_hash
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.wire import ItemSpec, WireError
 from .index import Entry
 
 

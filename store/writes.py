@@ -38,17 +38,17 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..admission import AdmissionPolicy, EvictionPolicy
-from ..protocol import checksums
-from ..protocol.errors import ItemStatus, Problem
-from ..protocol.hashing import HASH_BYTES, BlockHash
-from ..protocol.keys import Kind
-from ..protocol.namespace import Namespace
-from ..protocol.wire import REASON_QUOTA, REASON_RECORD, ItemResult, ItemSpec, WireError
+from prefixstore.admission import AdmissionPolicy, EvictionPolicy
+from prefixstore.protocol import checksums
+from prefixstore.protocol.errors import ItemStatus, Problem, Reason
+from prefixstore.protocol.hashing import HASH_BYTES, BlockHash
+from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.namespace import Namespace
+from prefixstore.protocol.wire import ItemResult, ItemSpec, WireError
 from .arena import Arena
 from .behind import WriteBehind, puts_of
 from .config import StoreConfig
-from .disk import DISK_FULL, Disk
+from .disk import Disk
 from .index import STORE_KEY_BYTES, Entry, Index, entry_charge, scope, store_key
 from .ledger import TenantLedger
 from .lmdb_tier import StoredRecord, TierFull
@@ -110,7 +110,7 @@ class PutPlan:
     @property
     def over_quota(self) -> list[int]:
         """Indices of the items refused because the tenant is at its quota."""
-        return [i for i, r in enumerate(self.results) if r.reason == REASON_QUOTA]
+        return [i for i, r in enumerate(self.results) if r.reason is Reason.QUOTA]
 
 
 class WritePath:
@@ -149,7 +149,7 @@ class WritePath:
         return batch.get(key) or self.pending.get(key) or self._index.get(key)
 
     def _resolve(self, ns: Namespace, item: ItemSpec, key: bytes, batch: Mapping[bytes, Entry],
-                 now: float, ctx: str) -> Entry | str:
+                 now: float, ctx: str) -> Entry | Reason:
         """A new (uncommitted) entry for the item, or the reason it cannot be taken."""
         ns_id = ns.id
         if item.kind is Kind.STATE:
@@ -157,7 +157,7 @@ class WritePath:
             container = scope(ns_id, item.container)
             c = self._find(container, batch)
             if c is None:
-                return "container not stored"
+                return Reason.CONTAINER_MISSING
             expected = snapshot_hash(c, item.boundary)
             if expected is None:
                 raise WireError(f"{ctx}boundary", f"{item.boundary} is outside the container's token range "
@@ -182,7 +182,7 @@ class WritePath:
                     raise WireError(f"{ctx}start", f"{item.start} is not a positive multiple of the block size {B}")
                 start = item.start
             else:
-                return "parent not stored"
+                return Reason.PARENT_MISSING
         return Entry(key=key, kind=item.kind, hash=item.hash, namespace_id=ns_id, parent=item.parent, start=start,
                      tokens=item.tokens, extra=item.extra, container=None, boundary=0, size=item.size,
                      checksum=item.checksum or 0, last_access_s=now, record=item.record, branch=item.branch or b"")
@@ -248,7 +248,7 @@ class WritePath:
             under = self._under_fork(ns, item, below, batch_forks)
             if under is not None:
                 branch = heads.get(under, under)
-                results.append(ItemResult(ItemStatus.ELSEWHERE, f"on the branch of fork head {branch.hex()}",
+                results.append(ItemResult(ItemStatus.ELSEWHERE, Reason.FORK_BRANCH,
                                           branch=branch))
                 new.append(None)
                 if item.kind is not Kind.STATE:
@@ -259,7 +259,7 @@ class WritePath:
             if known is not None and for_put and known.record and not item.record:
                 # Never a payload over the record that keeps this level exact (and never a replica
                 # that a drop would delete together with the record).
-                results.append(ItemResult(ItemStatus.REJECTED, REASON_RECORD))
+                results.append(ItemResult(ItemStatus.REJECTED, Reason.RECORD))
                 new.append(None)
                 continue
             if known is not None:
@@ -271,7 +271,7 @@ class WritePath:
                 new.append(None)
                 continue
             got = self._resolve(ns, item, key, batch, now, ctx)
-            if isinstance(got, str):
+            if isinstance(got, Reason):
                 results.append(ItemResult(ItemStatus.REJECTED, got))
                 new.append(None)
                 continue
@@ -284,7 +284,7 @@ class WritePath:
             if item.record or fork:
                 charge = entry_charge(0, item.tokens, item.extra)
                 if self._ledger.over_quota(ns, charge, taken) or self._ledger.over_entries(ns, counted):
-                    results.append(ItemResult(ItemStatus.REJECTED, REASON_QUOTA, fork=fork))
+                    results.append(ItemResult(ItemStatus.REJECTED, Reason.QUOTA, fork=fork))
                     new.append(None)
                     continue
                 batch[key] = got
@@ -294,18 +294,18 @@ class WritePath:
                 new.append(got)
                 continue
             if self._arena.pages_for(item.size) > self._arena.num_pages:
-                results.append(ItemResult(ItemStatus.REJECTED, "larger than the RAM arena"))
+                results.append(ItemResult(ItemStatus.REJECTED, Reason.TOO_LARGE))
                 new.append(None)
                 continue
             charge = entry_charge(item.size, item.tokens, item.extra)
             if self._ledger.over_quota(ns, charge, taken) or self._ledger.over_entries(ns, counted):
-                results.append(ItemResult(ItemStatus.REJECTED, REASON_QUOTA))
+                results.append(ItemResult(ItemStatus.REJECTED, Reason.QUOTA))
                 new.append(None)
                 continue
             offers = self._wanted.get(owner) if for_put else None
             wanted = offers is not None and offers.pop(key, None) is not None
             if not wanted and not self._admission[item.kind].admit(item.kind, key, item.size, now, item.origin):
-                results.append(ItemResult(ItemStatus.REJECTED, "admission"))
+                results.append(ItemResult(ItemStatus.REJECTED, Reason.ADMISSION))
                 new.append(None)
                 continue
             batch[key] = got
@@ -376,7 +376,7 @@ class WritePath:
                 if dep in failed:
                     failed.add(e.key)
                     self._release_anchor(e)
-                    results[i] = ItemResult(ItemStatus.REJECTED, "parent not stored")
+                    results[i] = ItemResult(ItemStatus.REJECTED, Reason.PARENT_MISSING)
                     new[i] = None
                     extents.append(None)
                     continue
@@ -391,8 +391,8 @@ class WritePath:
             if pages is None:
                 failed.add(e.key)
                 self._release_anchor(e)
-                results[i] = ItemResult(ItemStatus.REJECTED, "parent not stored" if dep in failed else
-                                        "RAM arena full of pinned or uncommitted entries")
+                results[i] = ItemResult(ItemStatus.REJECTED,
+                                        Reason.PARENT_MISSING if dep in failed else Reason.RAM_PINNED)
                 new[i] = None
                 extents.append(None)
                 decisions[item.kind.metric_kind, ItemStatus.REJECTED] += 1
@@ -467,7 +467,7 @@ class WritePath:
                 assert e is not None
                 self.drop_pending(e)
                 plan.entries[i] = None
-                plan.results[i] = ItemResult(ItemStatus.REJECTED, "payload does not match its checksum")
+                plan.results[i] = ItemResult(ItemStatus.REJECTED, Reason.CHECKSUM)
                 bad += 1
         if bad:
             self._metrics.checksum_failures.labels("network").inc(bad)
@@ -481,11 +481,11 @@ class WritePath:
         for key in keys:
             e = self.pending.get(scope(ns_id, key))
             if e is None or e.pages is None or e.expires_s == _COMMITTING:
-                out.append(ItemResult(ItemStatus.MISSING, "not reserved, expired, or committing"))
+                out.append(ItemResult(ItemStatus.MISSING, Reason.NOT_RESERVED))
                 continue
             if self._arena.checksum(e.pages, 0, e.size) != e.checksum:
                 self.drop_pending(e)
-                out.append(ItemResult(ItemStatus.REJECTED, "payload does not match its checksum"))
+                out.append(ItemResult(ItemStatus.REJECTED, Reason.CHECKSUM))
                 self._metrics.checksum_failures.labels("network").inc()
                 continue
             received += e.size
@@ -547,7 +547,7 @@ class WritePath:
         # Back-pressure, before anything of this commit is decided; False: the disk is full and the
         # write-behind at its bounds, so this commit is refused like a sync one (below).
         disk_full = behind and not await self._behind.room()
-        results: list[ItemResult] = [ItemResult(ItemStatus.MISSING, "not put, or expired")] * len(keys)
+        results: list[ItemResult] = [ItemResult(ItemStatus.MISSING, Reason.NOT_PUT)] * len(keys)
         batch: list[tuple[int, Entry]] = []
         pending = self.pending
         for i, wire_key in enumerate(keys):
@@ -558,7 +558,7 @@ class WritePath:
                     results[i] = ItemResult(ItemStatus.HAVE)
                 continue
             if e.expires_s == _COMMITTING:
-                results[i] = ItemResult(ItemStatus.PENDING, "a commit of this entry is in flight")
+                results[i] = ItemResult(ItemStatus.PENDING, Reason.COMMITTING)
                 continue
             e.expires_s = _COMMITTING
             batch.append((i, e))
@@ -567,33 +567,33 @@ class WritePath:
         # Parents before children whatever order the client listed them in.
         batch.sort(key=lambda ie: (_ORDER[ie[1].kind], ie[1].start))
         if disk_full or (self._disk.enabled and not behind and self._disk.refusing()):
-            return self._refuse(batch, results, DISK_FULL)
+            return self._refuse(batch, results)
         if self._disk.enabled:
             if not self._space.enforce_disk_budget(sum(e.charge for _, e in batch) + self._behind.bytes):
                 for i, e in batch:
                     self.drop_pending(e)
-                    results[i] = ItemResult(ItemStatus.REJECTED, "LMDB tier full of pinned entries")
+                    results[i] = ItemResult(ItemStatus.REJECTED, Reason.DISK_PINNED)
                 return results
         if not self._space.enforce_entry_budget(len(batch)):
             for i, e in batch:
                 self.drop_pending(e)
-                results[i] = ItemResult(ItemStatus.REJECTED, "max_entries reached by pinned entries")
+                results[i] = ItemResult(ItemStatus.REJECTED, Reason.ENTRIES_PINNED)
             return results
         if self._disk.enabled and not behind:
-            failure: str | None = None
+            failure: str | None = None  # the detail of a DISK_FAILED refusal
             try:
                 if not await self._disk.write(puts_of(self._arena, [e for _, e in batch])):
-                    failure = "disk tier damaged and reset"
+                    failure = "the tier was damaged and reset"
             except TierFull:
-                return self._refuse(batch, results, DISK_FULL)
+                return self._refuse(batch, results)
             except Exception as err:
                 log.exception("LMDB write failed; %d entries not committed", len(batch))
-                failure = f"disk write failed: {type(err).__name__}"
+                failure = type(err).__name__
             if failure is not None:
                 for i, e in batch:
                     if pending.get(e.key) is e:
                         self.drop_pending(e)
-                    results[i] = ItemResult(ItemStatus.REJECTED, failure)
+                    results[i] = ItemResult(ItemStatus.REJECTED, Reason.DISK_FAILED, detail=failure)
                 return results
         now = self._clock()
         on_disk = self._disk.enabled and not behind
@@ -602,7 +602,7 @@ class WritePath:
         queued: list[Entry] = []
         for i, e in batch:
             if pending.get(e.key) is not e:  # dropped while the write was in flight
-                results[i] = ItemResult(ItemStatus.REJECTED, "dropped before commit")
+                results[i] = ItemResult(ItemStatus.REJECTED, Reason.DROPPED_BEFORE_COMMIT)
                 if on_disk:
                     self._disk.doom(e.key)
                 continue
@@ -611,7 +611,7 @@ class WritePath:
                 self.drop_pending(e)
                 if gone and on_disk:
                     self._disk.doom(e.key)
-                results[i] = ItemResult(ItemStatus.REJECTED, "parent or container gone") if gone \
+                results[i] = ItemResult(ItemStatus.REJECTED, Reason.ANCHOR_GONE) if gone \
                     else ItemResult(ItemStatus.HAVE)
                 continue
             del pending[e.key]
@@ -632,12 +632,12 @@ class WritePath:
             self._behind.add(queued)
         return results
 
-    def _refuse(self, batch: list[tuple[int, Entry]], results: list[ItemResult], reason: str) -> list[ItemResult]:
+    def _refuse(self, batch: list[tuple[int, Entry]], results: list[ItemResult]) -> list[ItemResult]:
         """A commit the disk cannot take: its entries are dropped (their pages freed), refused."""
         for i, e in batch:
             if self.pending.get(e.key) is e:
                 self.drop_pending(e)
-            results[i] = ItemResult(ItemStatus.REJECTED, reason)
+            results[i] = ItemResult(ItemStatus.REJECTED, Reason.DISK_FULL)
         self._metrics.lmdb_full_refusals.inc(len(batch))
         return results
 

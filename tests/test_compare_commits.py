@@ -71,6 +71,17 @@ def test_lookup_figures_by_prompt_length_and_block_size() -> None:
     assert sum(f.control for f in figs.values()) == 1
 
 
+def test_cluster_lookup_figures_by_prompt_shape() -> None:
+    """Named by the prompt shape only (the nodes a walk asks differ with the ports, run to run), so the
+    two trees' figures pair up."""
+    payload = {"results": {"one branch": {"single_ms": 1.5, "cluster_ms": 2.0, "ratio": 1.33, "nodes": 1},
+                           "two branches": {"single_ms": 1.5, "cluster_ms": 2.5, "ratio": 1.67, "nodes": 2}}}
+    figs = {f.name: f for f in C.cluster_lookup_figures(payload)}
+    assert figs["cluster lookup, two branches: cluster"].value == 2.5
+    assert figs["cluster lookup, one branch: single node"].value == 1.5
+    assert not any(f.control or f.higher_is_better for f in figs.values()) and len(figs) == 4
+
+
 def test_nixl_figures_include_the_prefix_load() -> None:
     keys = ("nixl_get", "nixl_get_placed", "nixl_put", "http_get", "http_put", "raw_read")
     payload = {"results": [{"payload_bytes": 65536, "figures": {k: {"median_gbps": 1.5} for k in keys}}],

@@ -1,8 +1,9 @@
 """The one dependency rule (DESIGN §2), checked on every import statement of every part, lazy ones included.
 
-protocol imports nothing of ours; admission imports protocol; store imports protocol and admission;
-client imports protocol and admission and never store, lmdb or aiohttp.web; gpu_staging imports
-client and protocol. The one exception is written down in docs/design.md: client/vllm is an engine
+protocol imports nothing of ours; transport (the I/O wing: the frame transport, socket sends, the
+streamed body, the nixl agent) imports protocol; admission imports protocol; store imports protocol,
+transport and admission; client imports protocol, transport and admission and never store, lmdb or
+aiohttp.web; gpu_staging imports client and protocol. The one exception is written down in docs/design.md: client/vllm is an engine
 adapter at the top of the graph and may import gpu_staging (nothing imports it).
 """
 
@@ -14,17 +15,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("protocol", "admission", "store", "client", "gpu_staging")
+PARTS = ("protocol", "transport", "admission", "store", "client", "gpu_staging")
 ALLOWED = {
     "protocol": set(),
+    "transport": {"protocol"},
     "admission": {"protocol"},
-    "store": {"protocol", "admission"},
-    "client": {"protocol", "admission"},
+    "store": {"protocol", "transport", "admission"},
+    "client": {"protocol", "transport", "admission"},
     "gpu_staging": {"client", "protocol"},
 }
 EXCEPTIONS = {("client/vllm", "gpu_staging")}
 FORBIDDEN_THIRD_PARTY = {
     "protocol": {"aiohttp", "lmdb", "torch", "nixl", "vllm"},
+    "transport": {"aiohttp", "lmdb", "torch", "vllm"},  # asyncio only; nixl lazily, in nixl_agent.py
     "admission": {"aiohttp", "lmdb", "torch", "nixl", "vllm"},
     "client": {"lmdb", "aiohttp.web"},
 }

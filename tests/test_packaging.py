@@ -70,7 +70,7 @@ def test_no_instruction_installs_prefixstore_from_an_index() -> None:
     by_name = re.compile(r"pip install (?:-\S+ )*['\"]?prefixstore(?:\[[^\]]*\])?['\"]?(?![\w./-])")
     files = [ROOT / "README.md", ROOT / "THREAT_MODEL.md", *ROOT.glob("docs/*.md"), *ROOT.glob("*/README.md"),
              *ROOT.glob("helm/prefixstore/templates/*"), *ROOT.glob("examples/*.py"),
-             *(p for part in ("prefixstore", "protocol", "admission", "store", "client", "gpu_staging")
+             *(p for part in ("prefixstore", "protocol", "transport", "admission", "store", "client", "gpu_staging")
                for p in (ROOT / part).rglob("*.py"))]
     found = [f"{f.relative_to(ROOT)}: {m.group(0)}" for f in files for m in by_name.finditer(f.read_text())]
     assert not found, found

@@ -47,7 +47,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext, extract_plugin_type
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from ...protocol.namespace import KVLayout, Namespace
+from prefixstore.protocol.namespace import KVLayout, Namespace
 from ..client import PrefixClient
 from .keys import KEYSPACE, chunk_prompt
 from .settings import ConnectorSettings

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from ...protocol.namespace import Namespace
+from prefixstore.protocol.namespace import Namespace
 from ..prompt import Prompt
 
 KEYSPACE = "keys:lmcache-chunk-hash"

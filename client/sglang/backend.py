@@ -58,8 +58,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from ...protocol.namespace import Namespace, StateLayout
-from ...protocol.wire import HAVE, STATUS_HAVE, STATUS_OK, WANT
+from prefixstore.protocol.errors import Reason
+from prefixstore.protocol.namespace import Namespace, StateLayout
+from prefixstore.protocol.wire import HAVE, STATUS_HAVE, STATUS_OK, WANT
+from ..lru import BoundedLRU
 from ..prompt import Prompt
 from ..sync import SyncPrefixClient
 from .keys import KEYSPACE, page_prompt
@@ -113,7 +115,9 @@ class PrefixStoreHiCache(HiCacheStorage):
         self._kv: HostKV | None = None
         self._state: HostState | None = None
         self._client: SyncPrefixClient | None = None
-        self._pending: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+        # States waiting for their page; the oldest beyond max_pending_states is dropped (a future miss).
+        self._pending: BoundedLRU[str, torch.Tensor] = BoundedLRU(self.settings.max_pending_states,
+                                                                 on_evict=self._drop_pending)
         self._pending_lock = threading.Lock()
         self._warned: set[str] = set()
 
@@ -412,12 +416,12 @@ class PrefixStoreHiCache(HiCacheStorage):
         # The page this state ends is not stored yet: SGLang writes side pools before KV, and the KV
         # save of this same backup follows. Keep a copy until then (the host slot may be reused).
         with self._pending_lock:
-            self._pending[keys[0]] = payload.clone()
             self.stats["states_pending"] += 1
-            while len(self._pending) > self.settings.max_pending_states:
-                self._pending.popitem(last=False)
-                self.stats["states_dropped"] += 1
+            self._pending.put(keys[0], payload.clone())
         return True
+
+    def _drop_pending(self, _: str, __: torch.Tensor) -> None:
+        self.stats["states_dropped"] += 1
 
     def _save_state(self, prompt: Prompt, payload: torch.Tensor) -> bool | None:
         """Offer a snapshot at the prompt's end; True stored, False refused, None: its page is missing."""
@@ -433,7 +437,7 @@ class PrefixStoreHiCache(HiCacheStorage):
                 self.stats["states_written"] += 1
                 return True
             return False
-        return None if decision.reason == "container not stored" else False
+        return None if decision.reason is Reason.CONTAINER_MISSING else False
 
     def _flush_pending(self, key: str, prompt: Prompt, pages: int) -> None:
         """Save the state waiting for page ``key`` (the ``pages``-th of ``prompt``), now stored."""

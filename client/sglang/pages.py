@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...protocol.namespace import KVLayout, StateLayout
+from prefixstore.protocol.namespace import KVLayout, StateLayout
 from ..heads import StateShards
 
 #: torch dtype -> the dtype name a namespace records (protocol.namespace.DTYPE_BYTES).

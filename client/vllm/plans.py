@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from ...protocol.namespace import KVLayout, Namespace, StateLayout
+from prefixstore.protocol.namespace import KVLayout, Namespace, StateLayout
 from ..client import PrefixClient
 from ..heads import HeadGroup, StateShards, StateTensor, gated_delta_net_shards, kv_heads, uniform_shards
 from ..pagekeys import KEYSPACE, SALT_PREFIX, keyed_prompt

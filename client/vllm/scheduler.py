@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...protocol.keys import Origin
+from prefixstore.protocol.keys import Origin
 from ..client import PrefixClient
 from ..pagekeys import SALT_PREFIX
 from ..results import LookupResult

@@ -137,7 +137,7 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
                                 documentation="The figures the connector's last load decision used (docs/vllm.md, "
                                               "load_policy): prefill_per_token and load_per_token (seconds per "
                                               "token), decode_step and load_fixed (seconds).",
-                                labelnames=[*labelnames, "figure"], multiprocess_mode="mostrecent")
+                                labelnames=[*labelnames, "figure"])
         self._costs: dict[tuple[int, str], Any] = {
             (idx, key): costs.labels(*values, figure)
             for idx, values in per_engine_labelvalues.items() for key, figure in COST_KEYS.items()}

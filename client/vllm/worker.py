@@ -34,7 +34,7 @@ from .tp import TpGroup, vllm_tp_group
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from ...gpu_staging.staging import StagingBuffer
+    from prefixstore.gpu_staging.staging import StagingBuffer
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class PrefixStoreWorker:
         """Take the engine's KV views; allocate the staging region once."""
         if self.groups is None:
             return
-        from ...gpu_staging.staging import StagingBuffer
+        from prefixstore.gpu_staging.staging import StagingBuffer
 
         groups = self.groups
         ok = True

@@ -9,11 +9,12 @@ import textwrap
 import time
 from pathlib import Path
 
-from ..admission import MODEL_PRESETS, IntervalTuner, crossover_tokens, get_model, optimal_interval
-from ..store.config import ConfigError, parse_size
+from prefixstore.admission import MODEL_PRESETS, IntervalTuner, crossover_tokens, get_model, optimal_interval
+from prefixstore.store.config import ConfigError, parse_size
 from . import plot
 from .engine import DEFAULT_POLICY, POLICIES, SimResult, get_policy, simulate
-from .traces import RATED_WORKLOADS, WORKLOADS, TraceError, generate, read_trace, write_trace
+from .request import TraceError
+from .traces import RATED_WORKLOADS, WORKLOADS, generate, read_trace, write_trace
 
 
 def _models_help() -> str:
@@ -39,7 +40,7 @@ def _described(intro: str, entries: dict[str, str]) -> str:
     return "\n".join(out)
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sim = commands.add_parser(
         "simulate", help="replay a trace through the store's own policies; report hit rates",
         description=_described(

@@ -18,14 +18,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..admission import FlopAware, IntervalTuner, ModelShape, RetentionPlanner, crossover_tokens
-from ..client.prompt import Prompt
-from ..protocol import Kind, KVLayout, Namespace, StateLayout
-from ..protocol.keys import Origin
-from ..client.results import LookupResult
-from ..protocol.wire import WANT, GetItem, ItemSpec, LookupAnswer, LookupRequest
-from ..store import Store, StoreConfig
-from .traces import Request
+from prefixstore.admission import FlopAware, IntervalTuner, ModelShape, RetentionPlanner, crossover_tokens
+from prefixstore.client.prompt import Prompt
+from prefixstore.protocol import Kind, KVLayout, Namespace, StateLayout
+from prefixstore.protocol.keys import Origin
+from prefixstore.client.results import LookupResult
+from prefixstore.protocol.wire import WANT, GetItem, ItemSpec, LookupAnswer, LookupRequest
+from prefixstore.store import Store, StoreConfig
+from .request import Request
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,8 @@ def write_trace(path: str | Path, requests: list[Request]) -> None:
 
 
 def _toks(rng: np.random.Generator, n: int | np.integer) -> list[int]:
-    return rng.integers(1, VOCAB, int(n)).tolist()
+    out: list[int] = rng.integers(1, VOCAB, int(n)).tolist()
+    return out
 
 
 def _interleave(rng: np.random.Generator, sessions: list[list[Request]]) -> list[Request]:

@@ -258,3 +258,34 @@ def test_origin_decay_halves_both_counts_so_no_origin_looks_better_than_it_was()
     _judge(a, Origin.PROMPT_END, evicted=50, reused=3)  # 0.06: alive beside 1.0
     _judge(a, Origin.GENERATION_END, evicted=257, reused=100)  # halved: 50 of 128.5 = 0.39
     assert not a.origin_is_dead(Origin.PROMPT_END)  # GENERATION_END did not become a rate above 1
+
+
+def _hit_at(a: Adaptive, forfeited: float, repeat_hits: float) -> Adaptive:
+    """One repeat hit on counters of ``forfeited`` first hits and ``repeat_hits`` repeat hits (a
+    judgement is made on every hit once min_events hits are counted)."""
+    a.forfeited, a.repeat_hits = forfeited, repeat_hits
+    a.on_hit(Kind.STATE, key(1), False, 0.0)
+    return a
+
+
+def test_the_default_enters_second_hit_below_a_fifth_of_hits_forfeited_and_not_at_it() -> None:
+    """docs/design.md: second-hit only when hits second-hit would forfeit are < 20% of hits."""
+    def heavy() -> Adaptive:
+        a = Adaptive()
+        a.evictions = a.wasted = 64.0  # every eviction a never-reused snapshot
+        return a
+
+    assert not _hit_at(heavy(), 19.0, 80.0).always_mode  # 19 of 100
+    assert _hit_at(heavy(), 20.0, 79.0).always_mode  # 20 of 100
+
+
+def test_the_default_returns_to_always_above_35_percent_forfeited_and_not_at_it() -> None:
+    """docs/design.md: it returns as soon as forfeits exceed 35%."""
+    def second_hit() -> Adaptive:
+        a = Adaptive()
+        a.always_mode = False
+        a.evictions = 8.0  # still evicting
+        return a
+
+    assert not _hit_at(second_hit(), 35.0, 64.0).always_mode  # 35 of 100
+    assert _hit_at(second_hit(), 36.0, 63.0).always_mode  # 36 of 100

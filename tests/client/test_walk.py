@@ -34,5 +34,5 @@ def test_a_first_hop_cut_at_a_hinted_fork_that_is_held_through_asks_the_rest_of_
 
     walk = asyncio.run(run())
     assert sorted(asked) == sorted([(h1, 0, 6), (head, 5, 3), (h1, 6, 2)]), asked
-    assert walk.matched() == 8 and walk.kv_tokens(8) == 32 and walk.fork_levels == []
+    assert walk.matched() == 8 and walk.result().kv_tokens == 32 and walk.fork_levels == []
     assert len(walk.leftover()) == 1  # the early hop, for the caller to release

@@ -10,11 +10,13 @@ import aiohttp
 
 from prefixstore.client import ClientConfig, PrefixClient, Prompt, SyncPrefixClient
 from prefixstore.client.cluster import ClusterClient
+from prefixstore.client.walk import Walk
 from prefixstore.protocol.placement import rank, root_branch
 from prefixstore.protocol.wire import CONTENT_TYPE
 
 from ..factories import kv_payload, make_namespace, state_payload
 from ..serve_process import http_get
+from ..waits import wait_until
 
 
 def test_nodes_and_client_agree_on_placement(make_cluster) -> None:  # type: ignore[no-untyped-def]
@@ -28,9 +30,9 @@ def test_nodes_and_client_agree_on_placement(make_cluster) -> None:  # type: ign
         client = PrefixClient(ns, ClientConfig(urls=(cluster.urls[0],))).impl
         assert isinstance(client, ClusterClient)
         try:
-            await client.refresh_members()
-            assert client.members == tuple(sorted(cluster.urls))
-            return [client.owners(k) for k in keys]
+            await client.membership.refresh()
+            assert client.membership.members == tuple(sorted(cluster.urls))
+            return [client.membership.owners(k) for k in keys]
         finally:
             await client.close()
 
@@ -144,14 +146,11 @@ def test_a_walk_sends_the_hops_it_learned_at_once_and_releases_the_ones_it_did_n
         async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls))) as client:
             impl = client.impl
             assert isinstance(impl, ClusterClient)
-            asked: list[tuple[int, int]] = []  # (first level, levels) of each hop sent
-            hop = impl._hop
 
-            async def recording(branch, req, first, *rest):  # type: ignore[no-untyped-def]
-                asked.append((req.start, req.num_levels(4)))
-                return await hop(branch, req, first, *rest)  # lease, and the lookup's lost-node list
+            def asked(walk: Walk) -> list[tuple[int, int]]:
+                """(first level, levels) of each hop the walk sent."""
+                return [(req.start, req.num_levels(4)) for req in walk.sent]
 
-            impl._hop = recording  # type: ignore[method-assign]
             for t in convs:
                 res = await client.lookup(t)
                 await client.release(res.lease_id)
@@ -162,12 +161,12 @@ def test_a_walk_sends_the_hops_it_learned_at_once_and_releases_the_ones_it_did_n
             walk1 = impl.last_walk
             await client.release(first.lease_id)
             assert walk1 is not None and walk1.fork_levels == [5], walk1.fork_levels
-            asked.clear()
             again = await client.lookup(t)
             walk2 = impl.last_walk
             assert walk2 is not None and walk2.hints == (5,) and walk2.sent_early == 1 and walk2.fork_levels == [5]
             # Each node its part (levels 0-5, then 5-7), then single-level follow-ups (root snapshots).
-            assert sorted(asked[:2]) == [(0, 6), (5, 3)] and all(k == 1 for _, k in asked[2:]), asked
+            sent = asked(walk2)
+            assert sorted(sent[:2]) == [(0, 6), (5, 3)] and all(k == 1 for _, k in sent[2:]), sent
             assert (again.kv_tokens, again.matched_blocks) == (first.kv_tokens, first.matched_blocks) == (32, 8)
             assert [(a.start, a.held) for _, a in walk2.answered] == [(a.start, a.held) for _, a in walk1.answered]
             reads = again.kv_reads(32)
@@ -177,11 +176,10 @@ def test_a_walk_sends_the_hops_it_learned_at_once_and_releases_the_ones_it_did_n
             await client.release(again.lease_id)
             # Same first block and fork level, not a known head: no early hop, one hop of all levels.
             for other, kv in ((convs[0], 32), (system + [999] * 12, 20)):  # continues on the branch; never stored
-                asked.clear()
                 res = await client.lookup(other)
                 walk3 = impl.last_walk
                 assert walk3 is not None and walk3.hints == () and walk3.sent_early == 0
-                assert (res.kv_tokens, asked[0]) == (kv, (0, 8)), (res.kv_tokens, asked)
+                assert (res.kv_tokens, asked(walk3)[0]) == (kv, (0, 8)), (res.kv_tokens, asked(walk3))
                 await client.release(res.lease_id)
             # The system prompt's node loses its entries: the hinted hop is sent (the head's node leases
             # its part) and not used, released, and the head forgotten.
@@ -190,8 +188,7 @@ def test_a_walk_sends_the_hops_it_learned_at_once_and_releases_the_ones_it_did_n
             walk4 = impl.last_walk
             assert walk4 is not None and walk4.sent_early == 1 and walk4.fork_levels == [] and lost.kv_tokens < 20
             await client.release(lost.lease_id)
-            await asyncio.sleep(0.2)  # the unused hop's release runs in the background
-            assert leases() == 0
+            await wait_until(lambda: leases() == 0, "the unused hop's lease released (in the background)")
             res = await client.lookup(t)
             await client.release(res.lease_id)
             walk5 = impl.last_walk

@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from prefixstore.client.prompt import Prompt, with_payload
+from prefixstore.protocol.errors import Reason
 from prefixstore.protocol.wire import STATUS_OK, WANT
 from prefixstore.store import StoreConfig
 
@@ -64,6 +65,6 @@ def test_blocks_with_foreign_parents(tmp_path: Path) -> None:
     try:
         spec, a, b = p.kv_items(12)[2]
         spec = dataclasses.replace(spec, start=a)
-        assert single.store.offer(ns.id, [spec])[0].reason == "parent not stored"
+        assert single.store.offer(ns.id, [spec])[0].reason is Reason.PARENT_MISSING
     finally:
         single.close()

@@ -73,3 +73,31 @@ def test_bad_cluster_knobs_name_the_knob() -> None:
         StoreConfig(peers_dns="no-port")
     with pytest.raises(ConfigError, match="peers"):
         StoreConfig(peers="ftp://x")
+
+
+def test_the_previous_members_count_until_owner_grace_s_and_not_past_it() -> None:
+    """docs/cluster.md: the previous member list is kept for owner_grace_s after a change."""
+    now = [100.0]
+    records = {"prefixstore-headless": ["10.0.0.1", "10.0.0.2"]}
+
+    async def addresses(host: str) -> list[str]:
+        return records[host]
+
+    async def name_of(address: str) -> str | None:
+        return None
+
+    config = StoreConfig(port=0, data_dir="none", peers_dns="prefixstore-headless:8077", owner_grace_s=60.0,
+                         node_url="http://10.0.0.1:8077")
+    membership = Membership(config, DnsResolver(addresses=addresses, name_of=name_of), clock=lambda: now[0])
+
+    async def run() -> None:
+        await membership.refresh()
+        records["prefixstore-headless"] = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+        now[0] = 200.0
+        assert await membership.refresh()  # the change, at t = 200
+        now[0] = 259.99
+        assert membership.in_grace()
+        now[0] = 260.0
+        assert not membership.in_grace()
+
+    asyncio.run(run())

@@ -23,7 +23,7 @@ def expected_kv(client: PrefixClient, tokens: list[int], dead: str | None) -> in
     """Full reuse unless the prompt's branch node (where its first block forked) is the dead one: the
     root level's home holds only a record of the first block, and losing it costs no full block."""
     p = client.prompt(tokens)
-    if dead is not None and rank(client.impl.members, p.hashes[0])[0] == dead:  # type: ignore[attr-defined]
+    if dead is not None and rank(client.impl.membership.members, p.hashes[0])[0] == dead:  # type: ignore[attr-defined]
         return 0
     return len(tokens)
 

@@ -32,19 +32,19 @@ def test_scale_out_keeps_hits_through_the_grace_window(serve, tmp_path) -> None:
         async with PrefixClient(ns, config) as facade:
             client = facade.impl
             assert isinstance(client, ClusterClient)
-            await client.refresh_members([a])
-            assert client.members == tuple(sorted([a, b]))
+            await client.membership.refresh([a])
+            assert client.membership.members == tuple(sorted([a, b]))
             if fill:  # the cache is filled under the old membership
                 for t in prompts:
                     await client.save(client.prompt(t), len(t), lambda x, y, t=t: kv_payload(ns, t, x, y))
-            assert await client.refresh_members([c])  # the scale-out reaches this client
-            assert client.previous == tuple(sorted([a, b])) and c in client.members
+            assert await client.membership.refresh([c])  # the scale-out reaches this client
+            assert client.membership.previous == tuple(sorted([a, b])) and c in client.membership.members
             got = []
             for t in prompts:
                 res = await client.lookup(t)
                 got.append(res.kv_tokens)
                 await client.release(res.lease_id)
-            moved = sum(rank(client.members, p.hashes[0])[0] == c for p in map(client.prompt, prompts))
+            moved = sum(rank(client.membership.members, p.hashes[0])[0] == c for p in map(client.prompt, prompts))
             assert moved > 0  # some prompts' branches now belong to the new node
             return got
 

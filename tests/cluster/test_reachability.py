@@ -161,8 +161,8 @@ def test_join_keeps_every_branch_within_grace_and_after_it_loses_only_the_moved_
         within, after = clients(ns, old)
         async with within, after:
             for c in (within, after):
-                await cluster_of(c).refresh_members()
-                assert cluster_of(c).members == tuple(old)
+                await cluster_of(c).membership.refresh()
+                assert cluster_of(c).membership.members == tuple(old)
             # A workload where the join moves a fork head and a distinct conversation and keeps
             # the system prompt's branch (the ports are random; the choice is made before the fill).
             for seed in range(1000):
@@ -182,8 +182,8 @@ def test_join_keeps_every_branch_within_grace_and_after_it_loses_only_the_moved_
             cluster.start_node(new_node, new)  # joins with the new list ...
             rolling_restart(cluster, old, new)  # ... and a rolling restart gives it to the others
             for c in (within, after):
-                assert await cluster_of(c).refresh_members()
-                assert cluster_of(c).members == tuple(new) and cluster_of(c).previous == tuple(old)
+                assert await cluster_of(c).membership.refresh()
+                assert cluster_of(c).membership.members == tuple(new) and cluster_of(c).membership.previous == tuple(old)
 
             got_within = await measure(within, ns, convs)
             got_after = await measure(after, ns, convs)
@@ -215,7 +215,7 @@ def test_leave_loses_only_the_branches_of_the_removed_node(make_cluster) -> None
         within, after = clients(ns, old)
         async with within, after:
             for c in (within, after):
-                await cluster_of(c).refresh_members()
+                await cluster_of(c).membership.refresh()
             # The node to remove holds a fork head and a distinct conversation, not the system prompt.
             gone = None
             for seed in range(1000):
@@ -235,8 +235,8 @@ def test_leave_loses_only_the_branches_of_the_removed_node(make_cluster) -> None
             assert cluster.procs[gone].stop() == 0  # the node leaves: its process stopped ...
             rolling_restart(cluster, new, new)  # ... and the list without it rolled out
             for c in (within, after):
-                assert await cluster_of(c).refresh_members()
-                assert cluster_of(c).members == tuple(new) and cluster_of(c).previous == tuple(old)
+                assert await cluster_of(c).membership.refresh()
+                assert cluster_of(c).membership.members == tuple(new) and cluster_of(c).membership.previous == tuple(old)
 
             got_within = await measure(within, ns, convs)
             got_after = await measure(after, ns, convs)

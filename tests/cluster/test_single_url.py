@@ -64,7 +64,7 @@ def test_a_single_url_client_of_a_cluster_node_becomes_a_cluster_client_and_answ
                     [t + [7, 7, 7] for t in saved]
             with caplog.at_level(logging.WARNING, logger="prefixstore.client.client"):
                 first = await single.lookup(asked[0])
-            assert isinstance(single.impl, ClusterClient) and single.impl.seeds == (cluster.urls[1],)
+            assert isinstance(single.impl, ClusterClient) and single.impl.membership.seeds == (cluster.urls[1],)
             assert [r.getMessage() for r in caplog.records if "is one node of a 3-node cluster" in r.getMessage()
                     and "ClientConfig(urls=...)" in r.getMessage()], caplog.text
             await single.release(first.lease_id)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import struct
 import time
 
@@ -22,6 +21,7 @@ from prefixstore.protocol.wire import GetItem
 from prefixstore.store.nixl_target import run_descriptors
 
 from ..factories import kv_payload
+from ..waits import wait_until
 from .conftest import NEEDS_NIXL, Clock, Start
 from .helpers import block_reads, lose_leases_to, namespace, save, tokens
 
@@ -263,9 +263,11 @@ async def test_described_runs_are_not_used_past_the_lease_deadline(start: Start)
         assert await save(client, toks) == 2
         await client.lookup(toks)
         assert len(client.impl.data.placements) == 2
-        await asyncio.sleep(0.6)
-        paths = record_paths(client)
         items, expected = block_reads(client, toks)
+        placements = client.impl.data.placements
+        await wait_until(lambda: all(placements.get(it.key, time.monotonic()) is None for it in items),
+                         "the described runs' deadline passed")
+        paths = record_paths(client)
         outs = [np.zeros(len(e), dtype=np.uint8) for e in expected]
         assert await client.read(items, outs) == [len(e) for e in expected]
         assert [o.tobytes() for o in outs] == expected

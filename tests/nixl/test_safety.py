@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import prefixstore.protocol.nixl_agent as nixl_agent
+import prefixstore.transport.nixl_agent as nixl_agent
 from prefixstore.client import ClientConfig, PrefixClient
+from prefixstore.protocol.errors import Reason
 
 from ..security.helpers import TOKENS, raw_post, write_tenants
 from .conftest import NEEDS_NIXL, Clock, Start
@@ -68,7 +69,7 @@ async def test_corrupt_write_is_rejected_at_commit(start: Start) -> None:
         interleave_after(client, "/v1/nixl/reserve", scribble)
         results = await client.put(list(zip(specs, payloads)))
         assert [r.status for r in results] == ["ok", "rejected"]
-        assert "checksum" in results[1].reason
+        assert results[1].reason is Reason.CHECKSUM
         assert len(store.index.entries) == 1 and not store.pending
         store.check()
 

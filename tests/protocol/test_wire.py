@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixstore.protocol import BlockHash, Kind, block_hashes, make_entry_key, pack_tokens, prefix_hash, root_hash
-from prefixstore.protocol.errors import HTTP_STATUS, Problem
+from prefixstore.protocol.errors import HTTP_STATUS, ItemStatus, Problem, Reason
 from prefixstore.protocol.wire import (
     MAGIC,
     PREFIX,
@@ -319,8 +319,14 @@ def test_lookup_answer_round_trip(answer: LookupAnswer) -> None:
 
 
 def test_results_round_trip() -> None:
-    r = ItemResult("rejected", "admission")
+    r = ItemResult(ItemStatus.REJECTED, Reason.ADMISSION)
+    assert r.to_wire() == ["rejected", "admission"]
     assert ItemResult.from_wire(through_msgpack(r.to_wire())) == r
+    failed = ItemResult(ItemStatus.REJECTED, Reason.DISK_FAILED, detail="OSError")
+    assert ItemResult.from_wire(through_msgpack(failed.to_wire())) == failed
+    assert failed.text == "disk write failed: OSError"
+    elsewhere = ItemResult(ItemStatus.ELSEWHERE, Reason.FORK_BRANCH, branch=HASHES[0])
+    assert ItemResult.from_wire(through_msgpack(elsewhere.to_wire())) == elsewhere
     g = GetResult("ok", 256, 2**64 - 1)
     assert GetResult.from_wire(through_msgpack(g.to_wire())) == g
 
@@ -574,3 +580,27 @@ def test_prefix_layout() -> None:
     assert PREFIX_BYTES == 8
     assert encode_header({})[:8] == MAGIC + bytes([WIRE_VERSION]) + struct.pack("<I", 1)
     assert BlockHash(b"x" * 16) == b"x" * 16
+
+
+@pytest.mark.parametrize("reason", list(Reason))
+def test_every_reason_travels_as_its_code_and_reads_back_as_itself(reason: Reason) -> None:
+    """The wire carries the code; the words stay at each end (Reason.text)."""
+    wire = through_msgpack(ItemResult(ItemStatus.REJECTED, reason).to_wire())
+    assert wire[1] == reason.value
+    back = ItemResult.from_wire(wire)
+    assert back.reason is reason and back.detail == ""
+    assert reason is Reason.NONE or reason.text
+
+
+def test_an_older_peers_words_read_as_their_reason_an_unknown_code_as_other() -> None:
+    """A node or client of before the codes sent the reason's words: read into the member once, at
+    the wire, so no code anywhere compares words. A code this end does not know is OTHER, kept as
+    the detail for the warning."""
+    old = ItemResult.from_wire(["rejected", "tenant quota exceeded"])
+    assert old.reason is Reason.QUOTA and old.detail == ""
+    old = ItemResult.from_wire(["rejected", "held here as a fork record: the block's branch node holds its payload",
+                                {"fork": False}])
+    assert old.reason is Reason.RECORD
+    new = ItemResult.from_wire(["rejected", "a_reason_from_the_future"])
+    assert new.reason is Reason.OTHER and new.detail == "a_reason_from_the_future"
+    assert new.text == "other: a_reason_from_the_future"

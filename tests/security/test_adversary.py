@@ -24,7 +24,7 @@ from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.node import NodeClient
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import Namespace
-from prefixstore.protocol.errors import ItemStatus
+from prefixstore.protocol.errors import ItemStatus, Reason
 from prefixstore.protocol.probe import ProbeRequest
 from prefixstore.protocol.wire import CONTENT_TYPE, encode_frame
 from prefixstore.store import STORE, StoreConfig, StoreRunner, create_app
@@ -32,6 +32,7 @@ from prefixstore.store import STORE, StoreConfig, StoreRunner, create_app
 from ..conftest import RunningStore
 from ..factories import kv_payload, make_namespace, state_payload
 from ..nixl.conftest import NEEDS_NIXL
+from ..samples import sample
 from .helpers import ADMIN_TOKEN, TOKENS, raw_post, write_tenants
 
 StartStore = Callable[[StoreConfig], Awaitable[RunningStore]]
@@ -102,7 +103,7 @@ async def test_a_replayed_hash_chain_answers_exactly_like_a_prompt_never_stored(
     assert lookup.body["kv_tokens"] == lookup.body["matched_blocks"] == lookup.body["state_tokens"] == 0
     assert lookup.body["lease"] is None and lookup.body["child"] is None and lookup.body["snapshot"] is None
     offer = await raw_post(running.url, "/v1/offer", replay_offer(STORED), TOKENS["beta"])
-    assert {r[1] for r in offer.body["results"]} <= {"parent not stored", "container not stored"}
+    assert {r[1] for r in offer.body["results"]} <= {Reason.PARENT_MISSING.value, Reason.CONTAINER_MISSING.value}
     # Nothing of alpha's was pinned or leased by any of it; alpha's own answers are unchanged.
     assert len(store.leases) == leases_before and sum(e.pins for e in store.index.entries.values()) == pins_before
     async with client(running, "alpha", NS_A) as a:
@@ -271,13 +272,16 @@ async def test_lookup_reports_cannot_poison_the_global_counters(start_store: Sta
     assert refused.status == 404 and refused.body["field"] == "lookup_report"  # a single node takes none
     running = await start_tenanted(start_store, tmp_path, peers="http://127.0.0.1:1,http://127.0.0.1:2")
     await register_beta(running)
-    counter = running.store.metrics.lookup_tokens.labels("kv", "miss")
-    before = counter._value.get()
+
+    def kv_misses() -> float:
+        return sample(running.store, "prefixstore_lookup_tokens_total", kind="kv", result="miss")
+
+    before = kv_misses()
     report = {"ns": NS_B.id, "num_tokens": 1 << 62, "kv_tokens": 0, "state_tokens": 0, "junction": None,
               "missing": None}
     answer = await raw_post(running.url, "/v1/lookup_report", report, TOKENS["beta"])
     assert 400 <= answer.status < 500 and answer.body["field"] == "num_tokens"
-    assert counter._value.get() == before
+    assert kv_misses() == before
     ok = {**report, "num_tokens": running.store.config.max_lookup_tokens}
     assert (await raw_post(running.url, "/v1/lookup_report", ok, TOKENS["beta"])).status == 200
 
@@ -321,7 +325,7 @@ async def test_malformed_requests_are_counted_and_logged_without_tracebacks(capl
         lines = [r for r in caplog.records if "Error handling request" in r.getMessage()]
         assert len(lines) == 1  # one per MALFORMED_LOG_EVERY_S (10 s), however many arrive
         assert lines[0].exc_info is None and "BadHttpMessage" in lines[0].getMessage()
-        assert app[STORE].metrics.malformed_requests._value.get() == 30
+        assert sample(app[STORE], "prefixstore_malformed_requests_total") == 30
     finally:
         await runner.cleanup()
 

@@ -18,6 +18,7 @@ from prefixstore.store.lmdb_tier import FORMAT_VERSION, db_key, seal, unseal
 
 from ..conftest import RunningStore
 from ..factories import kv_payload, make_namespace, state_payload
+from ..samples import sample
 
 StartStore = Callable[[StoreConfig], Awaitable[RunningStore]]
 NS = make_namespace()
@@ -48,8 +49,8 @@ async def lookup(running: RunningStore, ns: Namespace, tokens: list[int]) -> tup
 
 
 def server_errors(running: RunningStore) -> float:
-    m = running.store.metrics.requests
-    return sum(m.labels(e, "5xx")._value.get() for e in ("/v1/lookup", "/v1/get", "/v1/put", "/v1/offer", "/v1/commit"))
+    return sum(sample(running.store, "prefixstore_requests_total", endpoint=e, status="5xx")
+               for e in ("/v1/lookup", "/v1/get", "/v1/put", "/v1/offer", "/v1/commit"))
 
 
 async def restart(start_store: StartStore, running: RunningStore, cfg: StoreConfig) -> RunningStore:
@@ -161,7 +162,7 @@ async def test_a_damaged_payload_page_is_a_miss_then_the_tier_resets(start_store
         for (_, a, b), out, n in zip(reads, outs, got):
             assert n < 0 or bytes(out[:n]) == kv_payload(BIG, BIG_TOKENS, a, b)
     assert server_errors(running) == 0
-    assert running.store.metrics.lmdb_resets._value.get() == 1
+    assert sample(running.store, "prefixstore_lmdb_resets_total") == 1
     assert any("LMDB tier reset" in r.getMessage() for r in caplog.records)
     # It serves on: saves are taken and persisted in the new environment.
     await save(running, NS, TOKENS)
@@ -181,7 +182,7 @@ async def test_a_file_lmdb_cannot_open_is_set_aside_and_the_node_starts_empty(
         f.write(b"\x5a" * 8192)  # both meta pages
     caplog.set_level(logging.ERROR)
     running = await start_store(cfg)
-    assert running.store.metrics.lmdb_resets._value.get() == 1
+    assert sample(running.store, "prefixstore_lmdb_resets_total") == 1
     assert any("could not be used" in r.getMessage() for r in caplog.records)
     assert (tmp_path / "lmdb" / "quarantine" / "data.mdb").exists()  # kept for inspection, as asked
     assert await lookup(running, NS, TOKENS) == (0, 0)
@@ -200,7 +201,7 @@ async def test_an_environment_of_another_format_is_set_aside(start_store: StartS
         txn.put(b"format", str(FORMAT_VERSION - 1).encode())
     env.close()
     running = await start_store(cfg)
-    assert running.store.metrics.lmdb_resets._value.get() == 1
+    assert sample(running.store, "prefixstore_lmdb_resets_total") == 1
     assert not (tmp_path / "lmdb" / "quarantine").exists()  # keep_damaged_lmdb off: deleted
     assert await lookup(running, NS, TOKENS) == (0, 0)
     running.store.check()

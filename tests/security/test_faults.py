@@ -416,7 +416,7 @@ async def test_a_get_goes_through_the_transport_when_no_descriptor_is_left(
     try:
         ns = big_namespace()
         prompt, payloads = await _save_blocks(url, ns, 64)
-        import prefixstore.protocol.sockets as sockets
+        import prefixstore.transport.sockets as sockets
 
         def no_descriptors(fd: int) -> int:
             raise OSError(errno.EMFILE, "Too many open files")

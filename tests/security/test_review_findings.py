@@ -33,6 +33,7 @@ from prefixstore.store.lmdb_tier import TierDamaged, db_key
 from ..conftest import RunningStore
 from ..factories import kv_payload, make_namespace, state_payload
 from ..store.harness import CoreHarness
+from ..samples import sample
 from .helpers import CLUSTER_TOKEN, TOKENS, raw_post, write_tenants
 
 StartStore = Callable[[StoreConfig], Awaitable[RunningStore]]
@@ -181,9 +182,9 @@ async def test_an_lmdb_error_outside_the_damage_list_is_never_a_500(start_store:
         found = await c.lookup(tokens)
         got = await c.read([item for item, _, _ in found.kv_reads(found.kv_tokens)], [bytearray(4096)] * 10)
         assert all(n == -1 for n in got)  # misses, never bytes
-    m = running.store.metrics.requests
-    assert sum(m.labels(e, "5xx")._value.get() for e in ("/v1/lookup", "/v1/get", "/v1/put", "/v1/offer")) == 0
-    assert running.store.metrics.lmdb_resets._value.get() == 1  # set aside: a fresh environment serves on
+    assert sum(sample(running.store, "prefixstore_requests_total", endpoint=e, status="5xx")
+               for e in ("/v1/lookup", "/v1/get", "/v1/put", "/v1/offer")) == 0
+    assert sample(running.store, "prefixstore_lmdb_resets_total") == 1  # set aside: a fresh environment serves on
     async with running.client(NS) as c:
         assert (await c.save(c.prompt(tokens), 40, lambda a, b: kv_payload(NS, tokens, a, b))).stored == 10
 

@@ -28,6 +28,7 @@ from prefixstore.store.leases import Leases
 from ..conftest import RunningStore
 from ..factories import kv_payload
 from ..serve_process import StartServe, http_get, serving
+from ..samples import sample
 from .helpers import TOKENS, write_tenants
 
 StartStore = Callable[[StoreConfig], Awaitable[RunningStore]]
@@ -176,9 +177,7 @@ async def test_read_buffers_are_bounded_across_gets(start_store: StartStore, tmp
         requests = [get_request(running.url, ns, [GetItem(key=Prompt(ns, prompt_tokens(n)).block_key(0))] * 50)
                     for n in range(4)]
         writers = await stalled_gets(running.url, requests)
-        refused = store.metrics.read_buffer_refusals
-
-        await poll(lambda: refused._value.get() >= 100, "two gets past the bound answered as misses")
+        await poll(lambda: sample(store, "prefixstore_read_buffer_refusals_total") >= 100, "two gets past the bound answered as misses")
         assert store.reads.buffered_bytes == 2 * MIB  # two entries' worth, never more
         for w in writers:
             w.close()
@@ -357,14 +356,17 @@ async def test_lookup_reports_move_the_counters_no_faster_than_a_tenants_lookups
                                          peers="http://127.0.0.1:1,http://127.0.0.1:2"))
     ns = make_namespace(tenant="beta", block_tokens=4)
     assert (await raw_post(running.url, "/v1/namespaces", {"namespace": ns.to_wire()}, TOKENS["beta"])).status == 200
-    counter = running.store.metrics.lookup_tokens.labels("kv", "miss")
+
+    def kv_misses() -> float:
+        return sample(running.store, "prefixstore_lookup_tokens_total", kind="kv", result="miss")
+
     most = running.store.config.max_lookup_tokens
     report = {"ns": ns.id, "num_tokens": most, "kv_tokens": 0, "state_tokens": 0, "junction": None, "missing": None}
-    before = counter._value.get()
+    before = kv_misses()
     for _ in range(200):
         answer = await raw_post(running.url, "/v1/lookup_report", report, TOKENS["beta"])
         assert answer.status == 200  # never an error: a client's breaker must not open on it
-    added = counter._value.get() - before
+    added = kv_misses() - before
     assert added <= 8 * most  # before: 200 x 2,097,152 = 4.2e8 at once
     dropped = running.store.metrics.registry.get_sample_value("prefixstore_lookup_reports_dropped_total")
     assert dropped is not None and dropped >= 190
@@ -375,11 +377,11 @@ async def test_lookup_reports_move_the_counters_no_faster_than_a_tenants_lookups
     small = {**report, "num_tokens": 40}
     for _ in range(200):  # spend what is left of the allowance
         await raw_post(running.url, "/v1/lookup_report", small, TOKENS["beta"])
-    before = counter._value.get()
+    before = kv_misses()
     for _ in range(20):
         assert (await raw_post(running.url, "/v1/probe", probe, TOKENS["beta"])).status == 200
         assert (await raw_post(running.url, "/v1/lookup_report", small, TOKENS["beta"])).status == 200
-    assert counter._value.get() - before >= 20 * 40 - 40  # each probed prompt's report counted
+    assert kv_misses() - before >= 20 * 40 - 40  # each probed prompt's report counted
 
 
 def _mapped_rss(path: Path) -> int:

@@ -12,7 +12,8 @@ from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.results import LookupResult
 from prefixstore.protocol import Kind, Namespace, make_entry_key
 from prefixstore.client.prompt import with_payload
-from prefixstore.protocol.wire import CONTENT_TYPE, REASON_QUOTA, GetItem, encode_frame
+from prefixstore.protocol.errors import Reason
+from prefixstore.protocol.wire import CONTENT_TYPE, GetItem, encode_frame
 from prefixstore.store import StoreConfig
 from prefixstore.store.core import Store
 from prefixstore.store.index import entry_charge
@@ -21,6 +22,7 @@ from prefixstore.store.tenants import load_tenants, token_sha256
 
 from ..conftest import RunningStore
 from ..factories import kv_payload, make_namespace
+from ..samples import sample
 from .helpers import ADMIN_TOKEN, CLUSTER_TOKEN, TOKENS, raw_get, raw_post, write_tenants
 
 StartStore = Callable[[StoreConfig], Awaitable[RunningStore]]
@@ -147,7 +149,7 @@ async def test_missing_or_bad_tokens_are_refused_then_a_good_one_works(start_sto
     assert await raw_get(running.url, "/v1/stats", TOKENS["alpha"]) == 401
     assert await raw_get(running.url, "/v1/stats", ADMIN_TOKEN) == 200
     assert await raw_get(running.url, "/v1/admin/flush", TOKENS["alpha"], method="POST") == 401
-    assert running.store.metrics.auth_failures._value.get() >= 8
+    assert sample(running.store, "prefixstore_auth_failures_total") >= 8
 
 
 async def test_quota_exhaustion_rejects_items_and_frees_on_delete(start_store: StartStore, tmp_path: Path) -> None:
@@ -165,7 +167,7 @@ async def test_quota_exhaustion_rejects_items_and_frees_on_delete(start_store: S
         # Offers already say so (no bytes are sent for a refused item) ...
         offered = await a.offer(specs)
         assert [r.status for r in offered] == ["want", "want", "rejected", "rejected"]
-        assert offered[2].reason == REASON_QUOTA
+        assert offered[2].reason is Reason.QUOTA
         # ... and a put over the quota is refused whole with a clear 413, nothing stored ...
         async with aiohttp.ClientSession() as s:
             frame = encode_frame({"ns": ns.id, "commit": True, "items": [
@@ -177,7 +179,7 @@ async def test_quota_exhaustion_rejects_items_and_frees_on_delete(start_store: S
                 assert body["field"] == "quota" and "alpha" in body["error"] and "items [2]" in body["error"]
         assert running.store.tenant_bytes.get("alpha", 0) == record and not running.store.pending
         results = await a.put(list(zip(specs, payloads)))
-        assert [(r.status, r.reason) for r in results] == [("dropped", REASON_QUOTA)] * 4
+        assert [(r.status, r.reason) for r in results] == [("dropped", Reason.QUOTA)] * 4
         assert a.failures["quota"] == 1  # never silent: counted and warned
         # What fits goes through.
         assert [r.status for r in await a.put(list(zip(specs[:2], payloads[:2])))] == ["ok", "ok"]
@@ -195,7 +197,7 @@ async def test_quota_exhaustion_rejects_items_and_frees_on_delete(start_store: S
         assert len(running.store.index.entries) == 0
         results = await a.put(list(zip(specs[:2], payloads[:2])))
         assert [r.status for r in results] == ["ok", "ok"]
-        metrics = running.store.metrics.quota_rejections.labels("alpha")._value.get()
+        metrics = sample(running.store, "prefixstore_quota_rejections_total", tenant="alpha")
         assert metrics == 3  # block 3 in the offer, the raw put and the client's put (block 4 then lacks its parent)
     running.store.check()
 

@@ -85,7 +85,7 @@ async def test_tls_round_trip_verifies_the_store(serve_tls: Serve, pki: Pki, tmp
 
 
 async def test_tls_bulk_put_and_get_over_http(serve_tls: Serve, pki: Pki, tmp_path: Path) -> None:
-    """Payloads large enough for the direct socket sends (protocol/sockets.py) both ways, over TLS:
+    """Payloads large enough for the direct socket sends (transport/sockets.py) both ways, over TLS:
     those must go through the TLS transports (the sockets carry ciphertext), byte for byte."""
     config = StoreConfig(port=0, data_dir="none", ram_bytes=64 << 20, page_bytes=64 << 10,
                          tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.server_key), nixl="off")

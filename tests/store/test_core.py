@@ -14,11 +14,12 @@ from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import Kind
 from prefixstore.protocol.keys import make_entry_key
 from prefixstore.protocol.probe import ProbeRequest
-from prefixstore.protocol.errors import Problem
+from prefixstore.protocol.errors import Problem, Reason
 from prefixstore.protocol.wire import STATUS_OK, WANT, GetItem, WireError
 from prefixstore.store import StoreConfig
 
 from ..factories import head_slice, kv_payload, make_headed_namespace, make_namespace, state_head_slice, state_payload
+from ..samples import sample
 from .harness import CoreHarness, expected_prefix_bytes, fill_target
 
 
@@ -163,7 +164,7 @@ def test_offer_answers_want_have_rejected(ns, harness) -> None:  # type: ignore[
     orphan = Prompt(ns, [99] * 12).kv_items(12)[2][0]  # block 3 of a chain never stored
     specs = [s for s, _, _ in p.kv_items(12)] + [orphan]
     assert [r.status for r in h.store.offer(ns.id, specs)] == ["have", WANT, WANT, "rejected"]
-    assert h.store.offer(ns.id, [orphan])[0].reason == "parent not stored"
+    assert h.store.offer(ns.id, [orphan])[0].reason is Reason.PARENT_MISSING
 
 
 def test_ram_eviction_with_lmdb_demotes_and_reads_promote(ns, harness, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -181,7 +182,7 @@ def test_ram_eviction_with_lmdb_demotes_and_reads_promote(ns, harness, tmp_path:
         assert ans.kv_tokens == 8
         kv, _ = h.read_prefix(s, ans, 8)
         assert kv == expected_prefix_bytes(ns, s, 8, 4)
-    demoted = h.store.metrics.evictions.labels("kv", "demoted")._value.get()
+    demoted = sample(h.store, "prefixstore_evictions_total", kind="kv", reason="demoted")
     assert demoted > 0
     h.store.check()
 
@@ -347,3 +348,17 @@ def test_a_deleted_pinned_entry_frees_its_pages_even_if_its_key_is_put_again(ns,
     assert h.store.arena.num_free == free_after_save  # old pages back, the new put holds its own
     h.store.abort_put(put)
     h.store.check()
+
+
+def test_a_lease_holds_until_lease_ttl_s_and_not_past_it(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """docs/design.md: leases end on release or expiry (lease_ttl_s). Pinned on both sides of it."""
+    h = harness(ram_only(lease_ttl_s=10.0), ns)
+    toks = list(range(8))
+    h.save(toks, 8)
+    _, ans = h.lookup(toks)
+    h.now[0] += 9.99
+    h.store.sweep()
+    assert h.store.leases.holds(ans.lease_id)
+    h.now[0] += 0.02  # 10.01 s
+    h.store.sweep()
+    assert not h.store.leases.holds(ans.lease_id) and all(e.pins == 0 for e in h.store.index.entries.values())

@@ -17,6 +17,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixstore.admission import ADMISSION_POLICIES, EVICTION_POLICIES
+from prefixstore.client.prompt import Prompt
+from prefixstore.protocol.hashing import TOKEN_BYTES
+from prefixstore.protocol.match import Hit, Run, merge
+from prefixstore.protocol.probe import ProbeRequest
+from prefixstore.protocol.wire import EntryRef
 from prefixstore.store import StoreConfig
 
 from ..factories import make_namespace, state_payload
@@ -103,12 +108,20 @@ class StoreMachine(RuleBasedStateMachine):
             assert result["committed"] == result["wanted"] == result["offered"] - result["have"], result
         self.model.save(tokens, kv_upto, boundaries)
 
-    @rule(base=st.integers(0, 50), keep=st.floats(0, 1), suffix=st.lists(ALPHABET, max_size=10))
-    def lookup_and_read(self, base: int, keep: float, suffix: list[int]) -> None:
+    @rule(base=st.integers(0, 50), keep=st.floats(0, 1), suffix=st.lists(ALPHABET, max_size=10),
+          split=st.floats(0, 1))
+    def lookup_and_read(self, base: int, keep: float, suffix: list[int], split: float) -> None:
         assert self.harness is not None
         parent = self.sequences[base % len(self.sequences)]
         prompt = parent[: int(len(parent) * keep) + 1] + suffix
+        # The same answer from the runs a walk would gather (two probes meeting at level s), merged by
+        # the one merge: the rule is written once (protocol/match.py). Probes teach nothing: before
+        # the lookup, so the lookup's answer is the one compared.
+        p = Prompt(self.ns, prompt)
+        levels = len(p.hashes) + (p.num_tokens > len(p.hashes) * self.ns.block_tokens)
+        walked = self.probe_merge(p, min(levels - 1, int(split * levels))) if levels else (0, 0, 0, 0)
         _, ans = self.harness.lookup(prompt)
+        assert walked == (ans.matched_blocks, ans.kv_tokens, ans.state_tokens, ans.checkpoint_hint), (prompt, split)
         want_kv, want_state = self.model.kv_tokens(prompt), self.model.state_tokens(prompt)
         if self.evicting:
             assert ans.kv_tokens <= want_kv and ans.state_tokens <= want_state
@@ -122,6 +135,28 @@ class StoreMachine(RuleBasedStateMachine):
                 assert snap == state_payload(self.ns, prompt, ans.state_tokens)
             if ans.lease_id:
                 assert self.harness.store.release(ans.lease_id)
+
+    def probe_merge(self, p: Prompt, s: int) -> tuple[int, int, int, int]:
+        """Levels [0, s] asked of the node, then levels s.. (a cluster walk's two hops), merged."""
+        assert self.harness is not None
+        store = self.harness.store
+        B, n = self.ns.block_tokens, len(p.hashes)
+        runs: list[Run[EntryRef]] = []
+        for start, stop in ((0, s + 1), (s, n + (p.num_tokens > n * B))):
+            end_tok = min(stop * B, p.num_tokens)
+            req = ProbeRequest(namespace_id=self.ns.id, start=start, parent=p.parent_of_block(start),
+                               hashes=p.hash_bytes[start * 16:min(stop, n) * 16],
+                               tokens=p.packed[start * B * TOKEN_BYTES:end_tok * TOKEN_BYTES], lease=False)
+            a = store.probe(req)
+            # Level by level (as where hot copies are held) finds what the binary search finds.
+            assert store.probe(req, copies=frozenset({b"no such key"})) == a
+            child = a.stop.child if a.stop is not None else None
+            runs.append(Run(start=start, held=a.held, stopped=a.stop is not None,
+                            fork=a.stop is not None and a.stop.fork,
+                            child=Hit(child, child.usable_tokens) if child is not None else None,
+                            snapshots={j: Hit(ref, ref.usable_tokens) for j, ref in a.snapshots.items()}))
+        m = merge(runs, block_tokens=B, num_blocks=n, has_state=self.ns.has_state)
+        return m.matched, m.kv_tokens, m.state_tokens, m.checkpoint_hint
 
     @precondition(lambda self: not self.memory_only)
     @rule()

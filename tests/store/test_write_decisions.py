@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from prefixstore.client.prompt import Prompt, with_payload
+from prefixstore.protocol.errors import Reason
 from prefixstore.protocol.wire import STATUS_OK
 from prefixstore.store import StoreConfig
 
@@ -29,7 +30,7 @@ def test_a_rejected_item_does_not_end_the_offer(ns, harness) -> None:  # type: i
     orphan = Prompt(ns, C).kv_items(12)[1][0]  # block 1 of C: its parent (block 0) is not stored
     first = Prompt(ns, A).kv_items(8)[0][0]
     got = h.store.offer(ns.id, [orphan, first])
-    assert [(d.status, d.reason) for d in got] == [("rejected", "parent not stored"), ("want", "")]
+    assert [(d.status, d.reason) for d in got] == [("rejected", Reason.PARENT_MISSING), ("want", Reason.NONE)]
     assert counters(h.store, "prefixstore_admission_total", "decision", DECISIONS) == {
         ("kv", "want"): 1, ("kv", "have"): 0, ("kv", "rejected"): 1,
         ("state", "want"): 0, ("state", "have"): 0, ("state", "rejected"): 0}
@@ -82,7 +83,7 @@ def test_a_put_never_evicts_the_parent_it_builds_on(ns, harness) -> None:  # typ
     before = counters(h.store, "prefixstore_admission_total", "decision", DECISIONS)[("kv", "rejected")]
     plan = h.store.plan_put(ns.id, [with_payload(b1, kv_payload(ns, A, a1, e1))])
     assert [(r.status, r.reason) for r in plan.results] == [
-        ("rejected", "RAM arena full of pinned or uncommitted entries")]
+        ("rejected", Reason.RAM_PINNED)]
     assert counters(h.store, "prefixstore_admission_total", "decision", DECISIONS)[("kv", "rejected")] == before + 1
     assert plan.keys == []
     assert h.lookup(A[:8], lease=False)[1].kv_tokens == 4
@@ -92,20 +93,20 @@ def test_an_item_larger_than_the_arena_is_refused_one_that_fills_it_is_taken(har
     big = make_namespace(block_tokens=8)  # a block is 512 bytes
     h = harness(ram_only(ram_bytes=512), big)
     got = h.store.offer(big.id, [Prompt(big, A[:8]).kv_items(8)[0][0]])
-    assert [(d.status, d.reason) for d in got] == [("want", "")]
+    assert [(d.status, d.reason) for d in got] == [("want", Reason.NONE)]
     small = harness(ram_only(ram_bytes=256), big)
     got = small.store.offer(big.id, [Prompt(big, A[:8]).kv_items(8)[0][0]])
-    assert [(d.status, d.reason) for d in got] == [("rejected", "larger than the RAM arena")]
+    assert [(d.status, d.reason) for d in got] == [("rejected", Reason.TOO_LARGE)]
 
 
 def test_a_reserved_put_survives_a_sweep_until_pending_ttl(ns, harness) -> None:  # type: ignore[no-untyped-def]
     h = harness(ram_only(pending_ttl_s=5.0), ns)
     keys, _ = h.stage(A[:4], 4)
-    h.now[0] += 4.0
-    h.store.sweep()  # 4 s of 5: still pending
+    h.now[0] += 4.99
+    h.store.sweep()  # 4.99 s of 5: still pending
     assert [r.status for r in h.run(h.store.commit(ns.id, keys))] == [STATUS_OK]
     keys, _ = h.stage(A[:8], 8)
-    h.now[0] += 6.0
+    h.now[0] += 5.01
     h.store.sweep()
     assert [r.status for r in h.run(h.store.commit(ns.id, keys))] != [STATUS_OK]
 
@@ -205,7 +206,7 @@ def test_an_item_too_large_for_the_arena_does_not_end_the_offer(ns, harness) -> 
     block = Prompt(ns, A).kv_items(4)[0][0]
     tail = Prompt(ns, C).kv_items(1)[0][0]
     got = h.store.offer(ns.id, [block, tail])
-    assert [(d.status, d.reason) for d in got] == [("rejected", "larger than the RAM arena"), ("want", "")]
+    assert [(d.status, d.reason) for d in got] == [("rejected", Reason.TOO_LARGE), ("want", Reason.NONE)]
 
 
 def test_an_owner_keeps_up_to_max_offers_per_tenant_wanted_offers(ns, harness) -> None:  # type: ignore[no-untyped-def]
@@ -225,6 +226,55 @@ def test_an_item_refused_by_admission_does_not_end_the_offer(ns, harness) -> Non
     h = harness(ram_only(kv_admission="second-hit"), ns)
     block = Prompt(ns, A).kv_items(4)[0][0]
     tail = Prompt(ns, C).kv_items(1)[0][0]
-    assert [(d.status, d.reason) for d in h.store.offer(ns.id, [tail])] == [("rejected", "admission")]
+    assert [(d.status, d.reason) for d in h.store.offer(ns.id, [tail])] == [("rejected", Reason.ADMISSION)]
     got = h.store.offer(ns.id, [block, tail])
-    assert [(d.status, d.reason) for d in got] == [("rejected", "admission"), ("want", "")]
+    assert [(d.status, d.reason) for d in got] == [("rejected", Reason.ADMISSION), ("want", Reason.NONE)]
+
+
+def test_a_wanted_offer_is_kept_until_pending_ttl_s_and_not_past_it(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """docs/design.md: pending entries (and remembered offers) expire after pending_ttl_s."""
+    h = harness(ram_only(pending_ttl_s=5.0), ns)
+    owner = h.store.owner_of(ns)
+    assert [d.status for d in h.store.offer(ns.id, [Prompt(ns, A).kv_items(4)[0][0]])] == ["want"]
+    h.now[0] += 4.99
+    h.store.sweep()
+    assert h.store.held_by(owner)["offers"] == 1
+    h.now[0] += 0.02  # 5.01 s
+    h.store.sweep()
+    assert h.store.held_by(owner)["offers"] == 0
+
+
+def test_with_a_disk_tier_a_put_into_ram_full_of_leased_entries_is_refused_then_demotes(ns, harness, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The arena holds one block, written through to LMDB and leased by a lookup: nothing may be
+    demoted, so another chain's put is refused (RAM_PINNED) and nothing is lost; once the lease is
+    released the same put demotes the block (still on disk) and is taken."""
+    h = harness(StoreConfig(port=0, data_dir=str(tmp_path), ram_bytes=256, page_bytes=64, durability="sync",
+                            eviction="lru"), ns)
+    h.save(A[:4], 4)
+    _, looked = h.lookup(A[:4])
+    assert looked.kv_tokens == 4 and looked.lease_id
+    other = [90, 91, 92, 93]
+    (spec, a, b), = Prompt(ns, other).kv_items(4)
+    refused = h.store.plan_put(ns.id, [with_payload(spec, kv_payload(ns, other, a, b))])
+    assert [(r.status, r.reason) for r in refused.results] == [("rejected", Reason.RAM_PINNED)]
+    assert h.lookup(A[:4], lease=False)[1].kv_tokens == 4
+    assert h.store.release(looked.lease_id)
+    assert h.save(other, 4)["committed"] == 1
+    assert h.lookup(A[:4], lease=False)[1].kv_tokens == 4 and h.lookup(other, lease=False)[1].kv_tokens == 4
+    h.store.check()
+
+
+def test_past_max_entries_a_commit_deletes_an_unleased_leaf_never_a_leased_one(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """max_entries = 2: two one-block chains held, the first leased. A third chain's commit makes
+    room by deleting the unleased one; the leased one stays readable."""
+    h = harness(ram_only(max_entries=2), ns)
+    leased, other, third = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    h.save(leased, 4)
+    _, looked = h.lookup(leased)
+    assert looked.lease_id
+    h.now[0] += 1.0
+    h.save(other, 4)
+    h.now[0] += 1.0
+    assert h.save(third, 4)["committed"] == 1
+    assert [h.lookup(t, lease=False)[1].kv_tokens for t in (leased, other, third)] == [4, 0, 4]
+    h.store.check()

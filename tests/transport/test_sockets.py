@@ -1,4 +1,4 @@
-"""protocol/sockets.py: buffers sent straight from their own memory, in order, counted in bytes."""
+"""transport/sockets.py: buffers sent straight from their own memory, in order, counted in bytes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 
 import numpy as np
 
-from prefixstore.protocol.sockets import duplicate_socket, send_views
+from prefixstore.transport.sockets import duplicate_socket, send_views
 
 
 async def _receive(sock: socket.socket, n: int) -> bytes:

@@ -2,7 +2,7 @@
 and client/nixl_path.py): imported lazily with its traps defused, and agents made the one way
 this project runs them -- UCX backend, no progress thread, no listener thread.
 
-It lives in protocol/ because it is the one module both ends share that may not import each
+It lives in transport/ because it is I/O that both ends share, and they may not import each
 other (DESIGN §2); it imports nothing of ours and nixl only when called.
 """
 

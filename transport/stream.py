@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from .wire import PREFIX_BYTES, decode_header, parse_prefix
+from prefixstore.protocol.wire import PREFIX_BYTES, decode_header, parse_prefix
 
 
 class ChunkSource(Protocol):
