@@ -81,7 +81,7 @@ async def lookup(request: web.Request) -> web.Response:
     header = await control_header(request)
     req = LookupRequest.from_header(header, store.limits, lambda ns_id: owned(request, ns_id).block_tokens)
     answer = store.lookup(req)
-    if req.nixl and (extension := request.app.get(LOOKUP_NIXL)) is not None:
+    if req.nixl and answer.need_level is None and (extension := request.app.get(LOOKUP_NIXL)) is not None:
         answer = dataclasses.replace(answer, nixl=extension(req, answer))
     return frame_response(answer.to_header())
 
