@@ -201,13 +201,15 @@ def lean_levels(num_levels: int, block_tokens: int, window_tokens: int,
     if num_levels <= 0:
         return ()
     tail_from = max(0, num_levels - max(1, -(-window_tokens // block_tokens)))
-    wanted = sorted({0, *range(tail_from, num_levels), *(j for j in also if 0 <= j < num_levels)})
+    # Spans, not a set of levels: the window may be thousands of levels, the rest a handful.
     spans: list[tuple[int, int]] = []
-    for j in wanted:
-        if spans and spans[-1][0] + spans[-1][1] == j:
-            spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+    for first, count in sorted([(0, 1), (tail_from, num_levels - tail_from),
+                                *((j, 1) for j in also if 0 <= j < num_levels)]):
+        if spans and first <= spans[-1][0] + spans[-1][1]:
+            last_first, last_count = spans[-1]
+            spans[-1] = (last_first, max(last_count, first + count - last_first))
         else:
-            spans.append((j, 1))
+            spans.append((first, count))
     return tuple(spans)
 
 
