@@ -34,7 +34,7 @@ from .config import ClientConfig
 from .datapath import Buffer, DataPath, as_view, batches, results_of
 from .device import DeviceBuffer
 from .failures import Failures
-from .prompt import Prompt, with_payload
+from .prompt import Prompt, with_payloads
 from .results import LookupResult, SaveResult
 
 Observer = Callable[[str, dict[str, object], dict[str, object]], Awaitable[None]]
@@ -299,7 +299,7 @@ class NodeClient:
         for s in range(0, len(items), self.config.max_items):
             chunk = items[s : s + self.config.max_items]
             views = [as_view(buf) for _, buf in chunk]
-            specs = [with_payload(spec, v) for (spec, _), v in zip(chunk, views)]
+            specs = await with_payloads([spec for spec, _ in chunk], views)
             out.extend(await self.data.write(specs, views, commit))
         return out
 
