@@ -187,9 +187,10 @@ class NodeClient:
             # which is always answered.
             for _ in range(MAX_LEAN_TRIES if window is not None else 0):
                 B = self.namespace.block_tokens
-                spans = lean_levels(-(-p.num_tokens // B), B, window or 0, needed)
-                lean = dataclasses.replace(req, tokens=span_tokens(p.packed, B, spans), spans=spans,
-                                           total_tokens=p.num_tokens)
+                levels = -(-p.num_tokens // B)
+                spans = lean_levels(levels, B, window or 0, needed)
+                lean = req if spans == ((0, levels),) else dataclasses.replace(  # a short prompt: whole
+                    req, tokens=span_tokens(p.packed, B, spans), spans=spans, total_tokens=p.num_tokens)
                 answer = LookupAnswer.from_header(await self.call("/v1/lookup", lean.to_header()))
                 if answer.need_level is None:
                     break
