@@ -1,7 +1,8 @@
 """The store's data-plane routes: every POST body is a frame (protocol/wire.py)::
 
     POST /v1/namespaces   {namespace}                 -> {ns}
-    POST /v1/lookup       {ns, hashes, tokens, ...}   -> LookupAnswer
+    POST /v1/lookup       {ns, hashes, tokens[, spans, total_tokens], ...} -> LookupAnswer
+                          (a lean request that did not carry the stop level: {need_level})
     POST /v1/offer        {ns, items}                 -> {results: [[want|have|rejected, reason]]}
     POST /v1/put          {ns, items, commit} + payloads -> {results: [[status, reason]]}
     POST /v1/commit       {ns, keys}                  -> {results}
