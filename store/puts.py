@@ -11,7 +11,8 @@ then kept the store copying while the client had nothing left to do. Planned a c
 store decides chunk k+1 while chunk k's bytes are still arriving: the client never waits for
 the whole batch's decisions.
 
-What stays whole: a put over its tenant's quota is refused whole, nothing stored. When the
+What stays whole: a put on a cluster node (below), and a put over its tenant's quota, refused
+whole, nothing stored. When the
 whole put fits the quota as the tenant stands (every item charged, as if none were stored yet)
 no chunk can go over it alone, so chunks are safe; when it may not fit, the put is planned in
 one chunk and refused before any payload byte is read, as before. A concurrent put of the same
@@ -101,7 +102,11 @@ class PutIntake:
         self._ns = ns
         self.order = order
         items = order.items
-        self._ranges = chunks(items) if fits_whole(ledger, ns, items) else [(0, len(items))]
+        # A cluster node plans a put whole: whether an item hangs below a fork head (an answer
+        # ``elsewhere``) is decided against the items before it in the same put (WritePath._triage's
+        # ``below``), which chunks would split.
+        chunked = not writes.foreign_parents and fits_whole(ledger, ns, items)
+        self._ranges = chunks(items) if chunked else [(0, len(items))]
         self.plans: list[PutPlan] = []
 
     def __iter__(self) -> Iterator[PutPlan]:
