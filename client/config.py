@@ -30,6 +30,12 @@ class ClientConfig:
     """Deadline to open a connection: a dead store turns into misses this fast."""
     lease: bool = True
     """Ask lookups for a lease, so the matched entries cannot be evicted before they are read."""
+    lookup_token_window: int | None = 1024
+    """Lean lookups (single node): a lookup carries the prompt's block hashes, but tokens only for
+    its first level and its last this-many tokens (where a cold prompt and a conversation's next
+    turn stop matching); a match that stops elsewhere costs one more round trip that carries the
+    one level it needs (docs/design.md). None: carry every token (the request before lean lookups;
+    one round trip always, about 5x the bytes at 16-token blocks)."""
     verify_checksums: bool = True
     """Check the xxh3-64 of every payload received; a mismatch is a miss, never wrong bytes."""
     max_get_bytes: int = 256 << 20
@@ -80,6 +86,8 @@ class ClientConfig:
         for name in ("timeout_s", "connect_timeout_s", "max_get_bytes", "max_items"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+        if self.lookup_token_window is not None and self.lookup_token_window < 0:
+            raise ValueError("lookup_token_window: must be >= 0, or None to carry every token")
         if self.token and not (self.token.isascii() and self.token.isprintable() and " " not in self.token):
             raise ValueError("token: must be printable ASCII without spaces")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -25,6 +25,7 @@ import numpy as np
 
 from prefixstore.protocol.errors import ItemStatus, Problem, Reason, StoreError
 from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.match import lean_levels, span_tokens
 from prefixstore.protocol.namespace import Namespace
 from prefixstore.protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
 from prefixstore.transport.frames import FramePool, get_json, post
@@ -33,7 +34,7 @@ from .config import ClientConfig
 from .datapath import Buffer, DataPath, as_view, batches, results_of
 from .device import DeviceBuffer
 from .failures import Failures
-from .prompt import Prompt, with_payload
+from .prompt import Prompt, with_payloads
 from .results import LookupResult, SaveResult, lost, tally
 from .saves import save_items
 
@@ -41,6 +42,11 @@ Observer = Callable[[str, dict[str, object], dict[str, object]], Awaitable[None]
 """``(path, request header, answer header)``, awaited after each answered call, before the client
 acts on the answer: a documented seam for tests and diagnostics (e.g. run something between
 /v1/nixl/get and the READ it feeds)."""
+
+
+MAX_LEAN_TRIES = 3
+"""Lean lookups asked before one that carries the whole prompt (each further try carries the levels
+the store named before: only a write racing the lookup makes a second one need another)."""
 
 
 class NodeClient:
@@ -172,9 +178,26 @@ class NodeClient:
         req = LookupRequest(namespace_id=self.namespace.id, hashes=p.hash_bytes, tokens=p.packed,
                             lease=leased, extras=tuple((j, x) for j, x in enumerate(p.extra_keys) if x),
                             nixl=leased and self.data.connected)
+        window = self.config.lookup_token_window
+        needed: list[int] = []
         sent_at = time.monotonic()
         try:
-            answer = LookupAnswer.from_header(await self.call("/v1/lookup", req.to_header()))
+            # Lean first (protocol/match.py lean_levels): tokens of level 0 and of the last `window`
+            # tokens. A store that needs another level names it; ask again with it. A write landing
+            # between the two may move the stop again, hence a few tries, then the whole prompt,
+            # which is always answered.
+            for _ in range(MAX_LEAN_TRIES if window is not None else 0):
+                B = self.namespace.block_tokens
+                levels = -(-p.num_tokens // B)
+                spans = lean_levels(levels, B, window or 0, needed)
+                lean = req if spans == ((0, levels),) else dataclasses.replace(  # a short prompt: whole
+                    req, tokens=span_tokens(p.packed, B, spans), spans=spans, total_tokens=p.num_tokens)
+                answer = LookupAnswer.from_header(await self.call("/v1/lookup", lean.to_header()))
+                if answer.need_level is None:
+                    break
+                needed.append(answer.need_level)
+            else:
+                answer = LookupAnswer.from_header(await self.call("/v1/lookup", req.to_header()))
         except (StoreError, WireError) as err:
             self._failures.record("lookup", err)
             return LookupResult(prompt=p, ok=False)
@@ -278,7 +301,7 @@ class NodeClient:
         for s in range(0, len(items), self.config.max_items):
             chunk = items[s : s + self.config.max_items]
             views = [as_view(buf) for _, buf in chunk]
-            specs = [with_payload(spec, v) for (spec, _), v in zip(chunk, views)]
+            specs = await with_payloads([spec for spec, _ in chunk], views)
             out.extend(await self.data.write(specs, views, commit))
         return out
 

@@ -7,6 +7,7 @@ by hand.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Sequence
 from typing import cast
@@ -14,6 +15,7 @@ from typing import cast
 import numpy as np
 import xxhash
 
+from prefixstore.protocol import checksums
 from prefixstore.protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, chain_bytes, pack_tokens, root_hash, tail_hash
 from prefixstore.protocol.keys import Kind, make_entry_key
 from prefixstore.protocol.namespace import Namespace
@@ -120,6 +122,21 @@ class Prompt:
         """A snapshot at boundary t; ``origin`` (protocol.keys.Origin) says why it was taken."""
         return ItemSpec(kind=Kind.STATE, hash=self.prefix_hash(t), size=self.namespace.state.snapshot_bytes,
                         container=self.container_key(t, kv_upto), boundary=t, origin=origin)
+
+
+OFF_LOOP_BYTES = 1 << 20
+"""A put batch of more payload bytes than this is checksummed in a worker thread (the native loop
+releases the GIL: the event loop keeps serving meanwhile); smaller ones inline, where a thread
+hop (~0.1 ms) would cost more than the hashing."""
+
+
+async def with_payloads(specs: Sequence[ItemSpec], views: Sequence[memoryview]) -> list[ItemSpec]:
+    """Every spec with its size and checksum taken from its payload (``views``: byte views), the
+    batch hashed off the event loop when it is large (:data:`OFF_LOOP_BYTES`)."""
+    vs = list(views)
+    total = sum(v.nbytes for v in vs)
+    sums = await asyncio.to_thread(checksums.digests, vs) if total > OFF_LOOP_BYTES else checksums.digests(vs)
+    return [dataclasses.replace(spec, size=v.nbytes, checksum=c) for spec, v, c in zip(specs, vs, sums)]
 
 
 def with_payload(spec: ItemSpec, payload: bytes | memoryview | bytearray) -> ItemSpec:

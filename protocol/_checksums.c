@@ -1,6 +1,7 @@
 /* Payload checks in one native loop, without the GIL (see protocol/checksums.py).
  *
  *   verify(views, checksums) -> bytes, one per payload: 1 where xxh3_64(views[i]) == checksums[i]
+ *   digests(views) -> bytes, 8 per payload: xxh3_64(views[i]), little-endian
  *
  * The same digest as xxhash.xxh3_64_intdigest (seed 0). Why a loop of its own: python-xxhash
  * keeps the GIL while it hashes 64 KiB or less, so a thread checking a batch of 64 KiB KV
@@ -69,7 +70,44 @@ done:
     return out;
 }
 
+/* digests(views) -> bytes: n little-endian uint64, xxh3_64 of each view, hashed with the GIL released
+ * (a client checksums a put's payloads off its event loop: client/node.py). */
+static PyObject *digests(PyObject *self, PyObject *args) {
+    PyObject *views;
+    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &views)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(views);
+    Py_buffer *bufs = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
+    Py_ssize_t taken = 0;
+    if (bufs == NULL || out == NULL) {
+        if (out != NULL) PyErr_NoMemory();
+        Py_CLEAR(out);
+        goto done;
+    }
+    for (; taken < n; taken++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(views, taken), &bufs[taken], PyBUF_SIMPLE) < 0) {
+            Py_CLEAR(out);
+            goto done;
+        }
+    }
+    {
+        unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t h = XXH3_64bits(bufs[i].buf, (size_t)bufs[i].len);
+            for (int b = 0; b < 8; b++) o[i * 8 + b] = (unsigned char)(h >> (8 * b));
+        }
+        Py_END_ALLOW_THREADS
+    }
+done:
+    for (Py_ssize_t i = 0; i < taken; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"digests", digests, METH_VARARGS,
+     "digests(views) -> bytes: per view, its xxh3_64 as 8 little-endian bytes (hashed with the GIL released)"},
     {"verify", verify, METH_VARARGS,
      "verify(views, checksums) -> bytes: per view, 1 if its xxh3_64 equals its checksum, else 0 "
      "(hashed with the GIL released)"},

@@ -11,14 +11,17 @@ whole switch interval (5 ms) at a time; the native loop releases it once per bat
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import xxhash
 
 try:  # the optional native loop; same answers
+    from ._checksums import digests as _native_digests
     from ._checksums import verify as _native_verify
 except ImportError:  # no C compiler at install time
     _native_verify = None
+    _native_digests = None
 NATIVE = _native_verify is not None
 """Whether the native batch verifier (protocol/_checksums.c) is in use (``prefixstore stats``)."""
 
@@ -44,4 +47,14 @@ def verify(views: Sequence[memoryview], checksums: Sequence[int]) -> list[bool]:
     return [xxhash.xxh3_64_intdigest(v) == c for v, c in zip(views, checksums)]
 
 
-__all__ = ["GIL_FREE_ABOVE_BYTES", "NATIVE", "releases_gil", "verify"]
+def digests(views: Sequence[memoryview]) -> list[int]:
+    """The xxh3-64 of every view, in order (a put's checksums). With the native loop the batch is
+    hashed with the GIL released, so a caller may run this in a thread beside its event loop."""
+    if _native_digests is not None:
+        raw = _native_digests(views if isinstance(views, list) else list(views))
+        return list(memoryview(raw).cast("Q")) if sys.byteorder == "little" else \
+            [int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8)]
+    return [xxhash.xxh3_64_intdigest(v) for v in views]
+
+
+__all__ = ["GIL_FREE_ABOVE_BYTES", "NATIVE", "digests", "releases_gil", "verify"]

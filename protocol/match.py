@@ -28,9 +28,14 @@ Pure: no I/O, no clock. The entries a run names are the caller's (the store's in
 client's answer references): :class:`Hit` carries one with the tokens it gives this prompt.
 
 The request side is :class:`Levels`: the prompt from some level on as a matcher reads it (the
-next block's hash, the level's tokens, its extra keys). A matcher asks a level's tokens only where
-it compares them (the stop level's children, a level's snapshot containers), so a request that
-carries fewer tokens changes :class:`Levels`, not the matcher.
+next block's hash, the level's tokens, its extra keys). A matcher needs a level's tokens only where
+it compares them with a stored child's: at the stop level (its children, the snapshots in them).
+A held level's tokens are the stored block's (its hash was recomputed from them when it was put,
+and equal hashes mean equal tokens: the xxh3-128 threat model that already matches full blocks by
+hash), so a request may carry only some levels' tokens (:attr:`Levels.spans`). When the stop level
+is one it did not carry and a comparison is due there, the matcher says which level it needs
+(store/index.py ``IndexRun.needs``) and the client asks again with it: :func:`lean_levels` is the
+client's choice of what to send first.
 """
 
 from __future__ import annotations
@@ -57,6 +62,11 @@ class Levels:
     tokens: bytes
     block_tokens: int
     extras: Mapping[int, bytes] = field(default_factory=dict)
+    spans: tuple[tuple[int, int], ...] | None = None
+    """Which levels ``tokens`` holds: (first level, number of levels) from ``start``, ascending and
+    disjoint, the levels' tokens concatenated in that order; None: every level's (``tokens`` is the
+    prompt from ``start``·B on)."""
+    total_tokens: int = -1  # the prompt's tokens from start·B on; -1: len(tokens) (spans is None)
 
     @property
     def num_blocks(self) -> int:
@@ -64,10 +74,15 @@ class Levels:
         return len(self.hashes) // HASH_BYTES
 
     @property
+    def num_tokens(self) -> int:
+        """The prompt's tokens from ``start``·B on (carried or not)."""
+        return len(self.tokens) // TOKEN_BYTES if self.total_tokens < 0 else self.total_tokens
+
+    @property
     def num_levels(self) -> int:
         """Every level: the full blocks and, when tokens follow them, one partial level."""
         k = self.num_blocks
-        return k + (1 if len(self.tokens) // TOKEN_BYTES > k * self.block_tokens else 0)
+        return k + (1 if self.num_tokens > k * self.block_tokens else 0)
 
     def next_hash(self, i: int) -> bytes:
         """h_{start+i+1}: the prompt's next block at level start+i (i < num_blocks)."""
@@ -77,10 +92,17 @@ class Levels:
         """h_{start+i}: the parent hash of level start+i."""
         return self.parent if i == 0 else self.hashes[(i - 1) * HASH_BYTES : i * HASH_BYTES]
 
-    def segment(self, i: int) -> bytes:
-        """The prompt's tokens of level start+i, packed."""
+    def segment(self, i: int) -> bytes | None:
+        """The prompt's tokens of level start+i, packed; None when the request did not carry them."""
         span = self.block_tokens * TOKEN_BYTES
-        return self.tokens[i * span : (i + 1) * span]
+        if self.spans is None:
+            return self.tokens[i * span : (i + 1) * span]
+        at = 0  # levels before i's span, in the concatenation (a handful of spans: a scan)
+        for first, count in self.spans:
+            if first <= i < first + count:
+                return self.tokens[(at + i - first) * span : (at + i - first + 1) * span]
+            at += count
+        return None
 
     def extra(self, j: int) -> bytes:
         """Extra keys of the prompt's block j+1 (``j`` an absolute level)."""
@@ -169,4 +191,32 @@ def merge(runs: Sequence[Run[E]], *, block_tokens: int, num_blocks: int, has_sta
     return Match(matched=m, kv_tokens=kv, state_tokens=state, checkpoint_hint=hint, child=child, snapshot=snapshot)
 
 
-__all__ = ["Hit", "Levels", "Match", "Run", "best_child", "matched", "merge"]
+def lean_levels(num_levels: int, block_tokens: int, window_tokens: int,
+                also: Sequence[int] = ()) -> tuple[tuple[int, int], ...]:
+    """The levels whose tokens a lean lookup carries first, as spans (:attr:`Levels.spans`): level 0
+    (a cold prompt stops there, and a cluster places the root branch by it), the levels of the last
+    ``window_tokens`` tokens (a conversation's next turn stops where the last turn's save ended: in
+    its new message, near the end), and ``also`` (the levels a store said it needs). Anywhere else
+    the stop costs one more round trip; a prompt held in full needs no tokens at all but a tail's."""
+    if num_levels <= 0:
+        return ()
+    tail_from = max(0, num_levels - max(1, -(-window_tokens // block_tokens)))
+    # Spans, not a set of levels: the window may be thousands of levels, the rest a handful.
+    spans: list[tuple[int, int]] = []
+    for first, count in sorted([(0, 1), (tail_from, num_levels - tail_from),
+                                *((j, 1) for j in also if 0 <= j < num_levels)]):
+        if spans and first <= spans[-1][0] + spans[-1][1]:
+            last_first, last_count = spans[-1]
+            spans[-1] = (last_first, max(last_count, first + count - last_first))
+        else:
+            spans.append((first, count))
+    return tuple(spans)
+
+
+def span_tokens(tokens: bytes, block_tokens: int, spans: Sequence[tuple[int, int]]) -> bytes:
+    """The packed ``tokens`` (a prompt from its first level on) of the levels ``spans`` names, concatenated."""
+    span = block_tokens * TOKEN_BYTES
+    return b"".join(tokens[first * span : (first + count) * span] for first, count in spans)
+
+
+__all__ = ["Hit", "Levels", "Match", "Run", "best_child", "lean_levels", "matched", "merge", "span_tokens"]

@@ -153,17 +153,25 @@ class Limits:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LookupRequest:
-    """The full-block hashes of a prompt plus its tokens (see docs/design.md:
-    the store uses the tokens only to finish a match inside one block and to
-    count the junction it sights; full blocks are matched by hash)."""
+    """The full-block hashes of a prompt plus the tokens the match may need (see docs/design.md:
+    the store uses tokens only to finish a match inside one block and to count the junction it
+    sights; full blocks are matched by hash).
+
+    A **lean** request (``spans`` set) carries the tokens of some levels only, and the prompt's
+    length in ``total_tokens``; the store answers ``need_level`` when the match stops at a level
+    it did not carry and has children to compare there (protocol/match.py), and the client asks
+    again with that level. A request without ``spans`` (every client before it) carries the whole
+    prompt and is answered as ever: both forms stay served."""
 
     namespace_id: bytes
     hashes: bytes  # n x 16 bytes, h_1 .. h_n
-    tokens: bytes  # packed uint32, the whole prompt
+    tokens: bytes  # packed uint32: the whole prompt, or with spans the levels they name, concatenated
     lease: bool = True
     locations: bool = False
     extras: tuple[tuple[int, bytes], ...] = ()  # (0-based block index, extra keys) where non-empty
     nixl: bool = False  # also answer where the matched payloads lie in the store's registered memory
+    spans: tuple[tuple[int, int], ...] | None = None  # (first level, levels) whose tokens are carried
+    total_tokens: int = -1  # the prompt's length; required with spans
 
     @property
     def num_blocks(self) -> int:
@@ -171,11 +179,12 @@ class LookupRequest:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) // TOKEN_BYTES
+        return len(self.tokens) // TOKEN_BYTES if self.spans is None else self.total_tokens
 
     def levels(self, block_tokens: int, root: bytes) -> Levels:
         """The prompt's levels from 0 (the namespace's ``root``), as the matcher reads them."""
-        return Levels(0, root, self.hashes, self.tokens, block_tokens, dict(self.extras))
+        return Levels(0, root, self.hashes, self.tokens, block_tokens, dict(self.extras), self.spans,
+                      self.num_tokens)
 
     def to_header(self) -> dict[str, object]:
         d: dict[str, object] = {"ns": self.namespace_id, "hashes": self.hashes, "tokens": self.tokens,
@@ -184,6 +193,9 @@ class LookupRequest:
             d["nixl"] = True
         if self.extras:
             d["extras"] = [[i, x] for i, x in self.extras]
+        if self.spans is not None:
+            d["spans"] = [[first, count] for first, count in self.spans]
+            d["total_tokens"] = self.total_tokens
         return d
 
     @classmethod
@@ -192,13 +204,18 @@ class LookupRequest:
         hashes = req_bin(h, "hashes", multiple=HASH_BYTES)
         tokens = req_bin(h, "tokens", multiple=TOKEN_BYTES)
         num_blocks, num_tokens = len(hashes) // HASH_BYTES, len(tokens) // TOKEN_BYTES
+        lean = h.get("spans") is not None
+        if lean:
+            num_tokens = req_int(h, "total_tokens")
         if num_blocks > limits.max_lookup_blocks:
             raise WireError("hashes", f"{num_blocks} blocks exceeds the limit of {limits.max_lookup_blocks}", Problem.TOO_LARGE)
         if num_tokens > limits.max_lookup_tokens:
-            raise WireError("tokens", f"{num_tokens} tokens exceeds the limit of {limits.max_lookup_tokens}", Problem.TOO_LARGE)
+            raise WireError("total_tokens" if lean else "tokens",
+                            f"{num_tokens} tokens exceeds the limit of {limits.max_lookup_tokens}", Problem.TOO_LARGE)
         B = block_tokens_of(ns)
         if num_blocks != num_tokens // B:
             raise WireError("hashes", f"{num_blocks} hashes for {num_tokens} tokens; expected {num_tokens // B} at block size {B}")
+        spans = read_spans(h, num_tokens, B, len(tokens) // TOKEN_BYTES) if lean else None
         extras: list[tuple[int, bytes]] = []
         if h.get("extras") is not None:
             raw = req_list(h, "extras", "", limits.max_lookup_blocks)
@@ -213,7 +230,32 @@ class LookupRequest:
                 extras.append((pair[0], pair[1]))
         return cls(namespace_id=ns, hashes=hashes, tokens=tokens, extras=tuple(extras),
                    lease=req_bool(h, "lease", default=True), locations=req_bool(h, "locations", default=False),
-                   nixl=req_bool(h, "nixl", default=False))
+                   nixl=req_bool(h, "nixl", default=False), spans=spans, total_tokens=num_tokens if lean else -1)
+
+
+def read_spans(h: dict[str, object], num_tokens: int, block_tokens: int,
+               carried: int) -> tuple[tuple[int, int], ...]:
+    """A lean lookup's ``spans``: ascending, disjoint [first level, levels] pairs inside the prompt's
+    levels, whose tokens add up to exactly the ``carried`` tokens."""
+    B = block_tokens
+    levels = -(-num_tokens // B)
+    raw = req_list(h, "spans", "", levels)
+    out: list[tuple[int, int]] = []
+    expect, after = 0, 0
+    for i, pair in enumerate(raw):
+        if (not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                                      for x in pair)):
+            raise WireError(f"spans[{i}]", "expected [first level, number of levels]")
+        first, count = pair
+        if first < after or count < 1 or first + count > levels:
+            raise WireError(f"spans[{i}]", f"[{first}, {count}]: spans must be ascending, disjoint and inside "
+                            f"the prompt's {levels} levels")
+        out.append((first, count))
+        after = first + count
+        expect += min(after * B, num_tokens) - first * B
+    if expect != carried:
+        raise WireError("tokens", f"{carried} tokens carried; the spans name {expect}")
+    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -268,8 +310,13 @@ class LookupAnswer:
     """Asked with ``nixl``, from a store serving NIXL: where the matched payloads lie in its
     registered memory, pinned by the lease (store/nixl_lookup.py says what; client/nixl_path.py
     ``LookupRuns`` reads it)."""
+    need_level: int | None = None
+    """A lean request's match stopped at this level, whose tokens it did not carry: no answer yet
+    (nothing leased, nothing learned); ask again carrying them (LookupRequest)."""
 
     def to_header(self) -> dict[str, object]:
+        if self.need_level is not None:
+            return {"num_tokens": self.num_tokens, "need_level": self.need_level}
         return {
             "nixl": self.nixl.to_wire() if self.nixl is not None else None,
             "num_tokens": self.num_tokens, "matched_blocks": self.matched_blocks,
@@ -282,6 +329,9 @@ class LookupAnswer:
 
     @classmethod
     def from_header(cls, h: dict[str, object]) -> LookupAnswer:
+        if h.get("need_level") is not None:
+            return cls(num_tokens=req_int(h, "num_tokens"), matched_blocks=0, kv_tokens=0, state_tokens=0,
+                       checkpoint_hint=0, block_bytes=0, need_level=req_int(h, "need_level"))
         child, snap = h.get("child"), h.get("snapshot")
         ttl = h.get("lease_ttl_s", 0.0)
         return cls(

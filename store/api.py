@@ -1,7 +1,8 @@
 """The store's data-plane routes: every POST body is a frame (protocol/wire.py)::
 
     POST /v1/namespaces   {namespace}                 -> {ns}
-    POST /v1/lookup       {ns, hashes, tokens, ...}   -> LookupAnswer
+    POST /v1/lookup       {ns, hashes, tokens[, spans, total_tokens], ...} -> LookupAnswer
+                          (a lean request that did not carry the stop level: {need_level})
     POST /v1/offer        {ns, items}                 -> {results: [[want|have|rejected, reason]]}
     POST /v1/put          {ns, items, commit} + payloads -> {results: [[status, reason]]}
     POST /v1/commit       {ns, keys}                  -> {results}
@@ -24,12 +25,11 @@ import logging
 
 from aiohttp import web
 
-from prefixstore.protocol.errors import ItemStatus, Problem
+from prefixstore.protocol.errors import Problem
 from prefixstore.protocol.namespace import Namespace
 from prefixstore.transport.stream import FrameReader
 from prefixstore.protocol.wire import (
     CONTENT_TYPE,
-    PREFIX_BYTES,
     ItemSpec,
     LookupRequest,
     WireError,
@@ -40,6 +40,7 @@ from prefixstore.protocol.wire import (
     req_bool,
     req_entry_keys,
 )
+from .puts import read_order
 from .http import (BODY_SENT, LOOKUP_NIXL, PEER, STORE, TENANT, control_header, frame_response, owned,
                    single_node_only, stalled)
 from .sendbody import write_body
@@ -81,7 +82,7 @@ async def lookup(request: web.Request) -> web.Response:
     header = await control_header(request)
     req = LookupRequest.from_header(header, store.limits, lambda ns_id: owned(request, ns_id).block_tokens)
     answer = store.lookup(req)
-    if req.nixl and (extension := request.app.get(LOOKUP_NIXL)) is not None:
+    if req.nixl and answer.need_level is None and (extension := request.app.get(LOOKUP_NIXL)) is not None:
         answer = dataclasses.replace(answer, nixl=extension(req, answer))
     return frame_response(answer.to_header())
 
@@ -98,6 +99,8 @@ async def offer(request: web.Request) -> web.Response:
 
 
 async def put(request: web.Request) -> web.Response:
+    """Frames a put: the header, then each chunk's payloads into the pages its plan reserved, as the
+    store plans it (store/puts.py decides; this reads bytes and answers)."""
     store = request.app[STORE]
     if request.content_length is not None and request.content_length > store.config.max_body_bytes:
         raise WireError("body", f"{request.content_length} bytes exceeds max_body_bytes={store.config.max_body_bytes}",
@@ -116,51 +119,35 @@ async def put(request: web.Request) -> web.Response:
         raise stalled(store) from None
     ns_id = req_bin(header, "ns", size=8)
     owned(request, ns_id)
-    items = parse_items(header, store.limits)
-    placed(request, items)
-    commit_now = req_bool(header, "commit", default=True)
-    replica = req_bool(header, "replica", default=False)
-    if request[TENANT] == PEER and not (commit_now and replica):
-        raise WireError("replica", "the cluster token may only push committed replicas", Problem.FORBIDDEN)
-    payload_bytes = sum(it.size for it in items)
-    if PREFIX_BYTES + header_len + payload_bytes > store.config.max_body_bytes:
-        raise WireError("body", f"the header lists {payload_bytes} payload bytes, more than "
-                        f"max_body_bytes={store.config.max_body_bytes} allows", Problem.TOO_LARGE)
-    declared = request.content_length
-    if declared is not None and declared != PREFIX_BYTES + header_len + payload_bytes:
-        raise WireError("frame", f"Content-Length is {declared} bytes but the header lists "
-                        f"{payload_bytes} payload bytes ({PREFIX_BYTES + header_len + payload_bytes} in all)")
-    await store.room_for(items)
-    plan = store.reserve(ns_id, items)
+    order = read_order(header, ns_id, header_len, request.content_length, store.limits, store.config.max_body_bytes,
+                       from_peer=request[TENANT] == PEER)
+    placed(request, order.items)
+    await store.room_for(order.items)
+    intake = store.intake(order)
     try:
         async with asyncio.timeout_at(deadline):  # a stalled client must not hold its reserved pages
-            for part in plan.body():  # items in adjacent pages: one view (store/writes.py PutPlan.body)
-                if isinstance(part, int):
-                    await body.skip(part)
-                else:
-                    await body.readinto([part])
+            for plan in intake:  # the next chunk is planned while this one's bytes arrive
+                for part in plan.body():  # items in adjacent pages: one view (store/writes.py PutPlan.body)
+                    if isinstance(part, int):
+                        await body.skip(part)
+                    else:
+                        await body.readinto([part])
             if not await body.at_eof():
                 raise WireError("frame", "bytes follow the last payload the header lists")
     except asyncio.IncompleteReadError:
-        store.abort_put(plan)
+        intake.abort()
         raise WireError("frame", "body ended before every payload the header lists arrived") from None
     except TimeoutError:
-        store.abort_put(plan)
+        intake.abort()
         raise stalled(store) from None
     except BaseException:
-        store.abort_put(plan)
+        intake.abort()
         raise
-    store.metrics.transfer_bytes.labels("in", "http").inc(payload_bytes)
-    store.verify_put(plan)
-    results = plan.results
-    if commit_now:
-        committed = iter(await store.commit(ns_id, plan.keys))
-        results = [next(committed) if e is not None else r for e, r in zip(plan.entries, results)]
-        # Pushed by a hot entry's owner (store/replication.py): marked as a replica only when it
-        # comes from a node (the cluster token; any caller on an open store, whose nodes carry none).
-        if replica and (request[TENANT] == PEER or store.tenants is None):
-            store.replica_keys.update(e.key for e, r in zip(plan.entries, results)
-                                      if e is not None and r.status is ItemStatus.OK)
+    store.metrics.transfer_bytes.labels("in", "http").inc(order.payload_bytes)
+    # Pushed by a hot entry's owner (store/replication.py): marked as a replica only when it comes
+    # from a node (the cluster token; any caller on an open store, whose nodes carry none).
+    replicas = store.replica_keys if order.replica and (request[TENANT] == PEER or store.tenants is None) else None
+    results = await intake.finish(replicas)
     return frame_response({"results": [r.to_wire() for r in results]})
 
 

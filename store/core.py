@@ -49,6 +49,7 @@ from .space import Space
 from .tasks import stop_task
 from .tenants import Tenants, load_tenants
 from .validate import check_namespace
+from .puts import PutIntake, PutOrder
 from .writes import PutPlan, WritePath
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,9 @@ class Store:
         self.leases = Leases(self.space.unpin, config.max_leases_per_tenant, leased_bytes)
         self.metrics.tenant_leased = lambda: self.leases.bytes_by_owner
         self.behind = WriteBehind(config, self.index, self.arena, self.space, self.disk, self.metrics, clock)
-        self.writes = WritePath(config, self.index, self.arena, self.namespaces, self.ledger, self.space,
-                                self.disk, self.behind, self.admission, self.eviction, self.metrics, clock)
+        self.writes = WritePath(config=config, index=self.index, arena=self.arena, namespaces=self.namespaces,
+                                ledger=self.ledger, space=self.space, disk=self.disk, behind=self.behind,
+                                admission=self.admission, eviction=self.eviction, metrics=self.metrics, clock=clock)
         self.reads = ReadPath(config, self.index, self.arena, self.space, self.disk, self.metrics, clock)
         self.lookups = LookupService(config, self.index, self.namespaces, self.leases, self.ledger, self.admission,
                                      self.eviction, self.metrics, clock)
@@ -284,6 +286,10 @@ class Store:
             await asyncio.wait_for(self.behind.drain(), 2 * self.config.write_behind_s + 1.0)
         except TimeoutError:
             pass  # planned as it is: what does not fit is refused, as before
+
+    def intake(self, order: PutOrder) -> PutIntake:
+        """A put's plans, reserved a chunk at a time as its body streams in (store/puts.py)."""
+        return PutIntake(self.writes, self.ledger, self.namespaces.get(order.namespace_id), order)
 
     def reserve(self, ns_id: bytes, items: Sequence[ItemSpec]) -> PutPlan:
         """:meth:`plan_put`, refused whole over the tenant's quota (WritePath.reserve)."""

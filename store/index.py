@@ -203,6 +203,7 @@ class IndexRun:
     run: Run[Entry]
     last: Entry | None
     copied: list[int]
+    needs: int | None = None  # the stop level, whose tokens the request did not carry and a comparison needs
 
 
 class IndexInvariantError(AssertionError):
@@ -400,6 +401,11 @@ class Index:
             node = namespace_id + q.parent_of(held)
             seg = q.segment(held)
             extra = q.extra(stop)
+            if seg is None:
+                if self.children.get(node) or (snaps_under is not None and snaps_under.get(node)):
+                    # A lean request that did not carry the stop level: say so, answer nothing.
+                    return IndexRun(run=Run(start=start, held=held), last=last, copied=copied, needs=stop)
+                seg = b""  # nothing stored under it to compare: no child, no snapshot
             child, usable = self.best_child(node, seg, extra, scan, budget, skip=record)
             if snaps_under is not None and snaps_under.get(node):
                 snap = self.best_snapshot_under(
@@ -417,7 +423,12 @@ class Index:
                 if budget.left <= 0:
                     break
                 j = start + x
-                snap = self.best_snapshot_under(node, q.segment(x), j * B, B, own_next=q.next_hash(x),
+                # A held level's tokens are its stored block's (equal hashes: protocol/match.py), so a
+                # lean request need not carry them.
+                held_seg = q.segment(x)
+                if held_seg is None:
+                    held_seg = entries[blocks + q.next_hash(x)].tokens
+                snap = self.best_snapshot_under(node, held_seg, j * B, B, own_next=q.next_hash(x),
                                                 extra=q.extra(j), limit=j * B + B, scan=scan, budget=budget)
                 if snap is not None:
                     snapshots[j] = Hit(snap, snap.boundary)

@@ -80,6 +80,14 @@ class TenantLedger:
             self._metrics.quota_rejections.labels(ns.tenant).inc()
         return over
 
+    def could_hold(self, ns: Namespace, nbytes: int, entries: int) -> bool:
+        """Whether the tenant could hold ``nbytes`` and ``entries`` more than it does now, within its
+        quota and entry share. A question (store/puts.py asks it before planning): nothing counted."""
+        quota = self.quota_of(ns)
+        if quota is not None and self.bytes_of(ns.tenant) + nbytes > quota:
+            return False
+        return self.entry_share is None or self.entries_of(ns.tenant) + entries <= self.entry_share
+
     def over_entries(self, ns: Namespace, taken: int) -> bool:
         """Whether one more entry would take the tenant past its ``entry_share`` (``taken``: the
         entries it holds counting a batch under way). Counted when refused, as a quota refusal."""

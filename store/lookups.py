@@ -138,6 +138,9 @@ class LookupService:
         scan = self._config.max_child_scan
         found = self._index.run(ns.id, req.levels(ns.block_tokens, root), scan=scan, budget=ScanBudget(scan),
                                 whole=True)
+        if found.needs is not None:  # a lean request stopped where it carried no tokens: ask for them
+            return LookupAnswer(num_tokens=req.num_tokens, matched_blocks=0, kv_tokens=0, state_tokens=0,
+                                checkpoint_hint=0, block_bytes=ns.block_bytes, need_level=found.needs)
         m = merge([found.run], block_tokens=ns.block_tokens, num_blocks=req.num_blocks, has_state=ns.has_state)
         child = m.child.entry if m.child is not None else None
         snapshot = m.snapshot.entry if m.snapshot is not None else None
@@ -178,7 +181,9 @@ class LookupService:
         root = self._namespaces.root(ns.id)
         assert root is not None
         parent = BlockHash(req.hashes[(j - 1) * HASH_BYTES : j * HASH_BYTES]) if j else root
-        return tail_hash(parent, req.tokens[j * B * TOKEN_BYTES : kv_tokens * TOKEN_BYTES], dict(req.extras).get(j, b""))
+        seg = req.levels(B, root).segment(j)
+        assert seg is not None, "a match that ends inside level j compared the level's tokens"
+        return tail_hash(parent, seg[: (kv_tokens - j * B) * TOKEN_BYTES], dict(req.extras).get(j, b""))
 
     def probe(self, req: ProbeRequest, replicas_of: Mapping[bytes, tuple[str, ...]] | None = None,
               root_home: Callable[[bytes], bool] = lambda key: True,

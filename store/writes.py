@@ -114,7 +114,7 @@ class PutPlan:
 
 
 class WritePath:
-    def __init__(self, config: StoreConfig, index: Index, arena: Arena, namespaces: Namespaces,
+    def __init__(self, *, config: StoreConfig, index: Index, arena: Arena, namespaces: Namespaces,
                  ledger: TenantLedger, space: Space, disk: Disk, behind: WriteBehind, admission: Mapping[Kind, AdmissionPolicy],
                  eviction: EvictionPolicy, metrics: StoreMetrics, clock: Callable[[], float]) -> None:
         self._config = config

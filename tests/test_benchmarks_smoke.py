@@ -18,7 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lookup", "transfer", "soak", "tenant_oracle"])
+@pytest.mark.parametrize("name", ["lookup", "transfer", "soak", "tenant_oracle", "lookup_latency"])
 def test_benchmark_quick_run(name: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out)],
@@ -31,7 +31,7 @@ def test_benchmark_quick_run(name: str, tmp_path: Path) -> None:
     assert png.startswith(PNG_MAGIC) and len(png) > 1000
 
 
-@pytest.mark.parametrize("name", ["lookup", "transfer"])
+@pytest.mark.parametrize("name", ["lookup", "transfer", "lookup_latency"])
 def test_benchmark_help_documents_every_flag(name: str) -> None:
     proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--help"],
                           capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent)

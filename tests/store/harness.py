@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from prefixstore.client.prompt import Prompt, with_payload
 from prefixstore.protocol import Namespace
+from prefixstore.protocol.match import lean_levels, span_tokens
 from prefixstore.protocol.wire import STATUS_OK, WANT, GetItem, ItemSpec, LookupRequest
 from prefixstore.store import Store, StoreConfig
 
@@ -83,6 +84,25 @@ class CoreHarness:
         req = LookupRequest(namespace_id=self.ns.id, hashes=b"".join(p.hashes), tokens=p.packed, lease=lease,
                             extras=tuple((j, x) for j, x in enumerate(p.extra_keys) if x))
         return p, self.store.lookup(req)
+
+    def lean_lookup(self, tokens: list[int], window: int, lease: bool = True,  # type: ignore[no-untyped-def]
+                    extra_keys: list[bytes] | None = None):
+        """A lean lookup as the node client makes it (client/node.py): tokens of level 0 and of the last
+        ``window`` tokens, then of each level the store names. Returns the prompt, the answer and the
+        levels the store asked for."""
+        p = Prompt(self.ns, tokens, extra_keys)
+        B = self.ns.block_tokens
+        needed: list[int] = []
+        while True:
+            spans = lean_levels(-(-p.num_tokens // B), B, window, needed)
+            req = LookupRequest(namespace_id=self.ns.id, hashes=p.hash_bytes, tokens=span_tokens(p.packed, B, spans),
+                                spans=spans, total_tokens=p.num_tokens, lease=lease,
+                                extras=tuple((j, x) for j, x in enumerate(p.extra_keys) if x))
+            ans = self.store.lookup(LookupRequest.from_header(req.to_header(), self.store.limits, lambda _: B))
+            if ans.need_level is None:
+                return p, ans, needed
+            assert ans.need_level not in needed, (ans.need_level, needed)  # no write raced it here
+            needed.append(ans.need_level)
 
     def read(self, items: list[GetItem]) -> list[bytes | None]:
         plan = self.run(self.store.prepare_get(self.ns.id, items))

@@ -109,8 +109,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.model.save(tokens, kv_upto, boundaries)
 
     @rule(base=st.integers(0, 50), keep=st.floats(0, 1), suffix=st.lists(ALPHABET, max_size=10),
-          split=st.floats(0, 1))
-    def lookup_and_read(self, base: int, keep: float, suffix: list[int], split: float) -> None:
+          split=st.floats(0, 1), window=st.one_of(st.none(), st.integers(0, 6)))
+    def lookup_and_read(self, base: int, keep: float, suffix: list[int], split: float, window: int | None) -> None:
         assert self.harness is not None
         parent = self.sequences[base % len(self.sequences)]
         prompt = parent[: int(len(parent) * keep) + 1] + suffix
@@ -120,7 +120,13 @@ class StoreMachine(RuleBasedStateMachine):
         p = Prompt(self.ns, prompt)
         levels = len(p.hashes) + (p.num_tokens > len(p.hashes) * self.ns.block_tokens)
         walked = self.probe_merge(p, min(levels - 1, int(split * levels))) if levels else (0, 0, 0, 0)
-        _, ans = self.harness.lookup(prompt)
+        # The whole prompt's tokens, or a lean request (tokens of level 0, the last `window` tokens and
+        # the levels the store names): the same answer either way, against the same model.
+        if window is None:
+            _, ans = self.harness.lookup(prompt)
+        else:
+            _, ans, needed = self.harness.lean_lookup(prompt, window)
+            assert len(needed) <= 1, needed  # at most one more round trip: the stop level
         assert walked == (ans.matched_blocks, ans.kv_tokens, ans.state_tokens, ans.checkpoint_hint), (prompt, split)
         want_kv, want_state = self.model.kv_tokens(prompt), self.model.state_tokens(prompt)
         if self.evicting:
