@@ -91,6 +91,7 @@ class CostMeter:
         self._prefill: float | None = None
         self._step: float | None = None
         self._loads: deque[tuple[int, float]] = deque(maxlen=LOAD_SAMPLES)
+        self._line: tuple[float, float] | None = None  # robust_line of _loads, until the next load
 
     def step(self, seconds: float, num_reqs: int, num_tokens: int) -> None:
         """A forward pass of ``num_reqs`` requests computing ``num_tokens`` tokens."""
@@ -106,11 +107,14 @@ class CostMeter:
         """A finished load of ``tokens`` tokens that took ``seconds``."""
         if tokens > 0:
             self._loads.append((tokens, seconds))
+            self._line = None
 
     def figures(self) -> CostFigures:
         per_token = fixed = None
         if len(self._loads) >= 2:
-            per_token, fixed = robust_line(list(self._loads))
+            if self._line is None:  # the line changes only with a new load: not refitted every step
+                self._line = robust_line(list(self._loads))
+            per_token, fixed = self._line
         return CostFigures(prefill_s_per_token=self._prefill, step_s=self._step, load_s_per_token=per_token,
                            load_fixed_s=fixed)
 
@@ -122,10 +126,14 @@ def robust_line(points: list[tuple[int, float]]) -> tuple[float, float]:
     Not least squares: under load a few loads wait behind saves on the client loop or a busy
     store, and one such outlier among short loads gave a least-squares line 1.5 s fixed (every
     hit then looked slower than recomputing it, and was not loaded); the medians ignore up to
-    about three loads in ten. Points all of one size: all of it per token."""
+    about three loads in ten. Points mostly of one size: the median time per token, nothing fixed."""
     slopes = sorted((s2 - s1) / (n2 - n1) for i, (n1, s1) in enumerate(points) for n2, s2 in points[i + 1:]
                     if n2 != n1)
-    if not slopes:
+    pairs = len(points) * (len(points) - 1) // 2
+    if 2 * len(slopes) < pairs:
+        # Most loads of one size (hybrid loads fall on vLLM's block grid): every slope then runs
+        # through the few others, and one slow load of another size would set the line. The
+        # median time per token, nothing fixed, is what most loads say.
         return median([s / n for n, s in points]), 0.0
     slope = max(median(slopes), 0.0)
     return slope, max(median([s - slope * n for n, s in points]), 0.0)

@@ -107,9 +107,9 @@ class PrefixStoreScheduler:
         when the load is reported, so the connector must not also hold them for a save: a second
         release of a freed request is the AssertionError that killed the engine core (issue 29)."""
         self._failed_loads: set[str] = set()
-        self._wait_since: dict[str, float] = {}  # req -> when its lookup first waited for a save in flight
         """Requests whose load failed: vLLM recomputes them and asks again, and they are not loaded
         again (a failure that repeats would otherwise loop)."""
+        self._wait_since: dict[str, float] = {}  # req -> when its lookup first waited for a save in flight
         self.costs = CostFigures()
         """The workers' latest figures of what loads and recomputing cost (costs.py)."""
         self.refused: str | None = None

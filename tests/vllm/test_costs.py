@@ -57,6 +57,18 @@ def test_a_few_slow_loads_do_not_make_every_load_look_slow() -> None:
     assert WIDE.load_pays(1000)
 
 
+def test_one_slow_load_of_another_size_does_not_set_the_line() -> None:
+    """Hybrid loads fall on vLLM's block grid, so most are of one size: 31 loads of 1,024 tokens in
+    20 ms and one of 2,048 in 500 ms. Every slope runs through the odd one; the median time per
+    token says what most loads cost (a 1,024-token load: 20 ms, not 480)."""
+    meter = CostMeter()
+    for _ in range(31):
+        meter.load(1024, 0.020)
+    meter.load(2048, 0.500)
+    f = meter.figures()
+    assert f.load_s_per_token == pytest.approx(0.020 / 1024) and f.load_fixed_s == 0.0
+
+
 def test_a_wait_never_outlasts_recomputing_while_load_figures_are_missing() -> None:
     """Prefill measured, loads not yet: the gain is what recomputing would cost less the step
     (an upper bound); before prefill is measured, unknown."""
