@@ -181,14 +181,21 @@ def store_hits(urls: Sequence[str]) -> dict[str, float]:
     return out
 
 
+def replica_samples(replicas: Sequence[Replica]) -> list[dict[str, float]]:
+    """Each replica's /metrics samples (empty where it did not answer: a dead replica counts nothing)."""
+    out = []
+    for r in replicas:
+        try:
+            out.append(r.metrics())
+        except OSError:
+            out.append({})
+    return out
+
+
 def connector_events(replicas: Sequence[Replica]) -> dict[str, float]:
     """The connectors' event counters (prefixstore_vllm_events_total), summed over replicas."""
     out: dict[str, float] = {}
-    for r in replicas:
-        try:
-            samples = r.metrics()
-        except OSError:
-            continue
+    for samples in replica_samples(replicas):
         for key, value in samples.items():
             if key.startswith("prefixstore_vllm_events_total{"):
                 event = _label(key, "event")
@@ -199,24 +206,14 @@ def connector_events(replicas: Sequence[Replica]) -> dict[str, float]:
 def connector_costs(replicas: Sequence[Replica]) -> list[dict[str, float]]:
     """Per replica, the cost figures its connector's last load decision used (prefixstore_vllm_cost_seconds):
     why hits were loaded or recomputed."""
-    out = []
-    for r in replicas:
-        try:
-            samples = r.metrics()
-        except OSError:
-            samples = {}
-        out.append({_label(k, "figure"): v for k, v in samples.items() if k.startswith("prefixstore_vllm_cost_seconds{")})
-    return out
+    return [{_label(k, "figure"): v for k, v in samples.items() if k.startswith("prefixstore_vllm_cost_seconds{")}
+            for samples in replica_samples(replicas)]
 
 
 def step_counters(replicas: Sequence[Replica]) -> dict[str, float]:
     """The connectors' decode-step counters, summed over replicas: {'yes:5-8:n': steps, 'yes:5-8:s': seconds}."""
     out: dict[str, float] = {}
-    for r in replicas:
-        try:
-            samples = r.metrics()
-        except OSError:
-            continue
+    for samples in replica_samples(replicas):
         for key, value in samples.items():
             for metric, suffix in (("prefixstore_vllm_decode_steps_total{", "n"),
                                    ("prefixstore_vllm_decode_step_seconds_total{", "s")):
