@@ -5,12 +5,12 @@ hints, and at request ends (see client/vllm/connector.py for the whole life of a
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,6 +18,7 @@ import numpy as np
 from prefixstore.protocol.keys import Origin
 from ..client import PrefixClient
 from ..pagekeys import SALT_PREFIX
+from ..prompt import Prompt
 from ..results import LookupResult
 from .costs import CostFigures
 from .loop import ClientLoop
@@ -59,6 +60,18 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if len(diff) else n
+
+
+@dataclass
+class PendingLookup:
+    """A request's lookup, sent to the store and not yet answered (vLLM asks again next step)."""
+
+    prompt: Prompt
+    future: concurrent.futures.Future[LookupResult]
+    sent_at: float
+    num_tokens: int
+    deferred: bool = False
+    """Whether the request has been told "not yet" (counted once: ``lookups_deferred``)."""
 
 
 class PrefixStoreScheduler:
@@ -110,6 +123,9 @@ class PrefixStoreScheduler:
         """Requests whose load failed: vLLM recomputes them and asks again, and they are not loaded
         again (a failure that repeats would otherwise loop)."""
         self._wait_since: dict[str, float] = {}  # req -> when its lookup first waited for a save in flight
+        self._pending: dict[str, PendingLookup] = {}  # req -> its lookup, sent and not yet answered
+        self._idle = True
+        """Whether the engine's last step scheduled no token (a lookup may then hold the scheduler)."""
         self.costs = CostFigures()
         """The workers' latest figures of what loads and recomputing cost (costs.py)."""
         self.refused: str | None = None
@@ -154,25 +170,53 @@ class PrefixStoreScheduler:
             return lookup.kv_tokens
         return lookup.state_tokens
 
-    def lookup(self, tokens: Sequence[int], extra: list[bytes]) -> tuple[LookupResult, int]:
-        """The store's answer for ``tokens`` and the tokens the engine can load: one lookup
-        whatever the tensor-parallel size (every rank reads its own heads of the same entries;
-        before the canonical layout, one per rank's namespace, and a rank's shard could lack what
-        another's held). Bounded by ``lookup_timeout_s``: the engine's scheduler waits for it."""
-        loop, client = self._lookup_client()
-        prompt = store_prompt(client, self.settings.keys, tokens, extra)
-        future = loop.submit(client.lookup(prompt, lease=False))
+    def lookup(self, req_id: str, tokens: Sequence[int], extra: list[bytes]) -> tuple[LookupResult, int] | None:
+        """The store's answer for ``tokens`` and the tokens the engine can load, or None: not yet
+        (vLLM asks again next step). One lookup whatever the tensor-parallel size (every rank
+        reads its own heads of the same entries).
+
+        vLLM's scheduler calls this on the engine's thread, and every request of the engine waits
+        while it does. So the scheduler waits for the answer only while that costs nobody else:
+        * the engine's last step scheduled nothing (idle): up to ``lookup_timeout_s``;
+        * the engine is running requests: at most ``lookup_block_s``. A lookup not answered by
+          then goes on in the background and the request is asked again next step (counted once,
+          ``lookups_deferred``), while the running requests take their step: measured under
+          concurrent load, 8-32 lookups a run took longer than 0.25 s, and each stalled every
+          request of its engine that long (docs/benchmarks.md, vLLM serving).
+        Either way a lookup unanswered ``lookup_timeout_s`` after it was sent is a miss for that
+        request (``lookup_timeouts``), never a stalled engine."""
+        pending = self._pending.get(req_id)
+        if pending is not None and pending.num_tokens != len(tokens):  # preempted, and longer now
+            self._drop_pending(req_id)
+            pending = None
+        if pending is None:
+            loop, client = self._lookup_client()
+            prompt = store_prompt(client, self.settings.keys, tokens, extra)
+            pending = PendingLookup(prompt, loop.submit(client.lookup(prompt, lease=False)), time.monotonic(),
+                                    len(tokens))
+            self._pending[req_id] = pending
+        left = self.settings.lookup_timeout_s - (time.monotonic() - pending.sent_at)
+        wait = max(left if self._idle else min(left, self.settings.lookup_block_s), 0.0)
         try:
-            result: LookupResult = future.result(timeout=self.settings.lookup_timeout_s)
+            result: LookupResult = pending.future.result(timeout=wait)
         except concurrent.futures.TimeoutError:
-            # The engine's scheduler waits for this answer, and every request of the engine with
-            # it: a store slower than lookup_timeout_s is a miss, not a stalled engine.
-            future.cancel()
+            if left > wait:
+                if not pending.deferred:
+                    pending.deferred = True
+                    self._stats.count("lookups_deferred")
+                return None
+            self._drop_pending(req_id)
             self._stats.count("lookup_timeouts")
             self._log.warning("prefixstore lookup took longer than lookup_timeout_s (%g s): a miss",
                               self.settings.lookup_timeout_s)
-            return LookupResult(prompt=prompt, ok=False), 0
+            return LookupResult(prompt=pending.prompt, ok=False), 0
+        del self._pending[req_id]
         return result, self.loadable_tokens(result)
+
+    def _drop_pending(self, req_id: str) -> None:
+        pending = self._pending.pop(req_id, None)
+        if pending is not None:
+            pending.future.cancel()
 
     def _save_in_flight_extends(self, req_id: str, tokens: Sequence[int], extra: list[bytes], local: int) -> bool:
         """Whether the lookup of ``req_id`` waits (vLLM asks again next step) for a save this engine
@@ -226,19 +270,26 @@ class PrefixStoreScheduler:
         memo = self._lookups.pop(request.request_id, None)
         if (not self.loads or not keyable(request) or self.refused is not None
                 or request.request_id in self._failed_loads):
+            self._drop_pending(request.request_id)
             return 0, False
         tokens = request.all_token_ids[: request.num_tokens - 1]  # the last token is always computed
         if len(tokens) <= num_computed_tokens:
+            self._drop_pending(request.request_id)
             return 0, False
         if memo is not None and memo[0].ok and memo[0].num_tokens == len(tokens):
             # Asked again (the request did not fit this step): the same answer, without another
             # lookup, which the store's admission would count as a second sighting of the prefix.
             lookup, loadable = memo[0], memo[2]
         else:
-            if self._save_in_flight_extends(request.request_id, tokens, extra_keys(request), num_computed_tokens):
+            if (request.request_id not in self._pending
+                    and self._save_in_flight_extends(request.request_id, tokens, extra_keys(request),
+                                                     num_computed_tokens)):
                 self._stats.count("save_waits")
                 return None, False
-            lookup, loadable = self.lookup(tokens, extra_keys(request))
+            answer = self.lookup(request.request_id, tokens, extra_keys(request))
+            if answer is None:
+                return None, False  # still on its way: asked again next step
+            lookup, loadable = answer
             promised = self._promise(request, len(tokens))
             # Even when this lookup failed or timed out: a store busy taking the prefill's put
             # answers late (lookup_timeout_s bounds the scheduler, not the worker); the worker's
@@ -362,6 +413,7 @@ class PrefixStoreScheduler:
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             self._plan_step_save(req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        self._idle = scheduler_output.total_num_scheduled_tokens == 0
         meta = PrefixStoreMetadata(loads=self._loads, saves=self._saves,
                                    idle=scheduler_output.total_num_scheduled_tokens == 0,
                                    num_reqs=len(scheduled), num_tokens=scheduler_output.total_num_scheduled_tokens)
@@ -408,6 +460,7 @@ class PrefixStoreScheduler:
         keeps the blocks until the worker copied them."""
         req_id = request.request_id
         self._lookups.pop(req_id, None)
+        self._drop_pending(req_id)
         self._requests.pop(req_id, None)
         self._junctions.pop(req_id, None)
         self._promised.pop(req_id, None)

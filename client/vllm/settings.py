@@ -65,10 +65,14 @@ class ConnectorSettings:
     longer than loading what the save adds would gain it against recomputing (the engine's measured
     costs, client/vllm/costs.py). 0: never wait."""
     lookup_timeout_s: float = 0.25
-    """Longest the scheduler waits for a new request's lookup. vLLM's scheduler, and so every
-    request of the engine, waits while it is asked; a store slower than this is a miss for that
+    """Longest a new request waits for its lookup: a store slower than this is a miss for that
     request (counted ``lookup_timeouts``), never a stalled engine. A lookup takes about a
     millisecond on a healthy store (docs/benchmarks.md)."""
+    lookup_block_s: float = 0.003
+    """Longest vLLM's scheduler (and so every request of the engine) waits for a lookup while the
+    engine is running requests. A lookup not answered by then goes on in the background; the
+    request is asked again next step (counted ``lookups_deferred``) while the others take theirs.
+    An idle engine waits up to ``lookup_timeout_s``: it holds nobody back."""
     save_timeout_s: float = 30.0
     """Longest a save's offer and put may take on the worker. Past it the save is dropped: counted
     (``saves_dropped``), logged, and reported ended, so the scheduler stops holding lookups back for
@@ -120,6 +124,9 @@ class ConnectorSettings:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 600:
                 raise ValueError(f"{name}: must be a number of seconds in [0, 600], got {value!r}")
+        if (not isinstance(self.lookup_block_s, (int, float)) or isinstance(self.lookup_block_s, bool)
+                or not 0 <= self.lookup_block_s <= 1):
+            raise ValueError(f"lookup_block_s: must be a number of seconds in [0, 1], got {self.lookup_block_s!r}")
         for name in ("lookup_timeout_s", "save_timeout_s", "load_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 3600:

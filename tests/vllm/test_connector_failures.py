@@ -171,6 +171,70 @@ def test_a_slow_store_is_a_miss_after_lookup_timeout_s(engine_factory: EngineFac
         assert stats is not None and stats.data["lookup_timeouts"] == 1 and stats.data["lookup_failures"] == 1
 
 
+def busy(e: Engine) -> None:
+    """vLLM's step that scheduled tokens: the engine is running requests."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    step = SchedulerOutput.make_empty()
+    step.total_num_scheduled_tokens = 8
+    e.scheduler.build_connector_meta(step)
+
+
+def ask_until_answered(e: Engine, r: Any, limit_s: float = 5.0) -> tuple[tuple[int | None, bool], int]:
+    """vLLM asking again every step (here every 10 ms) until the connector answers; the answer and
+    how many times it said "not yet"."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    not_yet = 0
+    while True:
+        answer = e.scheduler.get_num_new_matched_tokens(r, 0)
+        if answer[0] is not None or time.monotonic() > deadline:
+            return answer, not_yet
+        not_yet += 1
+        time.sleep(0.01)
+
+
+def test_a_slow_lookup_does_not_hold_a_busy_engine(engine_factory: EngineFactory) -> None:
+    """While the engine runs requests, a lookup the store does not answer within lookup_block_s
+    goes on in the background: vLLM hears "not yet" (None) and runs its step, and asks again; past
+    lookup_timeout_s it is a miss. Before, the scheduler (and every running request) waited the
+    whole lookup_timeout_s, 8-32 times a run under concurrent load."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        e = engine_factory("slow-store-busy", url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                           lookup_timeout_s=0.2, lookup_block_s=0.001)
+        busy(e)
+        r = request("a", PROMPT + [1])
+        assert e.scheduler.get_num_new_matched_tokens(r, 0) == (None, False)
+        answer, not_yet = ask_until_answered(e, r)
+        assert answer == (0, False) and not_yet >= 1
+        e.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
+        stats = e.scheduler.get_kv_connector_stats()
+        assert stats is not None
+        assert (stats.data["lookups_deferred"], stats.data["lookup_timeouts"], stats.data["lookup_failures"]) == (1, 1, 1)
+
+
+def test_a_deferred_lookup_is_answered_on_a_later_step(engine_factory: EngineFactory) -> None:
+    """The lookup a busy engine did not wait for is the one whose answer comes later: the store's
+    hit, loaded, from one lookup (asked again, the request is not looked up again)."""
+    e = engine_factory("deferred", hybrid=True, load_policy="always", lookup_block_s=0)
+    hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=96)
+    busy(e)
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (None, False)
+    answer, _ = ask_until_answered(e, r)
+    assert answer == (40, True)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, True)  # the request did not fit: asked again
+    e.scheduler.update_state_after_alloc(r, blocks_of([20, 21, 22], [0, 0, 23]), 40)
+    stats = e.scheduler.get_kv_connector_stats()
+    assert stats is not None and (stats.data["lookups"], stats.data["lookups_deferred"]) == (1, 1)
+    assert stats.data.get("lookup_timeouts", 0) == 0
+
+
 def test_a_load_that_would_not_beat_recomputing_is_not_made(engine_factory: EngineFactory) -> None:
     """With the engine's figures saying 40 tokens recompute faster than a hybrid load returns (a
     tiny model), the store's hit is not loaded (counted), and with load_policy 'always' it is."""

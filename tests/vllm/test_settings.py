@@ -35,6 +35,8 @@ def test_every_client_field_is_accepted() -> None:
     ({"switch_interval_s": 1.0}, "switch_interval_s"),
     ({"switch_interval_s": True}, "switch_interval_s"),
     ({"idle_wait_s": "5ms"}, "idle_wait_s"),
+    ({"lookup_block_s": -0.001}, "lookup_block_s"),
+    ({"lookup_block_s": True}, "lookup_block_s"),
     ({"url": []}, "url"),
     ({"commit_wait_s": -1}, "commit_wait_s"),
     ({"commit_wait_s": "5"}, "commit_wait_s"),
