@@ -40,6 +40,8 @@ import json
 import math
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -48,7 +50,8 @@ from typing import Any
 
 import _harness as h
 from _serving_load import Result, RunState, Trace, build_trace, replay
-from _vllm_sides import MODELS, SIDES, Backends, Model, Replica, SideUnavailable, build_model, scrape, start_replicas, stop
+from _vllm_sides import (MODELS, SIDES, Backends, Model, Replica, SideUnavailable, build_model, prefixstore_nodes, scrape,
+                         start_replicas, stop)
 
 try:  # the peers register their sides (they need nothing of prefixstore's)
     import _vllm_peers  # noqa: F401
@@ -117,7 +120,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="Where the engines run: cpu (vLLM's CPU build; each replica's OpenMP threads pinned to a "
                         "core) or cuda (a GPU machine; the replicas share the GPU). Default: cpu.")
     p.add_argument("--timeout-s", type=float, default=900.0, help="Per request. Default: 900.")
+    p.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
+                   help="Time lookups against a store of its own that no engine uses (benchmarks/_store_probe.py, "
+                        "one every 50 ms) while each side serves, and once with nothing running: what the machine "
+                        "leaves a process beside the engines (column 'probe p99'). Default: on.")
     args = p.parse_args(argv)
+    args.probe_url = None  # set once the probe's store runs
     q = args.quick
     args.models = _names(args.models or ("tiny" if q else "tiny,wide,gdn"), MODELS, "--models", p)
     default_sides = "vllm,store" if q else ",".join(["vllm", "store", "cluster", *(s for s in SIDES
@@ -234,8 +242,11 @@ def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 
 
 def run_once(trace: Trace, replicas: Sequence[Replica], model: Model, backends: Backends, *, concurrency: int,
-             salt: str, label: str, timeout_s: float, kill_after: float | None = None) -> dict[str, Any]:
-    """Replay the trace once; the results and what the stores and engines counted meanwhile."""
+             salt: str, label: str, timeout_s: float, kill_after: float | None = None,
+             probe_url: str | None = None) -> dict[str, Any]:
+    """Replay the trace once; the results and what the stores and engines counted meanwhile (and,
+    with ``probe_url``, what benchmarks/_store_probe.py saw of that store meanwhile)."""
+    probe = start_probe(probe_url) if probe_url else None
     hits0, steps0, events0 = store_hits(backends.store_urls), step_counters(replicas), connector_events(replicas)
     total = trace.num_requests
     killed: list[str] = []
@@ -257,7 +268,24 @@ def run_once(trace: Trace, replicas: Sequence[Replica], model: Model, backends: 
     wall = time.perf_counter() - t0
     return {"results": results, "wall_s": wall, "hits": _diff(store_hits(backends.store_urls), hits0),
             "steps": _diff(step_counters(replicas), steps0), "killed": killed,
-            "events": _diff(connector_events(replicas), events0), "costs": connector_costs(replicas)}
+            "events": _diff(connector_events(replicas), events0), "costs": connector_costs(replicas),
+            "probe": end_probe(probe) if probe is not None else None}
+
+
+def start_probe(url: str) -> subprocess.Popen[bytes]:
+    """benchmarks/_store_probe.py against ``url`` (a store no engine uses) until end_probe."""
+    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("_store_probe.py")), "--url", url],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def end_probe(proc: subprocess.Popen[bytes]) -> dict[str, Any] | None:
+    """The probe's lookups (p50/p99/max ms, how many over 250 ms), or None if it failed."""
+    try:
+        out, _ = proc.communicate(timeout=60)
+        return json.loads(out.decode().strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        proc.kill()
+        return None
 
 
 # ---------------------------------------------------------------- figures
@@ -293,6 +321,7 @@ def figures(run: dict[str, Any], turns: int) -> dict[str, Any]:
         "killed": run["killed"],
         "connector_events": {k: v for k, v in run["events"].items() if v},
         "connector_costs": run["costs"],
+        "probe": run.get("probe"),
         "requests_detail": [{"conversation": r.conversation, "turn": r.turn + 1, "replica": r.replica,
                              "prompt": len(r.prompt), "cached": r.cached_tokens, "ttft_ms": round(r.ttft_s * 1e3, 1),
                              "tpot_ms": round(r.tpot_s * 1e3, 2), "error": r.error} for r in results],
@@ -371,7 +400,8 @@ def run_side(side_name: str, model: Model, trace: Trace, args: argparse.Namespac
         levels = [args.kill_concurrency] if kill else args.concurrency
         for c in levels:
             runs[c] = run_once(trace, replicas, model, backends, concurrency=c, salt=f"{model.name}-r{rep}-c{c}",
-                               label=f"{tag} c={c}", timeout_s=args.timeout_s, kill_after=0.4 if kill else None)
+                               label=f"{tag} c={c}", timeout_s=args.timeout_s, kill_after=0.4 if kill else None,
+                               probe_url=args.probe_url)
         return runs
     finally:
         stop([r.proc for r in replicas])
@@ -408,34 +438,49 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "unavailable": {}, "cells": []}
     with tempfile.TemporaryDirectory(prefix="vllm-serving-") as tmpdir:
         tmp = Path(tmpdir)
-        for model_name in args.models:
-            model = build_model(model_name, tmp / "models", args.max_model_len)
-            trace = build_trace(seed=args.seed, conversations=args.conversations, turns=args.turns,
-                                systems=args.systems, system_tokens=args.system_tokens, zipf_s=args.zipf,
-                                rate_per_s=args.rate, max_user_tokens=args.max_user_tokens,
-                                max_answer_tokens=args.max_answer_tokens, max_model_len=args.max_model_len)
-            h.progress(f"{model_name}: {trace.num_requests} requests per run, longest prompt {trace.max_prompt()}")
-            tie = args.tie_logprob if args.tie_logprob is not None else (0.3 if model.dtype == "bfloat16" else 0.02)
-            collected: dict[str, list[dict[int, dict[str, Any]]]] = {}
-            for rep in range(args.reps):
-                order = args.sides if rep % 2 == 0 else ["vllm", *reversed(args.sides[1:])]
-                for side_name in order:
-                    out = run_side(side_name, model, trace, args, tmp, rep)
-                    if isinstance(out, str):
-                        h.progress(f"{model_name}/{side_name}: unavailable: " + out.replace("\n", "\n    "))
-                        report["unavailable"][side_name] = out
-                        continue
-                    collected.setdefault(side_name, []).append(out)
-            if args.kill_store and "store" in collected:
-                out = run_side("store", model, trace, args, tmp, 0, kill=True)
-                if not isinstance(out, str):
-                    collected["store-killed"] = [out]
-            report["cells"] += cells_of(model, collected, args, tie)
+        probe_store: list[subprocess.Popen[bytes]] = []
+        if args.probe:
+            (tmp / "probe").mkdir()
+            urls, probe_store = prefixstore_nodes(1, tmp / "probe")
+            args.probe_url = urls[0]
+            report["probe_idle"] = end_probe(start_probe(urls[0]))  # the machine with nothing else running
+            h.progress(f"probe store {urls[0]}, idle: {report['probe_idle']}")
+        try:
+            run_models(args, tmp, report)
+        finally:
+            stop(probe_store)
     report["summary"] = summary(report["cells"])
     h.write_json(args.out, "vllm_serving", report)
     print_tables(report)
     plot(report, args.out / "vllm_serving.png")
     return 0
+
+
+def run_models(args: argparse.Namespace, tmp: Path, report: dict[str, Any]) -> None:
+    """Every model: its trace, every side rep by rep (and the killed-store run); cells into ``report``."""
+    for model_name in args.models:
+        model = build_model(model_name, tmp / "models", args.max_model_len)
+        trace = build_trace(seed=args.seed, conversations=args.conversations, turns=args.turns,
+                            systems=args.systems, system_tokens=args.system_tokens, zipf_s=args.zipf,
+                            rate_per_s=args.rate, max_user_tokens=args.max_user_tokens,
+                            max_answer_tokens=args.max_answer_tokens, max_model_len=args.max_model_len)
+        h.progress(f"{model_name}: {trace.num_requests} requests per run, longest prompt {trace.max_prompt()}")
+        tie = args.tie_logprob if args.tie_logprob is not None else (0.3 if model.dtype == "bfloat16" else 0.02)
+        collected: dict[str, list[dict[int, dict[str, Any]]]] = {}
+        for rep in range(args.reps):
+            order = args.sides if rep % 2 == 0 else ["vllm", *reversed(args.sides[1:])]
+            for side_name in order:
+                out = run_side(side_name, model, trace, args, tmp, rep)
+                if isinstance(out, str):
+                    h.progress(f"{model_name}/{side_name}: unavailable: " + out.replace("\n", "\n    "))
+                    report["unavailable"][side_name] = out
+                    continue
+                collected.setdefault(side_name, []).append(out)
+        if args.kill_store and "store" in collected:
+            out = run_side("store", model, trace, args, tmp, 0, kill=True)
+            if not isinstance(out, str):
+                collected["store-killed"] = [out]
+        report["cells"] += cells_of(model, collected, args, tie)
 
 
 def cells_of(model: Model, collected: dict[str, list[dict[int, dict[str, Any]]]], args: argparse.Namespace,
@@ -463,6 +508,8 @@ def _median_figures(per_rep: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [r[k] for r in per_rep if r.get(k) is not None and not math.isnan(r[k])]
         out[k] = statistics.median(vals) if vals else None
     out["failed_requests"] = sum(r["failed_requests"] for r in per_rep)
+    probes = [r["probe"]["p99_ms"] for r in per_rep if r.get("probe") and "p99_ms" in r["probe"]]
+    out["probe_p99_ms"] = statistics.median(probes) if probes else None
     taxes = [r["decode_tax"]["ratio"] for r in per_rep if r.get("decode_tax")]
     out["decode_tax"] = statistics.median(taxes) if taxes else None
     turns = sorted({t for r in per_rep for t in r["ttft_by_turn"]})
@@ -526,12 +573,14 @@ def print_tables(report: dict[str, Any]) -> None:
                      _num(m["prefill_computed_per_request"]), _pct(m["store_kv_hit_rate"]),
                      _pct(m["store_state_hit_rate"]), _num(m["decode_tax"]),
                      f"{c['tokens'].get('same', 0)}/{c['tokens'].get('compared', 0)}",
-                     c["tokens"].get("wrong_tokens", 0), m["failed_requests"]])
+                     c["tokens"].get("wrong_tokens", 0), m["failed_requests"], _num(m.get("probe_p99_ms"))])
     h.print_table("vLLM serving: medians over reps (TTFT of turns 2+, ms; TPOT ms; decode tax: a decode step with a "
-                  "load in flight / one without)",
+                  "load in flight / one without; probe p99: ms of a lookup to a store no engine uses, meanwhile)",
                   ["model", "conc", "side", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p99", "out tok/s", "req/s",
                    "prefill/req", "store KV hit", "store state hit", "decode tax", "same tokens", "wrong tok",
-                   "failed"], rows)
+                   "failed", "probe p99"], rows)
+    if report.get("probe_idle"):
+        print(f"probe with nothing else running: {report['probe_idle']}")
     rows = [[r["model"], r["concurrency"], r["side"], _num(r["ttft_p50_ratio_turn2plus"]), _num(r["tpot_p99_ratio"]),
              _num(r["throughput_ratio"]), _num(r["decode_step_tax"]), r["wrong_tokens"], r["near_ties"],
              r["failed_requests"]] for r in report["summary"]["by_cell"]]
