@@ -259,7 +259,8 @@ class PrefixStoreScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """One lookup (counted by the store, never changing a later answer); the tokens the store
         adds beyond the engine's local hit. Asked again for the same request, the first answer.
-        None (vLLM asks again next step) while a save in flight would lengthen the answer.
+        None (vLLM asks again next step) while a save in flight would lengthen the answer, and
+        while a busy engine's lookup has not been answered yet (:meth:`lookup`).
 
         On a decode instance (prefill/decode disaggregation), a request whose prefill instance
         said what it saved (``kv_transfer_params``, :meth:`request_finished`) is promised that
