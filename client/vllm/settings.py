@@ -66,8 +66,10 @@ class ConnectorSettings:
     costs, client/vllm/costs.py). 0: never wait."""
     lookup_timeout_s: float = 0.25
     """Longest a new request waits for its lookup: a store slower than this is a miss for that
-    request (counted ``lookup_timeouts``), never a stalled engine. A lookup takes about a
-    millisecond on a healthy store (docs/benchmarks.md)."""
+    request (counted ``lookup_timeouts``), never a stalled engine. A lookup sent while the engine
+    is running requests holds nobody back (``lookup_block_s``) and is given longer: as long as
+    recomputing the tokens it could bring would take (the engine's measured prefill cost), up to
+    2 s. A lookup takes about a millisecond on a healthy store (docs/benchmarks.md)."""
     lookup_block_s: float = 0.003
     """Longest vLLM's scheduler (and so every request of the engine) waits for a lookup while the
     engine is running requests. A lookup not answered by then goes on in the background; the

@@ -218,6 +218,38 @@ def test_a_slow_lookup_does_not_hold_a_busy_engine(engine_factory: EngineFactory
         assert (stats.data["lookups_deferred"], stats.data["lookup_timeouts"], stats.data["lookup_failures"]) == (1, 1, 1)
 
 
+def test_a_busy_engines_lookup_waits_as_long_as_recomputing_would_take(engine_factory: EngineFactory) -> None:
+    """A lookup that holds nobody back is not given up at lookup_timeout_s when recomputing what
+    it could bring takes longer (here 100 ms a token: 4 s for these 40 tokens, so the 2 s cap):
+    still "not yet" well past lookup_timeout_s, a miss only at the cap. Before, 44 of 96 wide-model
+    lookups became misses at 0.25 s and each recomputed about a thousand tokens."""
+    import socket
+    import time
+
+    from prefixstore.client.vllm.costs import CostFigures
+    from prefixstore.client.vllm.plans import PrefixStoreWorkerMeta
+    from prefixstore.client.vllm.scheduler import DEFERRED_LOOKUP_MAX_S
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        e = engine_factory("slow-store-costly", url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                           lookup_timeout_s=0.2, lookup_block_s=0.001)
+        e.scheduler.update_connector_output(KVConnectorOutput(
+            kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=CostFigures(prefill_s_per_token=0.1, step_s=0.01))))
+        busy(e)
+        r = request("a", PROMPT + [1])
+        sent = time.monotonic()
+        assert e.scheduler.get_num_new_matched_tokens(r, 0) == (None, False)
+        time.sleep(0.6)  # three times lookup_timeout_s
+        assert e.scheduler.get_num_new_matched_tokens(r, 0) == (None, False)
+        answer, _ = ask_until_answered(e, r)
+        assert answer == (0, False) and time.monotonic() - sent >= DEFERRED_LOOKUP_MAX_S
+        e.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
+        stats = e.scheduler.get_kv_connector_stats()
+        assert stats is not None and (stats.data["lookups_deferred"], stats.data["lookup_timeouts"]) == (1, 1)
+
+
 def test_a_deferred_lookup_is_answered_on_a_later_step(engine_factory: EngineFactory) -> None:
     """The lookup a busy engine did not wait for is the one whose answer comes later: the store's
     hit, loaded, from one lookup (asked again, the request is not looked up again)."""
