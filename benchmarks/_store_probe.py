@@ -1,8 +1,9 @@
 """What the machine leaves a process that is neither an engine nor the benchmark's client: a probe
 of benchmarks/vllm_serving.py that times one lookup every ``--interval-s`` against its own
 ``prefixstore serve`` (a store no engine uses) while a side serves, until its standard input
-closes, then prints one JSON line: the lookups' p50, p99 and largest round trip in milliseconds
-and how many took longer than 250 ms (the connector's ``lookup_timeout_s``).
+closes, then prints one JSON line: the answered lookups' p50, p99 and largest round trip in
+milliseconds, how many took longer than 250 ms (the connector's ``lookup_timeout_s``), and how
+many failed (not timed: a store that died answers fast and would look healthy).
 
 Why: the store side's engines wait for a store and a connector thread that share the machine's
 cores with the engines. A slow answer there is either the store's own work or the machine's
@@ -38,28 +39,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def probe(args: argparse.Namespace, stop: threading.Event) -> list[float]:
+async def probe(args: argparse.Namespace, stop: threading.Event) -> tuple[list[float], int]:
     ns = Namespace(model="serving-probe", block_tokens=16, tenant="bench",
                    kv=KVLayout(num_layers=1, num_heads=1, head_dim=2, dtype="float16"))
     rng = np.random.default_rng(0)
     times: list[float] = []
+    failed = 0
     started = time.monotonic()
     async with PrefixClient(ns, ClientConfig(url=args.url, timeout_s=30, data_path="http")) as client:
         await client.lookup(rng.integers(0, 30000, args.tokens).tolist(), lease=False)  # connects, registers: not timed
         while not stop.is_set() or time.monotonic() - started < args.min_s:
             tokens = rng.integers(0, 30000, args.tokens).tolist()
             t = time.perf_counter()
-            await client.lookup(tokens, lease=False)
-            times.append(time.perf_counter() - t)
+            answer = await client.lookup(tokens, lease=False)
+            if answer.ok:
+                times.append(time.perf_counter() - t)
+            else:  # the probe's store did not answer (died, refused): counted, not timed
+                failed += 1
             await asyncio.sleep(args.interval_s)
-    return times
+    return times, failed
 
 
-def summarize(times: list[float]) -> dict[str, float | int]:
+def summarize(times: list[float], failed: int = 0) -> dict[str, float | int]:
     ms = np.asarray(times) * 1e3
     if not len(ms):
-        return {"n": 0}
-    return {"n": int(len(ms)), "p50_ms": round(float(np.percentile(ms, 50)), 2),
+        return {"n": 0, "failed": failed}
+    return {"n": int(len(ms)), "failed": failed, "p50_ms": round(float(np.percentile(ms, 50)), 2),
             "p99_ms": round(float(np.percentile(ms, 99)), 2), "max_ms": round(float(ms.max()), 2),
             "over_250ms": int((ms > 250).sum())}
 
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         stop.set()
 
     threading.Thread(target=watch_stdin, daemon=True).start()
-    print(json.dumps(summarize(asyncio.run(probe(args, stop)))), flush=True)
+    print(json.dumps(summarize(*asyncio.run(probe(args, stop)))), flush=True)
     return 0
 
 

@@ -21,7 +21,6 @@ append (sorted)    default, keys sorted within the transaction and put with appe
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile

@@ -285,6 +285,7 @@ def end_probe(proc: subprocess.Popen[bytes]) -> dict[str, Any] | None:
         return json.loads(out.decode().strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, ValueError, IndexError):
         proc.kill()
+        proc.wait()
         return None
 
 

@@ -62,6 +62,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def wait_for_answer(future: concurrent.futures.Future[Any], timeout_s: float) -> bool:
+    """Whether ``future`` is done within ``timeout_s`` (the one place the scheduler blocks on a lookup)."""
+    done, _ = concurrent.futures.wait([future], timeout=timeout_s)
+    return bool(done)
+
+
 DEFERRED_LOOKUP_MAX_S = 2.0
 """The longest a busy engine's lookup may take before it is a miss, however long recomputing what it
 could bring would take (PrefixStoreScheduler.lookup)."""
@@ -133,6 +139,8 @@ class PrefixStoreScheduler:
         self._pending: dict[str, PendingLookup] = {}  # req -> its lookup, sent and not yet answered
         self._idle = True
         """Whether the engine's last step scheduled no token (a lookup may then hold the scheduler)."""
+        self._block_left = 0.0  # of lookup_block_s, this step (a busy engine's scheduler)
+        self._store_slow = False  # a lookup timed out and none was answered since
         self.costs = CostFigures()
         """The workers' latest figures of what loads and recomputing cost (costs.py)."""
         self.refused: str | None = None
@@ -177,27 +185,31 @@ class PrefixStoreScheduler:
             return lookup.kv_tokens
         return lookup.state_tokens
 
-    def lookup(self, req_id: str, tokens: Sequence[int], extra: list[bytes], local: int = 0
-               ) -> tuple[LookupResult, int] | None:
+    def lookup(self, req_id: str, tokens: Sequence[int], extra: list[bytes], local: int = 0,
+               extend: bool = True) -> tuple[LookupResult, int] | None:
         """The store's answer for ``tokens`` and the tokens the engine can load, or None: not yet
         (vLLM asks again next step). One lookup whatever the tensor-parallel size (every rank
         reads its own heads of the same entries).
 
         vLLM's scheduler calls this on the engine's thread, and every request of the engine waits
-        while it does. So the scheduler waits for the answer only while that costs nobody else:
+        while it does. So the scheduler waits for answers only while that costs nobody else:
         * the engine's last step scheduled nothing (idle): up to ``lookup_timeout_s``;
-        * the engine is running requests: at most ``lookup_block_s``. A lookup not answered by
-          then goes on in the background and the request is asked again next step (counted once,
-          ``lookups_deferred``), while the running requests take their step: measured under
-          concurrent load, 8-32 lookups a run took longer than 0.25 s, and each stalled every
-          request of its engine that long (docs/benchmarks.md, vLLM serving).
+        * the engine is running requests: at most ``lookup_block_s`` per step, shared by every
+          waiting request asked in that step (vLLM asks each of them every step). A lookup not
+          answered by then goes on in the background and the request is asked again next step
+          (counted once, ``lookups_deferred``), while the running requests take their step:
+          measured under concurrent load, 8-32 lookups a run took longer than 0.25 s, and each
+          stalled every request of its engine that long (docs/benchmarks.md, vLLM serving).
         A lookup unanswered ``lookup_timeout_s`` after it was sent is a miss for that request
-        (``lookup_timeouts``), never a stalled engine; one sent while the engine was busy is
-        given longer, as long as recomputing the tokens it could bring (``local`` of them the
-        engine holds) would take by the engine's measured prefill cost, up to
+        (``lookup_timeouts``), never a stalled engine; one sent while the engine was busy (and
+        ``extend``: not a decode instance's promised load, which waits for its commit on the
+        worker anyway) is given longer, as long as recomputing the tokens it could bring (``local``
+        of them the engine holds) would take by the engine's measured prefill cost, up to
         ``DEFERRED_LOOKUP_MAX_S``: it holds nobody else back, and giving up turns a hit into that
         recompute (measured on the wide model at 8 in flight: 44 of 96 lookups missed at 0.25 s,
-        each then recomputing about a thousand tokens at 0.7-0.9 ms a token)."""
+        each then recomputing about a thousand tokens at 0.7-0.9 ms a token). Not after a lookup
+        timed out, until one is answered again: a store that does not answer would otherwise
+        cost every request that much."""
         pending = self._pending.get(req_id)
         if pending is not None and pending.num_tokens != len(tokens):  # preempted, and longer now
             self._drop_pending(req_id)
@@ -207,29 +219,46 @@ class PrefixStoreScheduler:
             prompt = store_prompt(client, self.settings.keys, tokens, extra)
             budget = self.settings.lookup_timeout_s
             recompute = self.costs.prefill_s_per_token
-            if not self._idle and recompute is not None:
+            if extend and not self._idle and not self._store_slow and recompute is not None:
                 budget = max(budget, min(recompute * (len(tokens) - local), DEFERRED_LOOKUP_MAX_S))
             pending = PendingLookup(prompt, loop.submit(client.lookup(prompt, lease=False)), time.monotonic(),
                                     len(tokens), budget)
             self._pending[req_id] = pending
         left = pending.budget_s - (time.monotonic() - pending.sent_at)
-        hold = self.settings.lookup_timeout_s if self._idle else self.settings.lookup_block_s
-        wait = max(min(left, hold), 0.0)
-        try:
-            result: LookupResult = pending.future.result(timeout=wait)
-        except concurrent.futures.TimeoutError:
+        if self._idle:
+            wait = max(min(left, self.settings.lookup_timeout_s), 0.0)
+        else:
+            wait = max(min(left, self._block_left), 0.0)
+        started = time.monotonic()
+        done = wait_for_answer(pending.future, wait)
+        if not self._idle:
+            self._block_left = max(self._block_left - (time.monotonic() - started), 0.0)
+        if not done:
             if left > wait:
                 if not pending.deferred:
                     pending.deferred = True
                     self._stats.count("lookups_deferred")
                 return None
             self._drop_pending(req_id)
+            self._store_slow = True
             self._stats.count("lookup_timeouts")
             self._log.warning("prefixstore lookup unanswered after %.3g s (lookup_timeout_s %g): a miss",
                               pending.budget_s, self.settings.lookup_timeout_s)
             return LookupResult(prompt=pending.prompt, ok=False), 0
         del self._pending[req_id]
+        try:
+            result: LookupResult = pending.future.result()
+        except Exception as err:  # noqa: BLE001 -- vLLM's scheduler must never see it: a miss
+            self._log.warning("prefixstore lookup failed, a miss: %s: %s", type(err).__name__, err)
+            return LookupResult(prompt=pending.prompt, ok=False), 0
+        if result.ok:
+            self._store_slow = False
         return result, self.loadable_tokens(result)
+
+    @property
+    def lookups_pending(self) -> int:
+        """Lookups sent and not yet answered (or given up)."""
+        return len(self._pending)
 
     def _drop_pending(self, req_id: str) -> None:
         pending = self._pending.pop(req_id, None)
@@ -288,16 +317,18 @@ class PrefixStoreScheduler:
         never a race with the prefill instance."""
         memo = self._lookups.pop(request.request_id, None)
         if (not self.loads or not keyable(request) or self.refused is not None
-                or request.request_id in self._failed_loads):
+                or request.request_id in self._failed_loads or getattr(request, "skip_reading_prefix_cache", False)):
             self._drop_pending(request.request_id)
             return 0, False
         tokens = request.all_token_ids[: request.num_tokens - 1]  # the last token is always computed
         if len(tokens) <= num_computed_tokens:
             self._drop_pending(request.request_id)
             return 0, False
-        if memo is not None and memo[0].ok and memo[0].num_tokens == len(tokens):
+        if memo is not None and memo[0].num_tokens == len(tokens):
             # Asked again (the request did not fit this step): the same answer, without another
             # lookup, which the store's admission would count as a second sighting of the prefix.
+            # A lookup that failed or was given up stays a miss: looked up again, it could be
+            # deferred again, and the request would wait at each of its chances to be scheduled.
             lookup, loadable = memo[0], memo[2]
         else:
             if (request.request_id not in self._pending
@@ -305,7 +336,9 @@ class PrefixStoreScheduler:
                                                      num_computed_tokens)):
                 self._stats.count("save_waits")
                 return None, False
-            answer = self.lookup(request.request_id, tokens, extra_keys(request), num_computed_tokens)
+            params = getattr(request, "kv_transfer_params", None) or {}
+            answer = self.lookup(request.request_id, tokens, extra_keys(request), num_computed_tokens,
+                                 extend=not params.get("do_remote_prefill"))
             if answer is None:
                 return None, False  # still on its way: asked again next step
             lookup, loadable = answer
@@ -374,6 +407,9 @@ class PrefixStoreScheduler:
         self._junctions[request.request_id] = hint
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self._idle:  # a request admitted in this step: the rest of the step holds somebody
+            self._idle = False
+            self._block_left = self.settings.lookup_block_s
         memo = self._lookups.pop(request.request_id, None)
         if memo is None:
             return
@@ -433,6 +469,7 @@ class PrefixStoreScheduler:
         for i, req_id in enumerate(cached.req_ids):
             self._plan_step_save(req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         self._idle = scheduler_output.total_num_scheduled_tokens == 0
+        self._block_left = self.settings.lookup_block_s
         meta = PrefixStoreMetadata(loads=self._loads, saves=self._saves,
                                    idle=scheduler_output.total_num_scheduled_tokens == 0,
                                    num_reqs=len(scheduled), num_tokens=scheduler_output.total_num_scheduled_tokens)

@@ -246,8 +246,94 @@ def test_a_busy_engines_lookup_waits_as_long_as_recomputing_would_take(engine_fa
         answer, _ = ask_until_answered(e, r)
         assert answer == (0, False) and time.monotonic() - sent >= DEFERRED_LOOKUP_MAX_S
         e.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
+        # A store that let a lookup run out is not given that long again until it answers one:
+        # the next request's lookup is a miss at lookup_timeout_s.
+        busy(e)
+        r2 = request("b", PROMPT + [2])
+        assert e.scheduler.get_num_new_matched_tokens(r2, 0) == (None, False)
+        time.sleep(0.4)
+        busy(e)
+        assert e.scheduler.get_num_new_matched_tokens(r2, 0) == (0, False)
+        e.scheduler.update_state_after_alloc(r2, blocks_of([]), 0)
         stats = e.scheduler.get_kv_connector_stats()
-        assert stats is not None and (stats.data["lookups_deferred"], stats.data["lookup_timeouts"]) == (1, 1)
+        assert stats is not None and (stats.data["lookups_deferred"], stats.data["lookup_timeouts"]) == (2, 2)
+
+
+def test_a_step_holds_the_scheduler_for_lookups_once(engine_factory: EngineFactory,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM asks every waiting request every step: lookup_block_s is what a busy step may spend on
+    all of them together, not on each (64 waiting requests would otherwise add 64 x 3 ms to every
+    step). A new step has it again."""
+    import socket
+
+    import prefixstore.client.vllm.scheduler as scheduler_module
+
+    asked: list[float] = []
+    original = scheduler_module.wait_for_answer
+
+    def recording(future: Any, timeout_s: float) -> bool:
+        asked.append(timeout_s)
+        return original(future, timeout_s)
+
+    monkeypatch.setattr(scheduler_module, "wait_for_answer", recording)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        e = engine_factory("slow-store-step", url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                           lookup_timeout_s=5.0, lookup_block_s=0.05)
+        busy(e)
+        waiting = [request(f"w{i}", PROMPT + [i]) for i in range(3)]
+        assert [e.scheduler.get_num_new_matched_tokens(r, 0) for r in waiting] == [(None, False)] * 3
+        assert asked[0] == pytest.approx(0.05) and sum(asked) <= 0.05 + 1e-9
+        asked.clear()
+        busy(e)  # the next step
+        assert e.scheduler.get_num_new_matched_tokens(waiting[0], 0) == (None, False)
+        assert asked == [pytest.approx(0.05)]
+
+
+def test_a_pending_lookup_ends_with_its_request(engine_factory: EngineFactory) -> None:
+    """A request that finishes (aborted while it waited, say) takes its unanswered lookup with it;
+    one whose lookup was given up is not looked up (and deferred) again when asked again."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        e = engine_factory("slow-store-end", url=f"http://127.0.0.1:{silent.getsockname()[1]}",
+                           lookup_timeout_s=0.2, lookup_block_s=0.001)
+        busy(e)
+        aborted = request("gone", PROMPT + [3])
+        assert e.scheduler.get_num_new_matched_tokens(aborted, 0) == (None, False)
+        assert e.scheduler.scheduler_side.lookups_pending == 1  # type: ignore[union-attr]
+        e.scheduler.request_finished_all_groups(aborted, ([],))
+        assert e.scheduler.scheduler_side.lookups_pending == 0  # type: ignore[union-attr]
+        r = request("late", PROMPT + [4])
+        answer, _ = ask_until_answered(e, r)
+        assert answer == (0, False)
+        # It did not fit this step: asked again, the same miss, without another lookup.
+        assert e.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert e.scheduler.scheduler_side.lookups_pending == 0  # type: ignore[union-attr]
+        stats = e.scheduler.get_kv_connector_stats()
+        assert stats is not None and (stats.data["lookups_deferred"], stats.data["lookup_timeouts"]) == (2, 1)
+
+
+def test_a_lookup_that_raises_is_a_miss_not_an_engine_error(engine_factory: EngineFactory,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a lookup raises stays in the connector: vLLM's scheduler, which would die of it,
+    hears a miss (also a TimeoutError raised by the lookup itself, not "not yet")."""
+    from prefixstore.client.client import PrefixClient
+
+    async def raising(self: Any, prompt: Any, lease: bool | None = None) -> Any:
+        raise TimeoutError("raised inside the lookup")
+
+    monkeypatch.setattr(PrefixClient, "lookup", raising)
+    e = engine_factory("raising-lookup")
+    assert e.scheduler.get_num_new_matched_tokens(request("a", PROMPT + [1]), 0) == (0, False)
+    busy(e)
+    r = request("b", PROMPT + [2])
+    answer, _ = ask_until_answered(e, r)
+    assert answer == (0, False)
+    assert e.scheduler.scheduler_side.lookups_pending == 0  # type: ignore[union-attr]
 
 
 def test_a_deferred_lookup_is_answered_on_a_later_step(engine_factory: EngineFactory) -> None:
