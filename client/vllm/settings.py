@@ -71,8 +71,9 @@ class ConnectorSettings:
     recomputing the tokens it could bring would take (the engine's measured prefill cost), up to
     2 s. A lookup takes about a millisecond on a healthy store (docs/benchmarks.md)."""
     lookup_block_s: float = 0.003
-    """Longest vLLM's scheduler (and so every request of the engine) waits for a lookup while the
-    engine is running requests. A lookup not answered by then goes on in the background; the
+    """Longest vLLM's scheduler (and so every request of the engine) waits for lookups in one step
+    while the engine is running requests, all waiting requests' lookups together. A lookup not
+    answered by then goes on in the background; the
     request is asked again next step (counted ``lookups_deferred``) while the others take theirs.
     An idle engine waits up to ``lookup_timeout_s``: it holds nobody back."""
     save_timeout_s: float = 30.0
