@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -31,6 +31,17 @@ from prefixstore.client.vllm.layout import LayoutUnsupported  # noqa: E402
 from .harness import MAMBA, PROMPT, Engine, hybrid_finished, random_kv, request, same_bytes  # noqa: E402
 
 EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture
+def silent_url() -> Iterator[str]:
+    """A store that accepts connections (the kernel's backlog) and never answers."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        yield f"http://127.0.0.1:{silent.getsockname()[1]}"
 
 
 def blocks_of(*tables: list[int]) -> KVCacheBlocks:
@@ -154,21 +165,16 @@ def test_a_failed_load_is_recomputed_and_not_loaded_again(engine_factory: Engine
     assert e.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
 
 
-def test_a_slow_store_is_a_miss_after_lookup_timeout_s(engine_factory: EngineFactory) -> None:
+def test_a_slow_store_is_a_miss_after_lookup_timeout_s(engine_factory: EngineFactory, silent_url: str) -> None:
     """vLLM's scheduler waits for the lookup, and every request of the engine with it: a store
     that takes the connection and never answers is a miss once lookup_timeout_s has passed (the
     client's own timeout_s here is 2 s), counted apart from other failures."""
-    import socket
-
-    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(16)
-        e = engine_factory("slow-store", url=f"http://127.0.0.1:{silent.getsockname()[1]}", lookup_timeout_s=0.2)
-        r = request("a", PROMPT + [1])
-        assert e.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
-        e.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
-        stats = e.scheduler.get_kv_connector_stats()
-        assert stats is not None and stats.data["lookup_timeouts"] == 1 and stats.data["lookup_failures"] == 1
+    e = engine_factory("slow-store", url=silent_url, lookup_timeout_s=0.2)
+    r = request("a", PROMPT + [1])
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+    e.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
+    stats = e.scheduler.get_kv_connector_stats()
+    assert stats is not None and stats.data["lookup_timeouts"] == 1 and stats.data["lookup_failures"] == 1
 
 
 def busy(e: Engine) -> None:
@@ -195,77 +201,66 @@ def ask_until_answered(e: Engine, r: Any, limit_s: float = 5.0) -> tuple[tuple[i
         time.sleep(0.01)
 
 
-def test_a_slow_lookup_does_not_hold_a_busy_engine(engine_factory: EngineFactory) -> None:
+def test_a_slow_lookup_does_not_hold_a_busy_engine(engine_factory: EngineFactory, silent_url: str) -> None:
     """While the engine runs requests, a lookup the store does not answer within lookup_block_s
     goes on in the background: vLLM hears "not yet" (None) and runs its step, and asks again; past
     lookup_timeout_s it is a miss. Before, the scheduler (and every running request) waited the
     whole lookup_timeout_s, 8-32 times a run under concurrent load."""
-    import socket
-
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(16)
-        e = engine_factory("slow-store-busy", url=f"http://127.0.0.1:{silent.getsockname()[1]}",
-                           lookup_timeout_s=0.2, lookup_block_s=0.001)
-        busy(e)
-        r = request("a", PROMPT + [1])
-        assert e.scheduler.get_num_new_matched_tokens(r, 0) == (None, False)
-        answer, not_yet = ask_until_answered(e, r)
-        assert answer == (0, False) and not_yet >= 1
-        e.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
-        stats = e.scheduler.get_kv_connector_stats()
-        assert stats is not None
-        assert (stats.data["lookups_deferred"], stats.data["lookup_timeouts"], stats.data["lookup_failures"]) == (1, 1, 1)
+    e = engine_factory("slow-store-busy", url=silent_url,
+                       lookup_timeout_s=0.2, lookup_block_s=0.001)
+    busy(e)
+    r = request("a", PROMPT + [1])
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (None, False)
+    answer, not_yet = ask_until_answered(e, r)
+    assert answer == (0, False) and not_yet >= 1
+    e.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
+    stats = e.scheduler.get_kv_connector_stats()
+    assert stats is not None
+    assert (stats.data["lookups_deferred"], stats.data["lookup_timeouts"], stats.data["lookup_failures"]) == (1, 1, 1)
 
 
-def test_a_busy_engines_lookup_waits_as_long_as_recomputing_would_take(engine_factory: EngineFactory) -> None:
+def test_a_busy_engines_lookup_waits_as_long_as_recomputing_would_take(engine_factory: EngineFactory, silent_url: str) -> None:
     """A lookup that holds nobody back is not given up at lookup_timeout_s when recomputing what
     it could bring takes longer (here 100 ms a token: 4 s for these 40 tokens, so the 2 s cap):
     still "not yet" well past lookup_timeout_s, a miss only at the cap. Before, 44 of 96 wide-model
     lookups became misses at 0.25 s and each recomputed about a thousand tokens."""
-    import socket
     import time
 
     from prefixstore.client.vllm.costs import CostFigures
     from prefixstore.client.vllm.plans import PrefixStoreWorkerMeta
     from prefixstore.client.vllm.scheduler import DEFERRED_LOOKUP_MAX_S
 
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(16)
-        e = engine_factory("slow-store-costly", url=f"http://127.0.0.1:{silent.getsockname()[1]}",
-                           lookup_timeout_s=0.2, lookup_block_s=0.001)
-        e.scheduler.update_connector_output(KVConnectorOutput(
-            kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=CostFigures(prefill_s_per_token=0.1, step_s=0.01))))
-        busy(e)
-        r = request("a", PROMPT + [1])
-        sent = time.monotonic()
-        assert e.scheduler.get_num_new_matched_tokens(r, 0) == (None, False)
-        time.sleep(0.6)  # three times lookup_timeout_s
-        assert e.scheduler.get_num_new_matched_tokens(r, 0) == (None, False)
-        answer, _ = ask_until_answered(e, r)
-        assert answer == (0, False) and time.monotonic() - sent >= DEFERRED_LOOKUP_MAX_S
-        e.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
-        # A store that let a lookup run out is not given that long again until it answers one:
-        # the next request's lookup is a miss at lookup_timeout_s.
-        busy(e)
-        r2 = request("b", PROMPT + [2])
-        assert e.scheduler.get_num_new_matched_tokens(r2, 0) == (None, False)
-        time.sleep(0.4)
-        busy(e)
-        assert e.scheduler.get_num_new_matched_tokens(r2, 0) == (0, False)
-        e.scheduler.update_state_after_alloc(r2, blocks_of([]), 0)
-        stats = e.scheduler.get_kv_connector_stats()
-        assert stats is not None and (stats.data["lookups_deferred"], stats.data["lookup_timeouts"]) == (2, 2)
+    e = engine_factory("slow-store-costly", url=silent_url,
+                       lookup_timeout_s=0.2, lookup_block_s=0.001)
+    e.scheduler.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=CostFigures(prefill_s_per_token=0.1, step_s=0.01))))
+    busy(e)
+    r = request("a", PROMPT + [1])
+    sent = time.monotonic()
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (None, False)
+    time.sleep(0.6)  # three times lookup_timeout_s
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (None, False)
+    answer, _ = ask_until_answered(e, r)
+    assert answer == (0, False) and time.monotonic() - sent >= DEFERRED_LOOKUP_MAX_S
+    e.scheduler.update_state_after_alloc(r, blocks_of([]), 0)
+    # A store that let a lookup run out is not given that long again until it answers one:
+    # the next request's lookup is a miss at lookup_timeout_s.
+    busy(e)
+    r2 = request("b", PROMPT + [2])
+    assert e.scheduler.get_num_new_matched_tokens(r2, 0) == (None, False)
+    time.sleep(0.4)
+    busy(e)
+    assert e.scheduler.get_num_new_matched_tokens(r2, 0) == (0, False)
+    e.scheduler.update_state_after_alloc(r2, blocks_of([]), 0)
+    stats = e.scheduler.get_kv_connector_stats()
+    assert stats is not None and (stats.data["lookups_deferred"], stats.data["lookup_timeouts"]) == (2, 2)
 
 
-def test_a_step_holds_the_scheduler_for_lookups_once(engine_factory: EngineFactory,
+def test_a_step_holds_the_scheduler_for_lookups_once(engine_factory: EngineFactory, silent_url: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM asks every waiting request every step: lookup_block_s is what a busy step may spend on
     all of them together, not on each (64 waiting requests would otherwise add 64 x 3 ms to every
     step). A new step has it again."""
-    import socket
-
     import prefixstore.client.vllm.scheduler as scheduler_module
 
     asked: list[float] = []
@@ -276,45 +271,37 @@ def test_a_step_holds_the_scheduler_for_lookups_once(engine_factory: EngineFacto
         return original(future, timeout_s)
 
     monkeypatch.setattr(scheduler_module, "wait_for_answer", recording)
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(16)
-        e = engine_factory("slow-store-step", url=f"http://127.0.0.1:{silent.getsockname()[1]}",
-                           lookup_timeout_s=5.0, lookup_block_s=0.05)
-        busy(e)
-        waiting = [request(f"w{i}", PROMPT + [i]) for i in range(3)]
-        assert [e.scheduler.get_num_new_matched_tokens(r, 0) for r in waiting] == [(None, False)] * 3
-        assert asked[0] == pytest.approx(0.05) and sum(asked) <= 0.05 + 1e-9
-        asked.clear()
-        busy(e)  # the next step
-        assert e.scheduler.get_num_new_matched_tokens(waiting[0], 0) == (None, False)
-        assert asked == [pytest.approx(0.05)]
+    e = engine_factory("slow-store-step", url=silent_url,
+                       lookup_timeout_s=5.0, lookup_block_s=0.05)
+    busy(e)
+    waiting = [request(f"w{i}", PROMPT + [i]) for i in range(3)]
+    assert [e.scheduler.get_num_new_matched_tokens(r, 0) for r in waiting] == [(None, False)] * 3
+    assert asked[0] == pytest.approx(0.05) and sum(asked) <= 0.05 + 1e-9
+    asked.clear()
+    busy(e)  # the next step
+    assert e.scheduler.get_num_new_matched_tokens(waiting[0], 0) == (None, False)
+    assert asked == [pytest.approx(0.05)]
 
 
-def test_a_pending_lookup_ends_with_its_request(engine_factory: EngineFactory) -> None:
+def test_a_pending_lookup_ends_with_its_request(engine_factory: EngineFactory, silent_url: str) -> None:
     """A request that finishes (aborted while it waited, say) takes its unanswered lookup with it;
     one whose lookup was given up is not looked up (and deferred) again when asked again."""
-    import socket
-
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(16)
-        e = engine_factory("slow-store-end", url=f"http://127.0.0.1:{silent.getsockname()[1]}",
-                           lookup_timeout_s=0.2, lookup_block_s=0.001)
-        busy(e)
-        aborted = request("gone", PROMPT + [3])
-        assert e.scheduler.get_num_new_matched_tokens(aborted, 0) == (None, False)
-        assert e.scheduler.scheduler_side.lookups_pending == 1  # type: ignore[union-attr]
-        e.scheduler.request_finished_all_groups(aborted, ([],))
-        assert e.scheduler.scheduler_side.lookups_pending == 0  # type: ignore[union-attr]
-        r = request("late", PROMPT + [4])
-        answer, _ = ask_until_answered(e, r)
-        assert answer == (0, False)
-        # It did not fit this step: asked again, the same miss, without another lookup.
-        assert e.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
-        assert e.scheduler.scheduler_side.lookups_pending == 0  # type: ignore[union-attr]
-        stats = e.scheduler.get_kv_connector_stats()
-        assert stats is not None and (stats.data["lookups_deferred"], stats.data["lookup_timeouts"]) == (2, 1)
+    e = engine_factory("slow-store-end", url=silent_url,
+                       lookup_timeout_s=0.2, lookup_block_s=0.001)
+    busy(e)
+    aborted = request("gone", PROMPT + [3])
+    assert e.scheduler.get_num_new_matched_tokens(aborted, 0) == (None, False)
+    assert e.scheduler.scheduler_side.lookups_pending == 1  # type: ignore[union-attr]
+    e.scheduler.request_finished_all_groups(aborted, ([],))
+    assert e.scheduler.scheduler_side.lookups_pending == 0  # type: ignore[union-attr]
+    r = request("late", PROMPT + [4])
+    answer, _ = ask_until_answered(e, r)
+    assert answer == (0, False)
+    # It did not fit this step: asked again, the same miss, without another lookup.
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert e.scheduler.scheduler_side.lookups_pending == 0  # type: ignore[union-attr]
+    stats = e.scheduler.get_kv_connector_stats()
+    assert stats is not None and (stats.data["lookups_deferred"], stats.data["lookup_timeouts"]) == (2, 1)
 
 
 def test_a_lookup_that_raises_is_a_miss_not_an_engine_error(engine_factory: EngineFactory,
