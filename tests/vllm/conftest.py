@@ -70,3 +70,12 @@ def engine_factory(store: ServeProcess) -> Iterator[Callable[..., Engine]]:
     yield make
     for e in engines:
         e.close()
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Engine]]:
+    """Harness Engines a test builds itself (several ranks, two roles); closed after it."""
+    made: list[Engine] = []
+    yield made
+    for e in made:
+        e.close()

@@ -11,7 +11,6 @@ store holds the canonical layout, checked against the KV and state cut here by h
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -143,14 +142,6 @@ def read_state(e: Engine, block: int, rank: int, size: int) -> dict[str, torch.T
 def heads_of(kv: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
     per = HEADS // size
     return {name: t[:, :, rank * per : (rank + 1) * per] for name, t in kv.items()}
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for e in made:
-        e.close()
 
 
 def store_bytes(store: ServeProcess, e: Engine, tokens: list[int], upto: int) -> tuple[bytes, bytes | None]:

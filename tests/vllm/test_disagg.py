@@ -8,7 +8,7 @@ tests/vllm/test_disagg_serving.py."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -17,6 +17,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed: tests/vllm/ins
 import torch  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
 
 from prefixstore.client.vllm.scheduler import PD_PARAMS  # noqa: E402
 
@@ -28,14 +29,6 @@ PROXY_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_en
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
 """What vLLM's disaggregation proxy (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py)
 sends the prefill instance, with max_tokens=1."""
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for e in made:
-        e.close()
 
 
 def prefill(store: ServeProcess, closing: list[Engine], model: str, prompt: list[int], *, hybrid: bool, seed: int,
@@ -67,6 +60,18 @@ def prefill(store: ServeProcess, closing: list[Engine], model: str, prompt: list
         p.step()
         p.worker.get_finished({"p1"})
     return p, params, kv, full
+
+
+def decode(store: ServeProcess, closing: list[Engine], model: str, params: dict[str, Any],
+           commit_wait_s: float) -> tuple[Engine, Request]:
+    """A hybrid decode instance (vLLM block 32) and the request the proxy sends it with the
+    prefill's ``kv_transfer_params``."""
+    d = Engine(store.url, model, hybrid=True, state="short_conv", role="kv_consumer", block_size=32,
+               commit_wait_s=commit_wait_s)
+    closing.append(d)
+    r = request("d1", list(PROMPT))
+    r.kv_transfer_params = params
+    return d, r
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["plain", "hybrid"])
@@ -122,11 +127,7 @@ def test_disagg_decode_waits_for_the_prefill_commit(store: ServeProcess, closing
     the same and waits on the worker until the save lands, then loads it; counted."""
     model = "disagg-wait"
     p, params, kv, full = prefill(store, closing, model, PROMPT, hybrid=True, seed=62, save=False)
-    d = Engine(store.url, model, hybrid=True, state="short_conv", role="kv_consumer", block_size=32,
-               commit_wait_s=60)
-    closing.append(d)
-    r = request("d1", list(PROMPT))
-    r.kv_transfer_params = params
+    d, r = decode(store, closing, model, params, commit_wait_s=60)
     assert d.scheduler.get_num_new_matched_tokens(r, 0) == (39, True)  # planned though not stored yet
     blocks = KVCacheBlocks(blocks=([KVCacheBlock(block_id=4), KVCacheBlock(block_id=6)],
                                    [KVCacheBlock(block_id=0), KVCacheBlock(block_id=8)]))
@@ -151,11 +152,7 @@ def test_disagg_decode_recomputes_when_the_commit_never_comes(store: ServeProces
     fails, vLLM recomputes the request, and the timeout is counted."""
     model = "disagg-never"
     _, params, _, _ = prefill(store, closing, model, PROMPT, hybrid=True, seed=63, save=False)
-    d = Engine(store.url, model, hybrid=True, state="short_conv", role="kv_consumer", block_size=32,
-               commit_wait_s=0.3)
-    closing.append(d)
-    r = request("d1", list(PROMPT))
-    r.kv_transfer_params = params
+    d, r = decode(store, closing, model, params, commit_wait_s=0.3)
     assert d.scheduler.get_num_new_matched_tokens(r, 0) == (39, True)
     d.load(r, 0, 39, ([4, 6], [0, 8]))
     results = d.worker.get_transfer_results(set())
