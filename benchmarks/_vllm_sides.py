@@ -145,10 +145,17 @@ def stop(procs: Sequence[subprocess.Popen[bytes]], sig: int = signal.SIGTERM, ti
 
 
 def spawn(args: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """A child in its own process group (so stop() reaches its children), output to ``log``."""
+    """A child in its own process group (so stop() reaches its children), output to ``log``.
+
+    Its own process group, not its own session: on Linux with autogroup on (the default of most
+    distributions), each session is a scheduling group of its own, and a group that mostly sleeps
+    (a store, a probe) then waits up to 0.8 s to run behind the engines' busy groups on a host
+    with few cores (docs/benchmarks.md, "Where the time goes on this machine"). Every side's
+    processes share the benchmark's session, so the kernel shares the CPUs among them thread by
+    thread, as it would inside one container."""
     with open(log, "ab") as f:
         return subprocess.Popen(list(args), stdout=f, stderr=subprocess.STDOUT, env=dict(env or os.environ),
-                                start_new_session=True)
+                                process_group=0)
 
 
 # ---------------------------------------------------------------- sides
@@ -241,7 +248,7 @@ class FlakySide(Side):
         urls, procs = prefixstore_nodes(1, tmp)
         log = tmp / "fault-proxy.log"
         proxy = subprocess.Popen([sys.executable, str(h.HERE / "_fault_proxy.py"), "--store", urls[0]],
-                                 stdout=subprocess.PIPE, stderr=open(log, "ab"), start_new_session=True)
+                                 stdout=subprocess.PIPE, stderr=open(log, "ab"), process_group=0)
         assert proxy.stdout is not None
         line = proxy.stdout.readline().decode()
         if not line.startswith("LISTENING "):
