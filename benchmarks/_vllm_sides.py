@@ -236,6 +236,17 @@ class StoreSide(Side):
         return Backends(kv_transfer_config=config, processes=procs, store_urls=urls)
 
 
+class StoreHttpSide(StoreSide):
+    """The store side with the connector's payloads over HTTP (``data_path: http``) instead of
+    NIXL: the two data paths head to head in one run."""
+
+    name = "store-http"
+    description = "vLLM + one prefixstore node, the connector's payloads over HTTP (data_path http), not NIXL"
+
+    def __init__(self, connector_extra: Mapping[str, object] | None = None) -> None:
+        super().__init__({**(connector_extra or {}), "data_path": "http"})
+
+
 class FlakySide(Side):
     """One store behind benchmarks/_fault_proxy.py, which answers every other load's leased lookup
     503: to the engines the store changes between their lookup and their load, half the time.
@@ -328,10 +339,11 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-SIDES: dict[str, type[Side]] = {"vllm": Side, "store": StoreSide, "cluster": ClusterSide, "flaky": FlakySide}
+SIDES: dict[str, type[Side]] = {"vllm": Side, "store": StoreSide, "store-http": StoreHttpSide, "cluster": ClusterSide,
+                                 "flaky": FlakySide}
 """Every side by name (the peers register theirs from _vllm_peers.py)."""
 
 
 __all__ = ["MODELS", "SIDES", "VLLM_BLOCK_TOKENS", "Backends", "ClusterSide", "FlakySide", "Model", "Replica", "Side",
-           "SideUnavailable", "StoreSide", "build_model", "prefixstore_nodes", "scrape", "spawn", "start_replicas",
+           "SideUnavailable", "StoreHttpSide", "StoreSide", "build_model", "prefixstore_nodes", "scrape", "spawn", "start_replicas",
            "stop", "tail", "wait_http"]

@@ -130,7 +130,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.models = _names(args.models or ("tiny" if q else "tiny,wide,gdn"), MODELS, "--models", p)
     default_sides = "vllm,store" if q else ",".join(["vllm", "store", "cluster", *(s for s in SIDES
                                                                                    if s not in ("vllm", "store", "cluster",
-                                                                                                "flaky"))])
+                                                                                                "flaky", "store-http"))])
     args.sides = _names(args.sides or default_sides, tuple(SIDES), "--sides", p)
     try:
         args.connector_extra = json.loads(args.connector_extra)
