@@ -84,13 +84,14 @@ def progress(msg: str) -> None:
 
 
 def code_version() -> str:
-    """The commit measured, with "+dirty" when the library's own files differ from it."""
+    """The commit measured, with "+dirty" when the library's own files or the benchmarks' differ
+    from it (a harness change moves figures as much as a library change)."""
     repo = HERE.parent
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--", "protocol", "store",
-                                "client", "admission"], capture_output=True, text=True, timeout=10).stdout.strip()
+                                "client", "admission", "benchmarks"], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + ("+dirty" if dirty else "")

@@ -129,18 +129,22 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def stop(procs: Sequence[subprocess.Popen[bytes]], sig: int = signal.SIGTERM, timeout_s: float = 30) -> None:
-    """Stop processes (and their children: vLLM's engine core and workers share the group)."""
+    """Stop processes and their children (vLLM's engine core and workers share the group): the
+    group is signalled even where its leader has exited (an API server that died leaves its engine
+    core and worker spinning on the cores the next side measures on)."""
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:  # nobody left in the group
+            pass
     for p in procs:
         try:
             p.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             p.wait(10)
 
 
@@ -150,12 +154,14 @@ def spawn(args: Sequence[str], log: Path, env: Mapping[str, str] | None = None) 
     Its own process group, not its own session: on Linux with autogroup on (the default of most
     distributions), each session is a scheduling group of its own, and a group that mostly sleeps
     (a store, a probe) then waits up to 0.8 s to run behind the engines' busy groups on a host
-    with few cores (docs/benchmarks.md, "Where the time goes on this machine"). Every side's
+    with few cores (docs/benchmarks.md, "Found: each side's processes were scheduling groups of
+    their own"). Every side's
     processes share the benchmark's session, so the kernel shares the CPUs among them thread by
-    thread, as it would inside one container."""
+    thread, as it would inside one container. Its stdin is /dev/null: a background process group
+    of the terminal's session that read it would be stopped (SIGTTIN)."""
     with open(log, "ab") as f:
-        return subprocess.Popen(list(args), stdout=f, stderr=subprocess.STDOUT, env=dict(env or os.environ),
-                                process_group=0)
+        return subprocess.Popen(list(args), stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(env or os.environ), process_group=0)
 
 
 # ---------------------------------------------------------------- sides
@@ -259,7 +265,8 @@ class FlakySide(Side):
         urls, procs = prefixstore_nodes(1, tmp)
         log = tmp / "fault-proxy.log"
         proxy = subprocess.Popen([sys.executable, str(h.HERE / "_fault_proxy.py"), "--store", urls[0]],
-                                 stdout=subprocess.PIPE, stderr=open(log, "ab"), process_group=0)
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(log, "ab"),
+                                 process_group=0)
         assert proxy.stdout is not None
         line = proxy.stdout.readline().decode()
         if not line.startswith("LISTENING "):

@@ -106,3 +106,54 @@ def test_issue_30_benchmark_help_documents_every_flag(name: str, flags: tuple[st
     assert proc.returncode == 0, proc.stderr
     for flag in flags:
         assert flag in proc.stdout, flag
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaped yet (an orphan under a non-reaping init)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sessions and /proc: Linux")
+def test_vllm_sides_run_in_the_benchmarks_session_each_in_a_process_group_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/vllm_serving.py's processes (engines, API servers, stores, the probe) share the
+    benchmark's session: with autogroup on, a session of their own made each a scheduling group,
+    and a store that mostly sleeps waited up to 0.8 s behind the engines' groups
+    (docs/benchmarks.md, "Found: each side's processes were scheduling groups of their own").
+    Each still has a process group of its own, so stop() takes its children down with it, even
+    once the group's leader has exited."""
+    import os
+    import time
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import _vllm_sides
+
+    pid_file = tmp_path / "grandchild"
+    # The child forks a grandchild (an engine core under its API server), writes its pid, and
+    # exits: the leader gone, the group lives on in the grandchild.
+    script = ("import os, sys, time\npid = os.fork()\nif pid:\n    open(sys.argv[1], 'w').write(str(pid))\n"
+              "    sys.exit(0)\ntime.sleep(120)\n")
+    child = _vllm_sides.spawn([sys.executable, "-c", script, str(pid_file)], tmp_path / "log")
+    grandchild = 0
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, (tmp_path / "log").read_text()
+            time.sleep(0.05)
+        grandchild = int(pid_file.read_text())
+        child.wait(30)
+        assert not _gone(grandchild)
+        assert os.getsid(grandchild) == os.getsid(0)
+        assert os.getpgid(grandchild) == child.pid != os.getpgid(0)
+        _vllm_sides.stop([child], timeout_s=10)
+        deadline = time.monotonic() + 10
+        while not _gone(grandchild):
+            assert time.monotonic() < deadline, "stop() left the server's child running"
+            time.sleep(0.05)
+    finally:
+        if grandchild and not _gone(grandchild):
+            os.kill(grandchild, 9)

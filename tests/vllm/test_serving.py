@@ -72,35 +72,3 @@ def test_vllm_serving_help_documents_every_flag() -> None:
                  "--kill-concurrency", "--tie-logprob", "--device", "--timeout-s", "--connector-extra"):
         assert flag in proc.stdout
 
-
-def test_sides_run_in_the_benchmarks_session_each_in_a_process_group_of_its_own(tmp_path: Path) -> None:
-    """The harness's processes (engines, API servers, stores, the probe) share the benchmark's
-    session: with autogroup on, a session of their own made each a scheduling group, and a store
-    that mostly sleeps waited up to 0.8 s behind the engines' groups (docs/benchmarks.md, "Found").
-    Each still has a process group of its own, so stop() takes its children down with it."""
-    import os
-    import time
-
-    sys.path.insert(0, str(BENCHMARKS))
-    import _vllm_sides
-
-    pid_file = tmp_path / "grandchild"
-    script = ("import os, sys, time\npid = os.fork()\nif pid:\n    open(sys.argv[1], 'w').write(str(pid))\n"
-              "time.sleep(120)\n")
-    child = _vllm_sides.spawn([sys.executable, "-c", script, str(pid_file)], tmp_path / "log")
-    deadline = time.monotonic() + 30
-    while not pid_file.exists() or not pid_file.read_text():
-        assert time.monotonic() < deadline and child.poll() is None, (tmp_path / "log").read_text()
-        time.sleep(0.05)
-    grandchild = int(pid_file.read_text())
-    assert os.getsid(child.pid) == os.getsid(0) == os.getsid(grandchild)
-    assert os.getpgid(child.pid) == child.pid == os.getpgid(grandchild) != os.getpgid(0)
-    _vllm_sides.stop([child], timeout_s=10)
-    deadline = time.monotonic() + 10
-    while True:  # the grandchild got the group's SIGTERM (reparented, so reaped by init, not us)
-        try:
-            os.kill(grandchild, 0)
-        except ProcessLookupError:
-            break
-        assert time.monotonic() < deadline, "stop() left the server's child running"
-        time.sleep(0.05)
