@@ -362,6 +362,28 @@ def test_a_load_that_would_not_beat_recomputing_is_not_made(engine_factory: Engi
                 "cost_us:load_fixed": 2000}
 
 
+def test_figures_that_say_no_load_pays_are_measured_again(engine_factory: EngineFactory) -> None:
+    """A hit the figures keep from loading is a figure not measured again: figures made pessimistic
+    once (a busy spell, a poor fit) would keep the store unused for good. One such hit in
+    REMEASURE_EVERY is loaded anyway (counted), the others are not."""
+    from prefixstore.client.vllm.costs import CostFigures
+    from prefixstore.client.vllm.plans import PrefixStoreWorkerMeta
+    from prefixstore.client.vllm.scheduler import REMEASURE_EVERY
+
+    slow_load = CostFigures(prefill_s_per_token=15e-6, step_s=0.006, load_s_per_token=2e-6, load_fixed_s=0.002)
+    e = engine_factory("costs-remeasured", hybrid=True)
+    hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=98)
+    e.scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=slow_load)))
+    answers = [e.scheduler.get_num_new_matched_tokens(request(f"a{i}", PROMPT + [8] * 10), 0)
+               for i in range(2 * REMEASURE_EVERY)]
+    loaded = [i for i, a in enumerate(answers) if a == (40, True)]
+    assert loaded == [REMEASURE_EVERY - 1, 2 * REMEASURE_EVERY - 1], answers
+    assert all(a == (0, False) for i, a in enumerate(answers) if i not in loaded), answers
+    stats = e.scheduler.get_kv_connector_stats()
+    assert stats is not None
+    assert (stats.data["loads_skipped"], stats.data["loads_remeasured"]) == (2 * REMEASURE_EVERY - 2, 2)
+
+
 def test_the_worker_reports_what_its_loads_cost(engine_factory: EngineFactory) -> None:
     """The worker times its finished loads and the scheduler receives the figures with the step's
     report (the load policy decides on them)."""
