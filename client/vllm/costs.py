@@ -44,6 +44,12 @@ class CostFigures:
     step_s: float | None = None
     load_s_per_token: float | None = None
     load_fixed_s: float | None = None
+    load_ref_tokens: int | None = None
+    """Set where most loads were of one size (``robust_line``): that size, and ``load_fixed_s`` their
+    median time. A load of n tokens is then estimated at the cheapest line through that point,
+    ``load_fixed_s * min(n, ref) / ref`` (all per token below it, all fixed above it): an estimate
+    too low makes the load, whose own time then corrects it; one too high would keep every load
+    from being made, and measured, again."""
 
     def load_pays(self, tokens: int) -> bool:
         """Whether loading ``tokens`` beats recomputing them (True while a figure is missing)."""
@@ -62,7 +68,10 @@ class CostFigures:
             return None
         load = 0.0
         if self.load_s_per_token is not None and self.load_fixed_s is not None:
-            load = tokens * self.load_s_per_token + self.load_fixed_s
+            fixed = self.load_fixed_s
+            if self.load_ref_tokens:
+                fixed *= min(tokens, self.load_ref_tokens) / self.load_ref_tokens
+            load = tokens * self.load_s_per_token + fixed
         return tokens * self.prefill_s_per_token - load - (self.step_s or 0.0)
 
     def as_us(self) -> dict[str, int]:
@@ -80,7 +89,8 @@ class CostFigures:
         return CostFigures(prefill_s_per_token=pick(self.prefill_s_per_token, other.prefill_s_per_token),
                            step_s=pick(self.step_s, other.step_s),
                            load_s_per_token=pick(self.load_s_per_token, other.load_s_per_token),
-                           load_fixed_s=pick(self.load_fixed_s, other.load_fixed_s))
+                           load_fixed_s=pick(self.load_fixed_s, other.load_fixed_s),
+                           load_ref_tokens=max(self.load_ref_tokens or 0, other.load_ref_tokens or 0) or None)
 
 
 class CostMeter:
@@ -91,7 +101,7 @@ class CostMeter:
         self._prefill: float | None = None
         self._step: float | None = None
         self._loads: deque[tuple[int, float]] = deque(maxlen=LOAD_SAMPLES)
-        self._line: tuple[float, float] | None = None  # robust_line of _loads, until the next load
+        self._line: tuple[float, float, int | None] | None = None  # robust_line of _loads, until the next load
 
     def step(self, seconds: float, num_reqs: int, num_tokens: int) -> None:
         """A forward pass of ``num_reqs`` requests computing ``num_tokens`` tokens."""
@@ -111,37 +121,42 @@ class CostMeter:
 
     def figures(self) -> CostFigures:
         per_token = fixed = None
+        ref: int | None = None
         if len(self._loads) >= 2:
             if self._line is None:  # the line changes only with a new load: not refitted every step
                 self._line = robust_line(list(self._loads))
-            per_token, fixed = self._line
+            per_token, fixed, ref = self._line
         return CostFigures(prefill_s_per_token=self._prefill, step_s=self._step, load_s_per_token=per_token,
-                           load_fixed_s=fixed)
+                           load_fixed_s=fixed, load_ref_tokens=ref)
 
 
-def robust_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+def robust_line(points: list[tuple[int, float]]) -> tuple[float, float, int | None]:
     """Seconds per token and fixed seconds of loads, from (tokens, seconds) points: the Theil-Sen
-    line (the median of the pairwise slopes, then the median intercept), both at least 0.
+    line (the median of the pairwise slopes, then the median intercept), both at least 0, and
+    None; or, where most points are of one size, 0, their median time and that size
+    (``CostFigures.load_ref_tokens``).
 
     Not least squares: under load a few loads wait behind saves on the client loop or a busy
     store, and one such outlier among short loads gave a least-squares line 1.5 s fixed (every
     hit then looked slower than recomputing it, and was not loaded); the medians ignore up to
-    about three loads in ten. Points mostly of one size: their median time, all of it fixed."""
+    about three loads in ten."""
     slopes = sorted((s2 - s1) / (n2 - n1) for i, (n1, s1) in enumerate(points) for n2, s2 in points[i + 1:]
                     if n2 != n1)
     pairs = len(points) * (len(points) - 1) // 2
     if 2 * len(slopes) < pairs:
         # Most loads of one size (hybrid loads fall on vLLM's block grid): every slope then runs
         # through the few others, and one slow load of another size would set the line. What
-        # most loads say is the median time of a load of that size. Counted as fixed, not per
-        # token: charged per token, the fixed part of many short loads (32 tokens in 15 ms: 0.47
-        # ms a token) made every longer hit look slower than recomputing it, so no longer load
-        # was made and the figure was never measured again (docs/benchmarks.md, "A cost figure
-        # that never recovers"). Counted as fixed, a longer hit looks cheaper than it is, is
-        # loaded, and its measured time corrects the line.
-        return 0.0, median([s for _, s in points])
+        # most loads say is the median time of a load of that size, and nothing about how time
+        # splits between fixed and per token. Charged all per token, the fixed part of many
+        # short loads (32 tokens in 15 ms: 0.47 ms a token) made every longer hit look slower
+        # than recomputing it, so no longer load was made and the figure was never measured
+        # again (docs/benchmarks.md, "A cost figure that never recovers"). So the estimate is the
+        # cheapest split for each size (CostFigures.load_ref_tokens).
+        sizes = [n for n, _ in points]
+        common = max(set(sizes), key=sizes.count)
+        return 0.0, median([s for n, s in points if n == common]), common
     slope = max(median(slopes), 0.0)
-    return slope, max(median([s - slope * n for n, s in points]), 0.0)
+    return slope, max(median([s - slope * n for n, s in points]), 0.0), None
 
 
 def median(values: list[float]) -> float:

@@ -73,10 +73,12 @@ DEFERRED_LOOKUP_MAX_S = 2.0
 could bring would take (PrefixStoreScheduler.lookup)."""
 
 REMEASURE_EVERY = 8
-"""Under ``load_policy: when_faster``, one hit in this many that the engine's figures say not to
+"""Under ``load_policy: when_faster``, one hit in this many of those the engine's figures say not to
 load is loaded anyway, so that the figures are measured again: a load not made is a figure not
 updated, and figures made pessimistic once (a busy spell, a poor fit) would keep every later hit
-from loading. Costs at most one load in this many of those that lose a little."""
+from loading. The price: where the figures are right, one in this many of the loads they would
+skip is made and loses what they predict. Recovery is gradual: the fit is over the last
+``costs.LOAD_SAMPLES`` loads."""
 
 
 @dataclass
@@ -147,7 +149,7 @@ class PrefixStoreScheduler:
         """Whether the engine's last step scheduled no token (a lookup may then hold the scheduler)."""
         self._block_left = 0.0  # of lookup_block_s, this step (a busy engine's scheduler)
         self._store_slow = False  # a lookup timed out and none was answered since
-        self._skipped_in_a_row = 0  # hits the cost figures kept from loading since the last load made
+        self._skipped = 0  # hits the cost figures kept from loading since the last one loaded anyway
         self.costs = CostFigures()
         """The workers' latest figures of what loads and recomputing cost (costs.py)."""
         self.refused: str | None = None
@@ -364,16 +366,18 @@ class PrefixStoreScheduler:
                 for key, value in self.costs.as_us().items():  # what the decision used, for the operator
                     self._stats.set(key, value)
                 if self.costs.load_pays(loadable - num_computed_tokens):
-                    self._skipped_in_a_row = 0
-                elif self._skipped_in_a_row + 1 < REMEASURE_EVERY:
+                    pass
+                elif self._skipped + 1 < REMEASURE_EVERY:
                     # An asynchronous load of this many tokens would not beat recomputing them here.
-                    self._skipped_in_a_row += 1
+                    # (Not reset by the hits that pay: those may all be of the size the figures
+                    # already know, and the others would then never be measured.)
+                    self._skipped += 1
                     self._stats.count("loads_skipped")
                     loadable = num_computed_tokens
                 else:
                     # Made anyway: figures that say no load pays would otherwise never be measured
                     # again (a busy spell's slow loads, an estimate off), and the store never used.
-                    self._skipped_in_a_row = 0
+                    self._skipped = 0
                     self._stats.count("loads_remeasured")
         extra = loadable - num_computed_tokens
         self._lookups[request.request_id] = (lookup, num_computed_tokens, loadable)
@@ -652,4 +656,4 @@ class PrefixStoreScheduler:
                         block_ids=tuple(list(b) for b in block_ids), snapshots=tuple(kept),
                         origins={t: int(snapshots[t]) for t in kept}, extra_keys=extra_keys(request), hold=hold)
 
-__all__ = ["DEFERRED_LOOKUP_MAX_S", "PD_PARAMS", "REMEASURE_EVERY", "PD_TRUNCATED", "PrefixStoreScheduler", "common_prefix", "extra_keys", "keyable"]
+__all__ = ["DEFERRED_LOOKUP_MAX_S", "PD_PARAMS", "PD_TRUNCATED", "REMEASURE_EVERY", "PrefixStoreScheduler", "common_prefix", "extra_keys", "keyable"]

@@ -53,7 +53,9 @@ class ConnectorSettings:
     load_policy: LoadPolicy = "when_faster"
     """when_faster: load only where the engine's measured figures say a load (and the step that
     reports it) beats recomputing the same tokens (client/vllm/costs.py; a small model recomputes
-    a short hit faster than a hybrid load returns); skipped loads are counted (``loads_skipped``).
+    a short hit faster than a hybrid load returns); skipped loads are counted (``loads_skipped``),
+    and one in ``scheduler.REMEASURE_EVERY`` is made anyway so the figures are measured again
+    (``loads_remeasured``).
     A decode instance's load of what its prefill instance saved (``commit_wait_s``) is made under
     either: recomputing it would undo the split. always: load every hit."""
     save: bool = True

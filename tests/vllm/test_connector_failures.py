@@ -371,13 +371,19 @@ def test_figures_that_say_no_load_pays_are_measured_again(engine_factory: Engine
     from prefixstore.client.vllm.scheduler import REMEASURE_EVERY
 
     slow_load = CostFigures(prefill_s_per_token=15e-6, step_s=0.006, load_s_per_token=2e-6, load_fixed_s=0.002)
+    fast_load = CostFigures(prefill_s_per_token=1e-3, step_s=0.006, load_s_per_token=2e-6, load_fixed_s=0.002)
     e = engine_factory("costs-remeasured", hybrid=True)
     hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=98)
-    e.scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=slow_load)))
-    answers = [e.scheduler.get_num_new_matched_tokens(request(f"a{i}", PROMPT + [8] * 10), 0)
-               for i in range(2 * REMEASURE_EVERY)]
+
+    def ask(i: int, figures: CostFigures) -> tuple[int | None, bool]:
+        e.scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=figures)))
+        return e.scheduler.get_num_new_matched_tokens(request(f"a{i}", PROMPT + [8] * 10), 0)
+
+    # A hit that pays in the middle does not start the count again: hits of another size than
+    # the ones that pay would otherwise never be measured.
+    answers = [ask(i, fast_load if i == 3 else slow_load) for i in range(2 * REMEASURE_EVERY + 1)]
     loaded = [i for i, a in enumerate(answers) if a == (40, True)]
-    assert loaded == [REMEASURE_EVERY - 1, 2 * REMEASURE_EVERY - 1], answers
+    assert loaded == [3, REMEASURE_EVERY, 2 * REMEASURE_EVERY], answers
     assert all(a == (0, False) for i, a in enumerate(answers) if i not in loaded), answers
     stats = e.scheduler.get_kv_connector_stats()
     assert stats is not None

@@ -62,11 +62,18 @@ def test_one_slow_load_of_another_size_does_not_set_the_line() -> None:
     20 ms and one of 2,048 in 500 ms. Every slope runs through the odd one; the median time says
     what most loads cost (a 1,024-token load: 20 ms, not 480)."""
     meter = CostMeter()
+    meter.step(0.003, 4, 4)  # a decode step of 3 ms
+    meter.step(0.003 + 500 * 50e-6, 5, 504)  # 500 prompt tokens at 50 us
     for _ in range(31):
         meter.load(1024, 0.020)
     meter.load(2048, 0.500)
     f = meter.figures()
-    assert f.load_s_per_token == 0.0 and f.load_fixed_s == pytest.approx(0.020)
+    assert (f.load_s_per_token, f.load_fixed_s, f.load_ref_tokens) == (0.0, pytest.approx(0.020), 1024)
+    # Nothing says how those 20 ms split: each size gets the cheapest split, all per token below
+    # 1,024 tokens (256: 5 ms, + a 3 ms step, against 12.8 ms of recomputing: loaded), all fixed above.
+    assert f.load_gain_s(256) == pytest.approx(256 * 50e-6 - 0.005 - 0.003, rel=0.02)
+    assert f.load_gain_s(4096) == pytest.approx(4096 * 50e-6 - 0.020 - 0.003, rel=0.02)
+    assert f.load_pays(256)
 
 
 def test_short_loads_of_one_size_do_not_make_every_longer_hit_look_slow() -> None:
@@ -80,12 +87,13 @@ def test_short_loads_of_one_size_do_not_make_every_longer_hit_look_slow() -> Non
     for _ in range(32):
         meter.load(32, 0.015)
     f = meter.figures()
-    assert f.load_s_per_token == 0.0 and f.load_fixed_s == pytest.approx(0.015)
+    assert (f.load_s_per_token, f.load_fixed_s, f.load_ref_tokens) == (0.0, pytest.approx(0.015), 32)
     assert f.load_pays(1000) and not f.load_pays(200)
     for n in (600, 800, 1000, 1200, 1400, 1600, 1800, 2000, 2200, 2400, 2600, 2800):  # those loads, made
         meter.load(n, 0.015 + n * 10e-6)
     f = meter.figures()
     assert f.load_s_per_token == pytest.approx(10e-6, rel=0.05) and f.load_fixed_s == pytest.approx(0.015, rel=0.05)
+    assert f.load_ref_tokens is None  # a line again
 
 
 def test_a_wait_never_outlasts_recomputing_while_load_figures_are_missing() -> None:
