@@ -35,8 +35,8 @@ Decisions:
 - **No progress thread.** NIXL's thread spins a core. Without it, a transfer's
   completion is only acknowledged when the target calls into its agent, so a
   task on the server's loop calls ``get_new_notifs()``: every ``BUSY_PROGRESS_S``
-  while a NIXL lease or reservation is outstanding, every ``IDLE_PROGRESS_S``
-  otherwise.
+  (1 ms) while a NIXL lease or reservation is outstanding, every ``IDLE_PROGRESS_S``
+  (0.1 s) otherwise; handing out a lease or reservation wakes it at once.
 - **Leases.** Descriptors are only handed out under a lease (store/leases.py)
   that pins every entry they point into: a pinned entry is never evicted or
   overwritten, so its pages keep its bytes until the lease is released or
@@ -125,8 +125,14 @@ target only acknowledges completion; a target spinning back to back took the CPU
 needs and measured 2-3x slower on 2 cores (1.3-2.2 GB/s vs 3.0-3.9 GB/s at 1 ms, 64 MiB READs;
 docs/nixl.md). A transfer's completion is seen up to this late."""
 
-IDLE_PROGRESS_S = 0.005
-"""Progress interval of the agent while no NIXL lease or reservation is outstanding."""
+IDLE_PROGRESS_S = 0.1
+"""Progress interval of the agent while no NIXL lease or reservation is outstanding. Slow on
+purpose: every transfer needs descriptors, handed out only under a lease or reservation, and
+handing one out wakes the task at once (``expect_traffic``); idle, there is nothing to progress
+but UCX's own housekeeping. It was 5 ms: 200 wake-ups a second, each a task and a timer on the
+loop, were most of an idle store's CPU (about 4% of a core in a py-spy profile beside two vLLM
+replicas, docs/benchmarks.md), and each one preempted whatever ran on that core -- the engines
+it shares a host with."""
 
 BUSY_WINDOW_S = 5.0
 """Longest time a single outstanding lease or reservation keeps the progress task busy: a client
