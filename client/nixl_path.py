@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -46,6 +46,20 @@ from .lru import BoundedLRU
 log = logging.getLogger(__name__)
 
 DESC = np.dtype("<u8")
+
+
+TRANSFER_SPIN_POLLS: Final = 8
+"""Polls of a transfer's state back to back (yielding only to the event loop) before pausing:
+most loopback transfers are done by then."""
+
+TRANSFER_POLL_PAUSE_S: Final = 50e-6
+"""Then a pause between polls, a blocking sleep that releases the GIL. A poll loop that only
+yields to the event loop lets go of the GIL for microseconds at a time; in an engine process the
+engine thread, which releases and retakes the GIL around every torch op, then waits for it each
+time: in a test, a thread doing that got it back 1,000 times in 0.3 s beside a transfer polled
+that way, against tens of thousands with this pause (tests/client/test_nixl_poll.py). The pause
+also bounds how late a completion is seen: by about this much (the store acknowledges a WRITE
+from its own progress loop, every 1 ms at most, store/nixl_target.py)."""
 
 
 class TransferFailed(RuntimeError):
@@ -278,10 +292,14 @@ class NixlPath:
                                                     self.agent.get_xfer_descs(remote, "DRAM"), self.remote, b"")
                 state = self.agent.transfer(handle)
                 deadline = time.monotonic() + timeout_s
+                polls = 0
                 while state == "PROC":
                     if time.monotonic() > deadline:
                         raise TransferFailed(f"{op} not complete within {timeout_s:g}s")
                     await asyncio.sleep(0)
+                    polls += 1
+                    if polls > TRANSFER_SPIN_POLLS:
+                        time.sleep(TRANSFER_POLL_PAUSE_S)  # the GIL, to the engine (see the constant)
                     state = self.agent.check_xfer_state(handle)
             except TransferFailed:
                 raise
