@@ -6,7 +6,9 @@ working as the library changes under them (they start real stores).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +159,23 @@ def test_vllm_sides_run_in_the_benchmarks_session_each_in_a_process_group_of_its
     finally:
         if grandchild and not _gone(grandchild):
             os.kill(grandchild, 9)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
+def test_save_gil_quick_run_measures_every_mode(tmp_path: Path) -> None:
+    """benchmarks/save_gil.py: an engine-like thread's rate alone and beside saves over each path."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "save_gil.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent,
+                          env={**os.environ, "UCX_MODULES": "^ib"})
+    assert proc.returncode == 0, f"save_gil.py --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    results = json.loads((out / "save_gil.json").read_text())
+    med = results["medians"]
+    assert set(med) == {"alone", "nixl", "http"}
+    assert med["alone"]["engine_ops_per_s"] > 0 and med["alone"]["saves_per_s"] == 0
+    assert med["nixl"]["saves_per_s"] > 0 and med["http"]["saves_per_s"] > 0
+    assert (out / "save_gil.png").read_bytes().startswith(PNG_MAGIC)
+    help_text = subprocess.run([sys.executable, str(BENCHMARKS / "save_gil.py"), "--help"],
+                               capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent).stdout
+    for flag in ("--window-s", "--payload-size", "--items", "--matrix", "--out", "--quick", "--reps", "--warmup", "--seed"):
+        assert flag in help_text
