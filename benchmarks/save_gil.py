@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--payload-size", type=H.parse_size, default=H.parse_size("64KiB"),
                    help="Payload (block) size of each saved item. Default: 64KiB.")
     p.add_argument("--items", type=int, default=None, help="Items per save. Default: 64 (8 with --quick).")
+    p.add_argument("--switch-interval-s", type=float, default=0.0,
+                   help="sys.setswitchinterval for the run (what the connector's switch_interval_s sets in a "
+                        "worker); 0: Python's default (5 ms). Default: 0.")
     p.add_argument("--matrix", type=int, default=128,
                    help="Side of the engine thread's square float32 matmul (one op). Default: 128.")
     H.add_common_args(p, reps="5 (1 with --quick)", warmup="1 (0 with --quick)")
@@ -125,7 +128,10 @@ async def run_mode(mode: str, engine: Engine, clients: dict[str, PrefixClient], 
 async def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     H.progress(f"machine: {H.machine_note()}")
-    ns = make_namespace(args.payload_size, model="bench-nixl-poll")
+    if args.switch_interval_s > 0:
+        sys.setswitchinterval(args.switch_interval_s)
+    H.progress(f"switch interval {sys.getswitchinterval() * 1e3:g} ms")
+    ns = make_namespace(args.payload_size, model="bench-save-gil")
     samples: dict[str, dict[str, list[float]]] = {m: {} for m in MODES}
     engine = Engine(args.matrix)
     try:
