@@ -69,7 +69,6 @@ from _peer_processes import available, lmcache_server, mooncake_cluster, valkey_
 from transfer import EVICTION, BLOCK_TOKENS, Chains, make_namespace, prepare, ram_bytes_for
 
 PEERS = ("prefixstore", "prefixstore-unchecked", "raw", "mooncake", "valkey", "lmcache")
-LOOKUP_PEERS = ("prefixstore", "mooncake", "valkey")
 LOOKUP_PAUSE_S = 0.02
 """Idle time before every timed lookup call, the same for every peer (an engine's lookups arrive
 between other work, not back to back)."""
@@ -488,30 +487,22 @@ async def bench_lookup(args: argparse.Namespace, log_dir: Path) -> dict[str, obj
         mprompt = client.prompt(missing)
         miss_keys = [spec.hash.hex() for spec, _, _ in mprompt.kv_items(mprompt.num_tokens)]
 
-        async def prefix_lookup() -> None:
-            got = await client.lookup(tokens)
-            if got.kv_tokens != args.lookup_tokens:
-                raise SystemExit(f"prefixstore: lookup matched {got.kv_tokens} of {args.lookup_tokens} tokens")
+        held: list[bytes] = []  # leases the timed lookups took, released after the clock stops
 
-        async def prefix_miss() -> None:
-            got = await client.lookup(missing)
-            if got.kv_tokens != 0:
-                raise SystemExit(f"prefixstore: a lookup of a prompt never stored matched {got.kv_tokens} tokens")
-        # The same lookups given the prompt hashed before the clock starts: the block keys ready-made,
-        # as Mooncake's and Valkey's calls are given them (an engine that keeps its prompt's hashes
-        # between calls asks this way too).
-        for p in (prompt, mprompt):
-            _ = p.hash_bytes, p.packed
+        def lookup_of(what: Any, want: int) -> Callable[[], Any]:
+            async def call() -> None:
+                got = await client.lookup(what)
+                if got.kv_tokens != want:
+                    raise SystemExit(f"prefixstore: a lookup matched {got.kv_tokens} tokens, not {want}")
+                if got.lease_id is not None:
+                    held.append(got.lease_id)  # an engine releases it after its load; so does the loop below
+            return call
 
-        async def keyed_lookup() -> None:
-            got = await client.lookup(prompt)
-            if got.kv_tokens != args.lookup_tokens:
-                raise SystemExit(f"prefixstore: lookup matched {got.kv_tokens} of {args.lookup_tokens} tokens")
-
-        async def keyed_miss() -> None:
-            got = await client.lookup(mprompt)
-            if got.kv_tokens != 0:
-                raise SystemExit(f"prefixstore: a lookup of a prompt never stored matched {got.kv_tokens} tokens")
+        # ``tokens``: hashed inside the call. ``prompt``/``mprompt`` were hashed when made (Prompt
+        # hashes its tokens up front): the block keys ready-made, as Mooncake's and Valkey's calls
+        # are given them (an engine that keeps its prompt's hashes between calls asks this way too).
+        prefix_lookup, prefix_miss = lookup_of(tokens, args.lookup_tokens), lookup_of(missing, 0)
+        keyed_lookup, keyed_miss = lookup_of(prompt, args.lookup_tokens), lookup_of(mprompt, 0)
         runs["prefixstore_hit"] = prefix_lookup
         runs["prefixstore_miss"] = prefix_miss
         runs["prefixstore-keyed_hit"] = keyed_lookup
@@ -565,6 +556,8 @@ async def bench_lookup(args: argparse.Namespace, log_dir: Path) -> dict[str, obj
                 await runs[name]()
                 if rep >= args.warmup:
                     samples[name].add(time.perf_counter() - t)
+                while held:
+                    await client.release(held.pop())
         H.progress(f"lookup of {args.lookup_tokens} tokens ({blocks} blocks): " +
                    ", ".join(f"{k} {s.median * 1e3:.2f} ms" for k, s in samples.items()))
     return {"tokens": args.lookup_tokens, "blocks": blocks, "figures": {k: s.summary_ms() for k, s in samples.items()}}

@@ -9,10 +9,13 @@ interleaved rep by rep:
 
 * ``alone``: the engine thread with nothing else running (its reference rate);
 * ``nixl``: saves over NIXL (reserve, one WRITE, commit), the default data path;
-* ``http``: the same saves over HTTP (one POST /v1/put).
+* ``http``: the same saves over HTTP (one POST /v1/put);
+* ``http-child``: the same HTTP saves from a child process: the same CPU work on the same cores,
+  no GIL shared with the engine thread (the control that tells the GIL from the CPU).
 
-Figures: the engine's matmuls a second in each (and as a share of ``alone``), saves a second, and
-the polls a NIXL transfer took (``check_xfer_state`` calls: 0 where the WRITE completes inside its
+Modes run in a shuffled order each rep, each after the same short pause. Figures: the engine's
+matmuls a second in each (and as a share of ``alone``), saves a second, the engine's time each
+save took from it ((alone - beside) / alone / saves a second), and the polls a NIXL transfer took (``check_xfer_state`` calls: 0 where the WRITE completes inside its
 post call, as UCX's loopback copy does; client/nixl_path.py paces them where it does not).
 Writes save_gil.json and save_gil.png to --out.
 """
@@ -21,10 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing as mp
+import os
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +38,8 @@ import _harness as H
 from prefixstore.client import ClientConfig, PrefixClient
 from nixl_transfer import Chains, make_namespace
 
-MODES = ("alone", "nixl", "http")
+MODES = ("alone", "nixl", "http", "http-child")
+PAUSE_S = 0.2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,6 +75,8 @@ class Engine:
         torch.set_num_threads(1)
         self._a = torch.rand(side, side)
         self._b = torch.rand(side, side)
+        for _ in range(200):  # torch's first calls are slower: not in any mode's window
+            torch.mm(self._a, self._b)
         self.ops = 0
         self.running = threading.Event()
         self.stopped = False
@@ -101,15 +110,56 @@ class CountedPolls:
         agent.check_xfer_state = counted  # type: ignore[attr-defined]
 
 
+def _child_saves(url: str, payload_size: int, items: int, seed: int, go: Any, stop: Any, count: Any) -> None:
+    """``http-child``: HTTP saves back to back, in a process of its own, while ``go`` is set."""
+    async def run() -> None:
+        ns = make_namespace(payload_size, model="bench-save-gil")
+        async with PrefixClient(ns, ClientConfig(url=url, data_path="http", timeout_s=60)) as client:
+            chains = Chains(client, items, payload_size, seed)
+            while not stop.is_set():
+                if not go.wait(0.05):
+                    continue
+                _, batch = chains.fresh()
+                results = await client.put(batch)
+                if any(r.status != "ok" for r in results):
+                    raise SystemExit(f"a save from the child failed: {[r.status for r in results][:4]}")
+                with count.get_lock():
+                    count.value += 1
+    asyncio.run(run())
+
+
+class Child:
+    """The ``http-child`` process and its switches."""
+
+    def __init__(self, url: str, args: argparse.Namespace) -> None:
+        ctx = mp.get_context("spawn")
+        self.go, self.stop, self.count = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
+        self.proc = ctx.Process(target=_child_saves, daemon=True,
+                                args=(url, args.payload_size, args.items, args.seed + 7, self.go, self.stop, self.count))
+        self.proc.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
 async def run_mode(mode: str, engine: Engine, clients: dict[str, PrefixClient], chains: dict[str, Chains],
-                   window_s: float, polls: CountedPolls) -> dict[str, float]:
+                   window_s: float, polls: CountedPolls, child: Child) -> dict[str, float]:
     saves = 0
     polls.n = 0
+    if mode == "http-child":
+        child.go.set()  # the child starts first; its first save is not in the window
+        before_child = child.count.value
+        while child.count.value == before_child:
+            await asyncio.sleep(0.005)
+        before_child = child.count.value
     before = engine.ops
     engine.running.set()
     started = time.perf_counter()
     try:
-        if mode == "alone":
+        if mode in ("alone", "http-child"):
             await asyncio.sleep(window_s)
         else:
             while time.perf_counter() - started < window_s:
@@ -120,7 +170,10 @@ async def run_mode(mode: str, engine: Engine, clients: dict[str, PrefixClient], 
                 saves += 1
     finally:
         engine.running.clear()
-    took = time.perf_counter() - started
+        took = time.perf_counter() - started
+        if mode == "http-child":
+            saves = child.count.value - before_child
+            child.go.clear()
     return {"engine_ops_per_s": (engine.ops - before) / took, "saves_per_s": saves / took,
             "polls_per_save": polls.n / saves if saves and mode == "nixl" else 0.0}
 
@@ -149,34 +202,44 @@ async def main(argv: list[str] | None = None) -> int:
                 if channel is None or nixl.impl.data.name != "nixl":
                     raise SystemExit("the NIXL client did not take the NIXL path: is nixl installed?")
                 polls = CountedPolls(channel.path.agent)
-                for rep in range(args.warmup + args.reps):
-                    order = MODES[rep % len(MODES):] + MODES[: rep % len(MODES)]
-                    line = []
-                    for mode in order:
-                        got = await run_mode(mode, engine, clients, chains, args.window_s, polls)
-                        if rep >= args.warmup:
-                            for k, v in got.items():
-                                samples[mode].setdefault(k, []).append(v)
-                        line.append(f"{mode} {got['engine_ops_per_s']:.0f} ops/s, {got['saves_per_s']:.1f} saves/s")
-                    H.progress(f"rep {rep + 1}/{args.warmup + args.reps}: " + "; ".join(line))
+                child = Child(rs.url, args)
+                shuffle = np.random.default_rng(args.seed)
+                try:
+                    for rep in range(args.warmup + args.reps):
+                        line = []
+                        for mode in [MODES[i] for i in shuffle.permutation(len(MODES))]:
+                            await asyncio.sleep(PAUSE_S)
+                            got = await run_mode(mode, engine, clients, chains, args.window_s, polls, child)
+                            if rep >= args.warmup:
+                                for k, v in got.items():
+                                    samples[mode].setdefault(k, []).append(v)
+                            line.append(f"{mode} {got['engine_ops_per_s']:.0f} ops/s, {got['saves_per_s']:.1f} saves/s")
+                        H.progress(f"rep {rep + 1}/{args.warmup + args.reps}: " + "; ".join(line))
+                finally:
+                    child.close()
     finally:
         engine.stop()
     med = {m: {k: float(np.median(v)) for k, v in samples[m].items()} for m in MODES}
     alone = med["alone"]["engine_ops_per_s"]
+    for m in MODES:  # the engine's time each save took from it
+        saves = med[m]["saves_per_s"]
+        med[m]["engine_ms_per_save"] = (alone - med[m]["engine_ops_per_s"]) / alone / saves * 1e3 if saves else 0.0
     rows = [[m, round(med[m]["engine_ops_per_s"]), f"{med[m]['engine_ops_per_s'] / alone:.0%}",
-             round(med[m]["saves_per_s"], 1), round(med[m]["polls_per_save"], 1)] for m in MODES]
+             round(med[m]["saves_per_s"], 1), round(med[m]["engine_ms_per_save"], 2),
+             round(med[m]["polls_per_save"], 1)] for m in MODES]
     table = H.print_table(f"engine thread beside saves of {args.items} x {args.payload_size >> 10} KiB "
-                          f"(medians of {args.reps} reps, {args.window_s:g} s each)",
-                          ["mode", "engine matmuls/s", "of alone", "saves/s", "polls/save"], rows)
+                          f"(medians of {args.reps} reps, {args.window_s:g} s each; {os.cpu_count()} CPUs)",
+                          ["mode", "engine matmuls/s", "of alone", "saves/s", "engine ms per save", "polls/save"],
+                          rows)
     ratio = {m: med[m]["engine_ops_per_s"] / alone for m in MODES[1:]}
     print("engine rate beside saves, of alone: " + ", ".join(f"{m} {r:.2f}x" for m, r in ratio.items()))
     args.out.mkdir(parents=True, exist_ok=True)
     plt = H.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    axes[0].bar(MODES, [med[m]["engine_ops_per_s"] for m in MODES], color=["#8c8c8c", "#4c72b0", "#55a868"])
+    axes[0].bar(MODES, [med[m]["engine_ops_per_s"] for m in MODES], color=["#8c8c8c", "#4c72b0", "#55a868", "#a1c9f4"])
     axes[0].set_ylabel("engine matmuls / s (median)")
     axes[0].set_title("the engine thread", fontsize=9)
-    axes[1].bar(MODES[1:], [med[m]["saves_per_s"] for m in MODES[1:]], color=["#4c72b0", "#55a868"])
+    axes[1].bar(MODES[1:], [med[m]["saves_per_s"] for m in MODES[1:]], color=["#4c72b0", "#55a868", "#a1c9f4"])
     axes[1].set_ylabel("saves / s (median)")
     axes[1].set_title(f"saves of {args.items} x {args.payload_size >> 10} KiB", fontsize=9)
     fig.suptitle("an engine thread beside a client's saves", fontsize=10)

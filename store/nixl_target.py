@@ -128,8 +128,12 @@ docs/nixl.md). A transfer's completion is seen up to this late."""
 IDLE_PROGRESS_S = 0.1
 """Progress interval of the agent while no NIXL lease or reservation is outstanding. Slow on
 purpose: every transfer needs descriptors, handed out only under a lease or reservation, and
-handing one out wakes the task at once (``expect_traffic``); idle, there is nothing to progress
-but UCX's own housekeeping. It was 5 ms: 200 wake-ups a second, each a task and a timer on the
+handing one out wakes the task at once (``expect_traffic``). Not nothing to do while idle: UCX
+sets up a new client's connection only as this agent progresses (a review measured a new
+client's first save at 390 ms with the store held idle, 85-100 ms busy); clients connect right
+before /v1/nixl/get or /v1/nixl/reserve (client/datapath.py), whose lease or reservation makes
+the store busy first. A transfer more than ``BUSY_WINDOW_S`` after its lease was handed out is
+progressed at this pace. It was 5 ms: 200 wake-ups a second, each a task and a timer on the
 loop, were most of an idle store's CPU (about 4% of a core in a py-spy profile beside two vLLM
 replicas, docs/benchmarks.md), and each one preempted whatever ran on that core -- the engines
 it shares a host with."""

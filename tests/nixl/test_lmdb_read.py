@@ -230,6 +230,18 @@ async def test_map_growth_under_a_lease_ends_it_cleanly(tmp_path: Path, verify: 
 async def test_read_txns_end_on_release_and_on_expiry(tmp_path: Path) -> None:
     """A lease's read transaction ends when the lease is released, and when it expires with
     nobody calling into the store (the NIXL progress task expires leases that hold one)."""
+    await read_txns_end_on_release_and_on_expiry(tmp_path)
+
+
+async def test_read_txns_end_on_expiry_with_the_progress_task_idle(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with the lease no longer keeping the progress task busy (past BUSY_WINDOW_S): its
+    slow idle polls still expire the lease and end the transaction."""
+    monkeypatch.setattr("prefixstore.store.nixl_target.BUSY_WINDOW_S", 0.0)
+    await read_txns_end_on_release_and_on_expiry(tmp_path)
+
+
+async def read_txns_end_on_release_and_on_expiry(tmp_path: Path) -> None:
     data = tmp_path / "lmdb"
     toks = tokens(51, 3)
     await saved_on_disk(data, toks)
