@@ -20,7 +20,9 @@ per request (prompt - the engine's cached tokens); the store's KV and state hit 
 (a greedy near tie, both runs' top log-probabilities within ``--tie-logprob``, is counted apart
 from a wrong token); failed requests; and the decode tax: the engines' decode-only steps with a
 load of the connector in flight against those without, batch size by batch size
-(``prefixstore_vllm_decode_step_seconds_total``, measured on the worker). ``--kill-store``
+(``prefixstore_vllm_decode_step_seconds_total``, measured on the worker); and where the first
+token's time goes, by vLLM's own request histograms: queued (a lookup answered, a hybrid load
+awaited) against prefill (the prompt's compute and whatever shares its cores). ``--kill-store``
 adds a run where the store is killed (SIGKILL) after 40% of the requests: every request must
 still complete, from recompute, with vLLM alone's tokens.
 
@@ -218,6 +220,31 @@ def connector_costs(replicas: Sequence[Replica]) -> list[dict[str, float]]:
             for samples in replica_samples(replicas)]
 
 
+#: vLLM's own per-request histograms that split a request's first token (v1/metrics/loggers.py):
+#: queued (arrival to first scheduled: a lookup deferred, a hybrid load awaited, a full batch) and
+#: prefill (first scheduled to first token: the prompt's compute, and whatever shares its cores).
+ENGINE_PHASES = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+                 "engine_ttft": "vllm:time_to_first_token_seconds"}
+
+
+def engine_phases(replicas: Sequence[Replica]) -> dict[str, float]:
+    """Sums and counts of ENGINE_PHASES over the replicas: {'queue:s': seconds, 'queue:n': requests}."""
+    out: dict[str, float] = {}
+    for samples in replica_samples(replicas):
+        for key, value in samples.items():
+            for phase, metric in ENGINE_PHASES.items():
+                for suffix, kind in (("_sum", "s"), ("_count", "n")):
+                    if key.startswith(metric + suffix):
+                        out[f"{phase}:{kind}"] = out.get(f"{phase}:{kind}", 0.0) + value
+    return out
+
+
+def phase_means(phases: dict[str, float]) -> dict[str, float]:
+    """Mean seconds per request of each phase over a run (from engine_phases' difference)."""
+    return {phase: phases[f"{phase}:s"] / phases[f"{phase}:n"] for phase in ENGINE_PHASES
+            if phases.get(f"{phase}:n")}
+
+
 def step_counters(replicas: Sequence[Replica]) -> dict[str, float]:
     """The connectors' decode-step counters, summed over replicas: {'yes:5-8:n': steps, 'yes:5-8:s': seconds}."""
     out: dict[str, float] = {}
@@ -248,6 +275,7 @@ def run_once(trace: Trace, replicas: Sequence[Replica], model: Model, backends: 
     with ``probe_url``, what benchmarks/_store_probe.py saw of that store meanwhile)."""
     probe = start_probe(probe_url) if probe_url else None
     hits0, steps0, events0 = store_hits(backends.store_urls), step_counters(replicas), connector_events(replicas)
+    phases0 = engine_phases(replicas)
     total = trace.num_requests
     killed: list[str] = []
     last = [time.monotonic()]
@@ -269,6 +297,7 @@ def run_once(trace: Trace, replicas: Sequence[Replica], model: Model, backends: 
     return {"results": results, "wall_s": wall, "hits": _diff(store_hits(backends.store_urls), hits0),
             "steps": _diff(step_counters(replicas), steps0), "killed": killed,
             "events": _diff(connector_events(replicas), events0), "costs": connector_costs(replicas),
+            "phases": phase_means(_diff(engine_phases(replicas), phases0)),
             "probe": end_probe(probe) if probe is not None else None}
 
 
@@ -322,6 +351,7 @@ def figures(run: dict[str, Any], turns: int) -> dict[str, Any]:
         "killed": run["killed"],
         "connector_events": {k: v for k, v in run["events"].items() if v},
         "connector_costs": run["costs"],
+        "engine_phases_s": run.get("phases") or {},
         "probe": run.get("probe"),
         "requests_detail": [{"conversation": r.conversation, "turn": r.turn + 1, "replica": r.replica,
                              "prompt": len(r.prompt), "cached": r.cached_tokens, "ttft_ms": round(r.ttft_s * 1e3, 1),
@@ -513,6 +543,9 @@ def _median_figures(per_rep: list[dict[str, Any]]) -> dict[str, Any]:
     out["probe_p99_ms"] = statistics.median(probes) if probes else None
     taxes = [r["decode_tax"]["ratio"] for r in per_rep if r.get("decode_tax")]
     out["decode_tax"] = statistics.median(taxes) if taxes else None
+    for phase in ENGINE_PHASES:
+        vals = [r["engine_phases_s"][phase] for r in per_rep if phase in r.get("engine_phases_s", {})]
+        out[f"{phase}_mean"] = statistics.median(vals) if vals else None
     turns = sorted({t for r in per_rep for t in r["ttft_by_turn"]})
     out["ttft_p50_by_turn"] = {t: statistics.median([r["ttft_by_turn"][t]["p50"] for r in per_rep
                                                      if t in r["ttft_by_turn"]]) for t in turns}
@@ -580,6 +613,13 @@ def print_tables(report: dict[str, Any]) -> None:
                   ["model", "conc", "side", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p99", "out tok/s", "req/s",
                    "prefill/req", "store KV hit", "store state hit", "decode tax", "same tokens", "wrong tok",
                    "failed", "probe p99"], rows)
+    h.print_table("Where the first token's time goes, by vLLM's own histograms (mean ms a request, all turns): "
+                  "queued (to first scheduled: lookups, hybrid loads, a full batch), prefill (scheduled to first "
+                  "token), the engine's TTFT (arrival to first token)",
+                  ["model", "conc", "side", "queued", "prefill", "engine TTFT"],
+                  [[c["model"], c["concurrency"], c["side"], _ms(c["median"].get("queue_mean")),
+                    _ms(c["median"].get("prefill_mean")), _ms(c["median"].get("engine_ttft_mean"))]
+                   for c in report["cells"]])
     if report.get("probe_idle"):
         print(f"probe with nothing else running: {report['probe_idle']}")
     rows = [[r["model"], r["concurrency"], r["side"], _num(r["ttft_p50_ratio_turn2plus"]), _num(r["tpot_p99_ratio"]),
