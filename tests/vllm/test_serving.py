@@ -52,6 +52,9 @@ def test_serving_replicas_survive_failed_loads_and_a_dead_store(tmp_path: Path) 
     assert events.get("load_failures", 0) == 0 and events.get("saves_dropped", 0) == 0, events
     assert events.get("saves", 0) > 0 and events.get("lookups", 0) == 18, events
     assert store["prefill_computed_per_request"] < alone["prefill_computed_per_request"]
+    for rep in (alone, store):  # where the first token's time went, from each replica's vLLM histograms
+        assert set(rep["engine_phases_s"]) == {"queue", "prefill", "engine_ttft"}, rep["engine_phases_s"]
+        assert all(v > 0 for v in rep["engine_phases_s"].values()), rep["engine_phases_s"]
     flaky = cells["flaky"]["reps"][0]["connector_events"]
     assert flaky.get("load_failures", 0) >= 1, flaky  # the proxy failed loads, and vLLM recomputed them
     assert cells["store-killed"]["reps"][0]["killed"]
