@@ -434,6 +434,14 @@ class ClusterClient:
         await asyncio.gather(*(one(url, idx) for url, idx in groups.items()))
         return out
 
+    async def prepare(self) -> bool:
+        """Every member's data path set up ahead of the first transfer (PrefixClient.prepare), in
+        parallel: whether any member's payloads will take NIXL. Members that join later set theirs
+        up at their first transfer."""
+        await self.membership.ensure()
+        ready = await asyncio.gather(*(self.membership.node(url).client.prepare() for url in self.membership.members))
+        return any(ready)
+
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
                    snapshots: Mapping[int, Buffer] | None = None, start: int = 0,
                    origins: Mapping[int, int] | None = None) -> SaveResult:

@@ -305,6 +305,11 @@ class NodeClient:
             out.extend(await self.data.write(specs, views, commit))
         return out
 
+    async def prepare(self) -> bool:
+        """The data path set up ahead of the first transfer (PrefixClient.prepare): whether payloads
+        will take NIXL."""
+        return await self.data.ready() is not None
+
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
                    snapshots: Mapping[int, Buffer] | None = None, start: int = 0,
                    origins: Mapping[int, int] | None = None) -> SaveResult:

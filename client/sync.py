@@ -126,6 +126,9 @@ class SyncPrefixClient:
     def release(self, lease_id: bytes | None) -> bool:
         return self._run(self._client.release(lease_id))
 
+    def prepare(self) -> bool:
+        return self._run(self._client.prepare())
+
     def read(self, items: Sequence[GetItem], outs: Sequence[Buffer]) -> list[int]:
         return self._run(self._client.read(items, outs))
 

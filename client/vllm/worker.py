@@ -118,6 +118,7 @@ class PrefixStoreWorker:
         self._done_sending: set[str] = set()
         self._saves_in_flight: list[concurrent.futures.Future[Any]] = []
         self._releases: list[concurrent.futures.Future[Any]] = []
+        self._prepared: concurrent.futures.Future[Any] | None = None  # the data path's set-up (register_kv_caches)
         """Lease releases of finished loads (a load ends without waiting for them)."""
         self._ended_lock = threading.Lock()
         self._saves_ended: list[str] = []
@@ -228,6 +229,11 @@ class PrefixStoreWorker:
         # NIXL path (data_path auto/nixl, the store serving it): the staging region is registered with
         # the client's agent once, so every load READs straight into it; a no-op over HTTP.
         self.staging.register_with(self.client)
+        # The data path set up now, in the background, not at the first save or load: making the
+        # NIXL agent takes about half a second and holds the GIL in stretches that would stall the
+        # forward passes of the requests then running (PrefixClient.prepare). Not waited on: a
+        # store that is down must not hold up the engine's start (its first transfer asks again).
+        self._prepared = self._loop.submit(self.client.prepare())
 
         async def make_lock() -> asyncio.Lock:
             return asyncio.Lock()

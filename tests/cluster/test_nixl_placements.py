@@ -41,3 +41,16 @@ async def test_probes_place_payloads_and_reads_skip_the_get_call(make_cluster) -
         assert "/v1/nixl/get" not in paths and "/v1/get" not in paths
         assert await client.release(looked.lease_id)
         assert sum(len(node.data.placements) for node in client.impl.nodes()) == 0
+
+
+async def test_prepare_sets_every_members_path_up_before_any_transfer(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(3, "--nixl", "on")
+    ns = make_namespace(block_tokens=16)
+    # Seeded with one member: the others are learned from its member list, and prepared too.
+    async with PrefixClient(ns, ClientConfig(urls=(cluster.urls[0],))) as client:
+        assert await client.prepare() is True
+        assert isinstance(client.impl, ClusterClient)
+        nodes = client.impl.nodes()
+        assert sorted(node.config.url for node in nodes) == sorted(cluster.urls)
+        assert all(node.data_path == "nixl" for node in nodes)  # each node's agent loaded ...
+        assert sum(client.path_bytes.values()) == 0  # ... before any payload moved

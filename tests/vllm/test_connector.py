@@ -9,6 +9,7 @@ real ``vllm.v1.request.Request`` objects. Saves and loads go through a real
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -421,6 +422,23 @@ def test_save_then_load_over_nixl_into_the_registered_staging_region(
     assert client.data_path == "nixl" and client.path_bytes["nixl"] > 0 and client.path_bytes["http"] == 0
     assert client.failures.total() == 0
     # The staging region was registered once (register_kv_caches), so loads needed no per-call registration.
+    host = e.worker.worker_side.staging.host.numpy()
+    assert client.impl.data.channel.path.covers(host.ctypes.data, host.ctypes.data + host.nbytes)
+
+
+@NEEDS_NIXL
+def test_the_worker_sets_its_nixl_path_up_as_the_engine_starts(
+        serve: StartServe, engine_factory) -> None:  # type: ignore[no-untyped-def]
+    nixl_store = serve("--port", "0", "--data-dir", "none", "--nixl", "on")
+    e = engine_factory("prepared", url=nixl_store.url)  # data_path auto, as docs/vllm.md configures it
+    client = e.worker.worker_side.client
+    deadline = time.monotonic() + 30
+    while client.data_path != "nixl" and time.monotonic() < deadline:  # set up in the background
+        time.sleep(0.01)
+    # Before any save or load: the agent is made and the store's loaded, so the engine's first
+    # transfer neither waits for it nor has its forward passes stalled while it is made.
+    assert client.data_path == "nixl"
+    assert client.path_bytes["nixl"] == 0 and client.path_bytes["http"] == 0
     host = e.worker.worker_side.staging.host.numpy()
     assert client.impl.data.channel.path.covers(host.ctypes.data, host.ctypes.data + host.nbytes)
 

@@ -1,0 +1,67 @@
+"""PrefixClient.prepare: the data path set up before the first transfer, so that the first save or
+load of an engine neither waits for the NIXL agent to be made (about half a second) nor stalls
+the engine's threads while it is (the agent's creation holds the GIL in stretches)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prefixstore.client import ClientConfig, PrefixClient, SyncPrefixClient, datapath
+
+from ..serve_process import serving
+from .conftest import NEEDS_NIXL, Start
+from .helpers import namespace, save, tokens
+
+pytestmark = NEEDS_NIXL
+
+
+@pytest.fixture
+def agents_made(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every NIXL path (one agent each) the clients of this test make."""
+    made: list[object] = []
+    real = datapath.NixlPath
+
+    def counted() -> object:
+        path = real()
+        made.append(path)
+        return path
+
+    monkeypatch.setattr(datapath, "NixlPath", counted)
+    return made
+
+
+async def test_prepare_makes_the_agent_and_the_first_save_uses_it(start: Start, agents_made: list[object]) -> None:
+    url, _ = await start(ram_bytes=1 << 20)
+    async with PrefixClient(namespace(), ClientConfig(url=url, data_path="auto")) as client:
+        assert client.data_path == "undecided" and not agents_made
+        assert await client.prepare() is True
+        assert client.data_path == "nixl" and len(agents_made) == 1  # made now, connected to the store's
+        assert await save(client, tokens(61, 4)) == 4
+        assert client.path_bytes["nixl"] > 0  # the save went over the agent prepare made ...
+        assert len(agents_made) == 1  # ... and made no other
+        assert await client.prepare() is True and len(agents_made) == 1  # asked again: nothing new
+
+
+async def test_prepare_never_raises_and_says_where_payloads_go(start: Start, agents_made: list[object]) -> None:
+    url, _ = await start(ram_bytes=1 << 20, nixl="off")
+    async with PrefixClient(namespace(), ClientConfig(url=url)) as auto, \
+            PrefixClient(namespace(), ClientConfig(url=url, data_path="http")) as http, \
+            PrefixClient(namespace(), ClientConfig(url="http://127.0.0.1:1", timeout_s=2)) as dead:
+        assert await auto.prepare() is False and auto.data_path == "http"  # the store serves no NIXL
+        assert await http.prepare() is False and http.data_path == "http"
+        assert await dead.prepare() is False  # nothing listens there: False, no exception
+        assert await save(auto, tokens(62, 3)) == 3  # and saves still work over HTTP
+    assert not agents_made  # the store said no before any agent was made
+
+
+def test_the_sync_client_prepares_too(tmp_path: Path) -> None:
+    # The in-process store runs on a test's event loop; the sync client runs its own: a store process.
+    with serving() as serve:
+        proc = serve("--port", "0", "--data-dir", str(tmp_path / "data"), "--ram-bytes", "1MiB", "--page-bytes", "4KiB",
+                     "--nixl", "on")
+        assert proc.url is not None
+        with SyncPrefixClient(namespace(), ClientConfig(url=proc.url)) as client:
+            assert client.data_path == "undecided"
+            assert client.prepare() is True and client.data_path == "nixl"
