@@ -179,3 +179,25 @@ def test_save_gil_quick_run_measures_every_mode(tmp_path: Path) -> None:
                                capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent).stdout
     for flag in ("--window-s", "--payload-size", "--items", "--matrix", "--switch-interval-s", "--out", "--quick", "--reps", "--warmup", "--seed"):
         assert flag in help_text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
+def test_first_transfer_quick_run_times_both_modes(tmp_path: Path) -> None:
+    """benchmarks/first_transfer.py: a fresh process's first save, prepared and not, each over NIXL."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "first_transfer.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent,
+                          env={**os.environ, "UCX_MODULES": "^ib"})
+    assert proc.returncode == 0, (f"first_transfer.py --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+    results = json.loads((out / "first_transfer.json").read_text())
+    med = results["medians"]
+    assert set(med) == {"lazy", "prepared"}
+    assert all(med[m]["first_save_ms"] > 0 and med[m]["longest_stall_ms"] > 0 for m in med)
+    assert med["prepared"]["prepare_ms"] > 0 and "prepare_ms" not in med["lazy"]
+    assert len(results["samples"]["lazy"]["first_save_ms"]) == 2  # --quick: two reps of each mode
+    assert (out / "first_transfer.png").read_bytes().startswith(PNG_MAGIC)
+    help_text = subprocess.run([sys.executable, str(BENCHMARKS / "first_transfer.py"), "--help"],
+                               capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent).stdout
+    for flag in ("--payload-size", "--items", "--settle-s", "--out", "--quick", "--reps", "--warmup", "--seed"):
+        assert flag in help_text
