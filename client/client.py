@@ -188,11 +188,13 @@ class PrefixClient:
 
     async def prepare(self) -> bool:
         """Set the data path up now rather than at the first transfer (an engine calls it as it
-        starts): on NIXL, make this process's agent and load the store's. Making an agent takes
-        about half a second and holds the GIL in stretches (up to 72 ms measured, nixl 1.5.1 over
-        UCX): made at the first save or load, it delays that transfer and stalls every other thread
-        of the process meanwhile, an engine's forward pass among them. Whether payloads will take
-        NIXL; never raises (a store that cannot be reached now is asked again at the first transfer)."""
+        starts): on NIXL, import nixl, make this process's agent and load the store's. That takes
+        about half a second here (nixl 1.5.1 over UCX); the import holds the GIL for about 30 ms
+        of it (the agent's making mostly lets go of it). Done at the first save or load, it delays
+        that transfer and stalls every other thread of the process meanwhile, an engine's forward
+        pass among them (benchmarks/first_transfer.py). Returns whether payloads will take NIXL
+        now; never raises. A store that cannot be reached now gets the agent made all the same, and
+        is asked again at a later transfer."""
         await self._shape()
         return await self.impl.prepare()
 

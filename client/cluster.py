@@ -435,9 +435,11 @@ class ClusterClient:
         return out
 
     async def prepare(self) -> bool:
-        """Every member's data path set up ahead of the first transfer (PrefixClient.prepare), in
-        parallel: whether any member's payloads will take NIXL. Members that join later set theirs
-        up at their first transfer."""
+        """Every member's data path set up ahead of the first transfer (PrefixClient.prepare):
+        whether any member's payloads will take NIXL. The metadata is asked of every member at
+        once, but each node client makes its own agent, one after another on this loop (about
+        0.4 s each here): a start-up cost that grows with the cluster. Members that join later set
+        theirs up at their first transfer."""
         await self.membership.ensure()
         ready = await asyncio.gather(*(self.membership.node(url).client.prepare() for url in self.membership.members))
         return any(ready)

@@ -218,16 +218,13 @@ class DataPath:
         try:
             gen: list[int] = []
             agent, metadata = await fetch_metadata(self._node.post, gen)  # before making an agent: is NIXL served?
-            if self.channel is None:
-                try:
-                    path = NixlPath()
-                except NixlUnavailable as err:
-                    self._disable(str(err), permanent=True)
-                    return None
-                self.channel = NixlChannel(path, self._node.post)
-                for view in self._pending_buffers:
-                    path.register(view)
-                self._pending_buffers = []
+            if self.connected and self.channel is not None and self.channel.path.knows(agent, gen[0] if gen else None):
+                # Another caller connected while this one asked (a first save beside prepare()):
+                # connecting again would drop the store's agent under its transfers.
+                return self.channel
+            if not self.make_agent():
+                return None
+            assert self.channel is not None
             self.channel.path.connect(agent, metadata, gen[0] if gen else None)
         except StoreError as err:
             refused = nixl_refused(err)
@@ -240,6 +237,32 @@ class DataPath:
         assert self.channel is not None
         self._use("nixl", f"store agent {self.channel.path.remote}")
         return self.channel
+
+    def make_agent(self) -> bool:
+        """This client's agent, made once, with the buffers registered so far; False where NIXL
+        cannot run here (then off for good)."""
+        if self.channel is None:
+            try:
+                path = NixlPath()
+            except NixlUnavailable as err:
+                self._disable(str(err), permanent=True)
+                return False
+            self.channel = NixlChannel(path, self._node.post)
+            for view in self._pending_buffers:
+                path.register(view)
+            self._pending_buffers = []
+        return True
+
+    async def prepare(self) -> bool:
+        """Set up ahead of the first transfer (PrefixClient.prepare): connected to the store's agent
+        where it can be asked now. Where it cannot (down, still starting), the agent is made all the
+        same: that is the costly part, and a later transfer then only loads the store's metadata.
+        Not where the store said it serves no NIXL, or NIXL is configured off."""
+        if await self.ready() is not None:
+            return True
+        if self.nixl_possible and self._config.data_path != "http" and nixl_installed():
+            self.make_agent()
+        return False
 
     def _account(self, got: BatchRead) -> None:
         self.bytes_moved["nixl"] += got.nixl_bytes

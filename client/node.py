@@ -308,7 +308,7 @@ class NodeClient:
     async def prepare(self) -> bool:
         """The data path set up ahead of the first transfer (PrefixClient.prepare): whether payloads
         will take NIXL."""
-        return await self.data.ready() is not None
+        return await self.data.prepare()
 
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
                    snapshots: Mapping[int, Buffer] | None = None, start: int = 0,

@@ -118,8 +118,8 @@ class PrefixStoreWorker:
         self._done_sending: set[str] = set()
         self._saves_in_flight: list[concurrent.futures.Future[Any]] = []
         self._releases: list[concurrent.futures.Future[Any]] = []
-        self._prepared: concurrent.futures.Future[Any] | None = None  # the data path's set-up (register_kv_caches)
         """Lease releases of finished loads (a load ends without waiting for them)."""
+        self._prepared: concurrent.futures.Future[Any] | None = None  # the data path's set-up (register_kv_caches)
         self._ended_lock = threading.Lock()
         self._saves_ended: list[str] = []
         self.refused: str | None = None
@@ -153,6 +153,8 @@ class PrefixStoreWorker:
 
     def shutdown(self) -> None:
         if self._loop is not None:
+            if self._prepared is not None:
+                self._prepared.cancel()  # a set-up still asking a store that does not answer
             self.drain()
             self._loop.close(self.client)
             self._loop = self.client = None
@@ -229,10 +231,10 @@ class PrefixStoreWorker:
         # NIXL path (data_path auto/nixl, the store serving it): the staging region is registered with
         # the client's agent once, so every load READs straight into it; a no-op over HTTP.
         self.staging.register_with(self.client)
-        # The data path set up now, in the background, not at the first save or load: making the
-        # NIXL agent takes about half a second and holds the GIL in stretches that would stall the
-        # forward passes of the requests then running (PrefixClient.prepare). Not waited on: a
-        # store that is down must not hold up the engine's start (its first transfer asks again).
+        # The data path set up now, in the background, not at the first save or load: importing
+        # nixl and making the agent take about half a second, and the import holds the GIL long
+        # enough to stall the forward passes of the requests then running (PrefixClient.prepare).
+        # Not waited on: a store that is down must not hold up the engine's start.
         self._prepared = self._loop.submit(self.client.prepare())
 
         async def make_lock() -> asyncio.Lock:

@@ -4,11 +4,13 @@ the engine's threads while it is (the agent's creation holds the GIL in stretche
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from prefixstore.client import ClientConfig, PrefixClient, SyncPrefixClient, datapath
+from prefixstore.client.nixl_path import NixlPath
 
 from ..serve_process import serving
 from .conftest import NEEDS_NIXL, Start
@@ -47,13 +49,45 @@ async def test_prepare_makes_the_agent_and_the_first_save_uses_it(start: Start, 
 async def test_prepare_never_raises_and_says_where_payloads_go(start: Start, agents_made: list[object]) -> None:
     url, _ = await start(ram_bytes=1 << 20, nixl="off")
     async with PrefixClient(namespace(), ClientConfig(url=url)) as auto, \
-            PrefixClient(namespace(), ClientConfig(url=url, data_path="http")) as http, \
-            PrefixClient(namespace(), ClientConfig(url="http://127.0.0.1:1", timeout_s=2)) as dead:
+            PrefixClient(namespace(), ClientConfig(url=url, data_path="http")) as http:
         assert await auto.prepare() is False and auto.data_path == "http"  # the store serves no NIXL
         assert await http.prepare() is False and http.data_path == "http"
-        assert await dead.prepare() is False  # nothing listens there: False, no exception
         assert await save(auto, tokens(62, 3)) == 3  # and saves still work over HTTP
-    assert not agents_made  # the store said no before any agent was made
+    assert not agents_made  # the store said no (or NIXL is off): no agent is made for nothing
+
+
+async def test_a_store_down_at_start_still_gets_the_agent_made(agents_made: list[object]) -> None:
+    async with PrefixClient(namespace(), ClientConfig(url="http://127.0.0.1:1", timeout_s=2)) as client:
+        assert await client.prepare() is False  # nothing listens there: False, no exception
+        # The costly part is done all the same: a later transfer, once the store is up, only loads
+        # the store's metadata instead of importing nixl and making the agent in the traffic.
+        assert len(agents_made) == 1
+        assert await client.prepare() is False and len(agents_made) == 1
+
+
+async def test_two_setups_at_once_make_one_agent_and_load_the_stores_once(
+        start: Start, agents_made: list[object], monkeypatch: pytest.MonkeyPatch) -> None:
+    url, _ = await start(ram_bytes=1 << 20)
+    connects: list[str] = []
+    real_connect = NixlPath.connect
+
+    def counted_connect(self: NixlPath, agent_name: str, metadata: bytes, meta_gen: int | None = None) -> None:
+        connects.append(agent_name)
+        real_connect(self, agent_name, metadata, meta_gen)
+
+    monkeypatch.setattr(NixlPath, "connect", counted_connect)
+    async with PrefixClient(namespace(), ClientConfig(url=url)) as client:
+        # Two set-ups at once, both asking the store for its agent before either has connected:
+        # prepare() beside the first transfer, or two first transfers.
+        data = client.impl.data  # type: ignore[union-attr]
+        first, second = await asyncio.gather(data.ready(), data.ready())
+        assert first is not None and first is second
+        assert len(agents_made) == 1  # one agent, whichever caller made it
+        # The store's agent loaded once: loading it again would drop it under any transfer
+        # started in between.
+        assert len(connects) == 1
+        _, saved = await asyncio.gather(client.prepare(), save(client, tokens(63, 4)))
+        assert saved == 4 and client.data_path == "nixl" and len(agents_made) == 1 and len(connects) == 1
 
 
 def test_the_sync_client_prepares_too(tmp_path: Path) -> None:
