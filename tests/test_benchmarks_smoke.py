@@ -12,43 +12,55 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+NIXL_ENV = {"UCX_MODULES": "^ib"}
+"""What a benchmark moving payloads over NIXL on a CPU-only machine runs under (docs/nixl.md)."""
+
+
+def quick_run(name: str, out: Path, *, ok: tuple[int, ...] = (0,), timeout: int = 300,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``benchmarks/<name>.py --quick --out out``: asserts its exit status is one of ``ok`` and that
+    it drew its PNG; returns its JSON."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=timeout, cwd=BENCHMARKS.parent,
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode in ok, f"{name}.py --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    png = (out / f"{name}.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 1000
+    results: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
+    return results
+
+
+def assert_help_names(name: str, flags: tuple[str, ...]) -> None:
+    """``benchmarks/<name>.py --help`` exits 0 and names every flag of ``flags``."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--help"],
+                          capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent)
+    assert proc.returncode == 0, proc.stderr
+    for flag in flags:
+        assert flag in proc.stdout, flag
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["lookup", "transfer", "soak", "tenant_oracle", "lookup_latency"])
 def test_benchmark_quick_run(name: str, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent)
-    assert proc.returncode == 0, f"{name}.py --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    results = json.loads((out / f"{name}.json").read_text())
+    results = quick_run(name, tmp_path / "out")
     assert results["benchmark"] == name
     assert results["results"], "no results recorded"
-    png = (out / f"{name}.png").read_bytes()
-    assert png.startswith(PNG_MAGIC) and len(png) > 1000
 
 
 @pytest.mark.parametrize("name", ["lookup", "transfer", "lookup_latency"])
 def test_benchmark_help_documents_every_flag(name: str) -> None:
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--help"],
-                          capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent)
-    assert proc.returncode == 0, proc.stderr
-    for flag in ("--out", "--quick", "--reps", "--warmup", "--seed"):
-        assert flag in proc.stdout
+    assert_help_names(name, ("--out", "--quick", "--reps", "--warmup", "--seed"))
 
 
 def test_soak_help_documents_every_flag() -> None:
     """soak.py runs for a duration, not in repetitions: its own flags instead of --reps/--warmup."""
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "soak.py"), "--help"],
-                          capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent)
-    assert proc.returncode == 0, proc.stderr
-    for flag in ("--out", "--quick", "--seed", "--duration-s", "--clients", "--mix", "--server", "--tier"):
-        assert flag in proc.stdout
+    assert_help_names("soak", ("--out", "--quick", "--seed", "--duration-s", "--clients", "--mix", "--server", "--tier"))
 
 
 def test_policies_sessions_selects_the_sharegpt_capacities(tmp_path: Path) -> None:
@@ -78,14 +90,8 @@ def test_issue_30_benchmark_quick_run(name: str, tmp_path: Path) -> None:
     whether their targets were met, which a smoke run's figures cannot be held to -- but a rolling
     restart never lets an error reach the engine nor a wrong byte through, and the soak never
     answers a 5xx, whatever the figures."""
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=BENCHMARKS.parent)
-    assert proc.returncode in (0, 1), f"{name}.py --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    results = json.loads((out / f"{name}.json").read_text())
+    results = quick_run(name, tmp_path / "out", ok=(0, 1), timeout=600)
     assert results["benchmark"] == name and results["results"]
-    png = (out / f"{name}.png").read_bytes()
-    assert png.startswith(PNG_MAGIC) and len(png) > 1000
     (result,) = results["results"][:1]
     if name == "rolling_restart":
         assert result["errors"] == 0 and result["wrong_bytes"] == 0, result
@@ -103,11 +109,7 @@ def test_issue_30_benchmark_quick_run(name: str, tmp_path: Path) -> None:
     ("lmdb_reads", ("--out", "--quick", "--sizes", "--values", "--reps", "--warmup", "--seed")),
 ])
 def test_issue_30_benchmark_help_documents_every_flag(name: str, flags: tuple[str, ...]) -> None:
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--help"],
-                          capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent)
-    assert proc.returncode == 0, proc.stderr
-    for flag in flags:
-        assert flag in proc.stdout, flag
+    assert_help_names(name, flags)
 
 
 def _gone(pid: int) -> bool:
@@ -164,40 +166,24 @@ def test_vllm_sides_run_in_the_benchmarks_session_each_in_a_process_group_of_its
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 def test_save_gil_quick_run_measures_every_mode(tmp_path: Path) -> None:
     """benchmarks/save_gil.py: an engine-like thread's rate alone and beside saves over each path."""
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "save_gil.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent,
-                          env={**os.environ, "UCX_MODULES": "^ib"})
-    assert proc.returncode == 0, f"save_gil.py --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    results = json.loads((out / "save_gil.json").read_text())
+    results = quick_run("save_gil", tmp_path / "out", env=NIXL_ENV)
     med = results["medians"]
     assert set(med) == {"alone", "nixl", "http", "http-child"}
     assert med["alone"]["engine_ops_per_s"] > 0 and med["alone"]["saves_per_s"] == 0
     assert all(med[m]["saves_per_s"] > 0 for m in ("nixl", "http", "http-child"))
-    assert (out / "save_gil.png").read_bytes().startswith(PNG_MAGIC)
-    help_text = subprocess.run([sys.executable, str(BENCHMARKS / "save_gil.py"), "--help"],
-                               capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent).stdout
-    for flag in ("--window-s", "--payload-size", "--items", "--matrix", "--switch-interval-s", "--out", "--quick", "--reps", "--warmup", "--seed"):
-        assert flag in help_text
+    assert_help_names("save_gil", ("--window-s", "--payload-size", "--items", "--matrix", "--switch-interval-s",
+                                   "--out", "--quick", "--reps", "--warmup", "--seed"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 def test_first_transfer_quick_run_times_both_modes(tmp_path: Path) -> None:
     """benchmarks/first_transfer.py: a fresh process's first save, prepared and not, each over NIXL."""
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "first_transfer.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent,
-                          env={**os.environ, "UCX_MODULES": "^ib"})
-    assert proc.returncode == 0, (f"first_transfer.py --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                                  f"{proc.stderr[-3000:]}")
-    results = json.loads((out / "first_transfer.json").read_text())
+    results = quick_run("first_transfer", tmp_path / "out", env=NIXL_ENV)
     med = results["medians"]
+    samples = results["samples"]
     assert set(med) == {"lazy", "prepared"}
     assert all(med[m]["first_save_ms"] > 0 and med[m]["longest_stall_ms"] > 0 for m in med)
     assert med["prepared"]["prepare_ms"] > 0 and "prepare_ms" not in med["lazy"]
-    assert len(results["samples"]["lazy"]["first_save_ms"]) == 2  # --quick: two reps of each mode
-    assert (out / "first_transfer.png").read_bytes().startswith(PNG_MAGIC)
-    help_text = subprocess.run([sys.executable, str(BENCHMARKS / "first_transfer.py"), "--help"],
-                               capture_output=True, text=True, timeout=60, cwd=BENCHMARKS.parent).stdout
-    for flag in ("--payload-size", "--items", "--settle-s", "--out", "--quick", "--reps", "--warmup", "--seed"):
-        assert flag in help_text
+    assert len(samples["lazy"]["first_save_ms"]) == 2  # --quick: two reps of each mode
+    assert_help_names("first_transfer", ("--payload-size", "--items", "--settle-s", "--out", "--quick", "--reps",
+                                         "--warmup", "--seed"))
