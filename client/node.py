@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -45,8 +46,21 @@ acts on the answer: a documented seam for tests and diagnostics (e.g. run someth
 
 
 MAX_LEAN_TRIES = 3
-"""Lean lookups asked before one that carries the whole prompt (each further try carries the levels
-the store named before: only a write racing the lookup makes a second one need another)."""
+"""Lean lookups (and probes) asked before one that carries the whole prompt (each further try
+carries the levels the store named before: only a write racing the lookup makes a second one need
+another)."""
+
+
+LeanAsk = TypeVar("LeanAsk", LookupRequest, ProbeRequest)
+"""A request :meth:`NodeClient.ask_lean` can send lean."""
+
+
+class LeanAnswer(Protocol):
+    @property
+    def need_level(self) -> int | None: ...
+
+
+Answered = TypeVar("Answered", bound=LeanAnswer)
 
 
 class NodeClient:
@@ -146,11 +160,12 @@ class NodeClient:
     # ------------------------------------------------------------ node calls for the cluster (raise StoreError)
 
     async def probe(self, req: ProbeRequest, lease: bool) -> ProbeAnswer:
-        """This node's answer for some levels of a prompt (DESIGN §8); placed payloads are remembered."""
+        """This node's answer for some levels of a prompt (DESIGN §8), asked lean as a lookup is
+        (:meth:`ask_lean`); placed payloads are remembered."""
         req = dataclasses.replace(req, lease=lease, nixl=lease and self.data.connected)
         started = time.monotonic()
         try:
-            answer = ProbeAnswer.from_header(await self.call("/v1/probe", req.to_header()))
+            answer = await self.ask_lean("/v1/probe", req, req.num_tokens, req.start, ProbeAnswer.from_header)
         except WireError as err:
             raise StoreError("/v1/probe", str(err), problem=Problem.UNAVAILABLE) from err
         if answer.nixl is not None and answer.lease_id is not None:
@@ -167,6 +182,30 @@ class NodeClient:
             raise StoreError("/v1/members", "expected a JSON object", problem=Problem.UNAVAILABLE)
         return body
 
+    async def ask_lean(self, path: str, req: LeanAsk, num_tokens: int, start: int,
+                       parse: Callable[[dict[str, object]], Answered]) -> Answered:
+        """``req`` (a lookup, or a probe of the levels from ``start``, carrying every token of its
+        ``num_tokens``) asked lean first (protocol/match.py ``lean_levels``): the tokens of its first
+        level and of the last ``lookup_token_window`` tokens. A store that needs another level
+        names it (``need_level``, absolute); ask again with it. A write landing between the two may
+        move the stop again, hence a few tries, then the whole request, which is always answered.
+        ``lookup_token_window=None``: the whole request at once."""
+        window = self.config.lookup_token_window
+        B = self.namespace.block_tokens
+        levels = -(-num_tokens // B)
+        needed: list[int] = []
+        for _ in range(MAX_LEAN_TRIES if window is not None else 0):
+            spans = lean_levels(levels, B, window or 0, needed)
+            if spans == ((0, levels),):  # a short request: whole
+                break
+            lean = dataclasses.replace(req, tokens=span_tokens(req.tokens, B, spans), spans=spans,
+                                       total_tokens=num_tokens)
+            answer = parse(await self.call(path, lean.to_header()))
+            if answer.need_level is None:
+                return answer
+            needed.append(answer.need_level - start)
+        return parse(await self.call(path, req.to_header()))
+
     # ------------------------------------------------------------ lookup
 
     async def lookup(self, prompt: Prompt | Sequence[int] | np.ndarray, lease: bool | None = None) -> LookupResult:
@@ -178,26 +217,9 @@ class NodeClient:
         req = LookupRequest(namespace_id=self.namespace.id, hashes=p.hash_bytes, tokens=p.packed,
                             lease=leased, extras=tuple((j, x) for j, x in enumerate(p.extra_keys) if x),
                             nixl=leased and self.data.connected)
-        window = self.config.lookup_token_window
-        needed: list[int] = []
         sent_at = time.monotonic()
         try:
-            # Lean first (protocol/match.py lean_levels): tokens of level 0 and of the last `window`
-            # tokens. A store that needs another level names it; ask again with it. A write landing
-            # between the two may move the stop again, hence a few tries, then the whole prompt,
-            # which is always answered.
-            for _ in range(MAX_LEAN_TRIES if window is not None else 0):
-                B = self.namespace.block_tokens
-                levels = -(-p.num_tokens // B)
-                spans = lean_levels(levels, B, window or 0, needed)
-                lean = req if spans == ((0, levels),) else dataclasses.replace(  # a short prompt: whole
-                    req, tokens=span_tokens(p.packed, B, spans), spans=spans, total_tokens=p.num_tokens)
-                answer = LookupAnswer.from_header(await self.call("/v1/lookup", lean.to_header()))
-                if answer.need_level is None:
-                    break
-                needed.append(answer.need_level)
-            else:
-                answer = LookupAnswer.from_header(await self.call("/v1/lookup", req.to_header()))
+            answer = await self.ask_lean("/v1/lookup", req, p.num_tokens, 0, LookupAnswer.from_header)
         except (StoreError, WireError) as err:
             self._failures.record("lookup", err)
             return LookupResult(prompt=p, ok=False)

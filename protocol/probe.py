@@ -6,6 +6,10 @@ root), the prompt's next block h_{j+1} (absent at a last, partial level), the pr
 that block [jB, min((j+1)B, T)) and its extra keys. The request is the prompt itself from level
 s on, as a lookup sends it (h_s, the hashes h_{s+1}.., the packed tokens from sB, sparse extra
 keys): compact whatever its length, so a 32k-token probe costs what a 32k-token lookup does.
+Like a lookup it may be **lean** (``spans``, ``total_tokens``; protocol/match.py): tokens of its
+first level (the root level's branch key is read from it) and of some others only; a node whose
+run stops at a level the probe did not carry, with something there to compare, answers
+``need_level`` and nothing else, and the client asks again carrying it.
 
 The node answers the levels in order, each with exactly what a single node's lookup computes
 there, and stops at the first level that ends its part. The answer is run-shaped:
@@ -43,14 +47,16 @@ from .namespace import NAMESPACE_ID_BYTES
 from .errors import Problem
 from .match import Levels
 from .nixl_wire import NixlPlacements
-from .wire import MAX_EXTRA_BYTES, EntryRef, Limits, WireError, opt_bin, req_bin, req_bool, req_int, req_list
+from .wire import MAX_EXTRA_BYTES, EntryRef, Limits, WireError, opt_bin, read_spans, req_bin, req_bool, req_int, req_list
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProbeRequest:
     """Levels ``start`` .. of one prompt: ``parent`` = h_start (the root at level 0), ``hashes`` =
     h_{start+1} .. h_{start+k} concatenated (levels with a next block), ``tokens`` = the prompt's
-    tokens from start·B on, packed uint32: exactly k blocks, or k blocks and a partial last level."""
+    tokens from start·B on, packed uint32: exactly k blocks, or k blocks and a partial last level;
+    lean (``spans`` set): the tokens of the levels ``spans`` names (relative to ``start``; the first
+    always among them), concatenated, and ``total_tokens`` the prompt's tokens from start·B on."""
 
     namespace_id: bytes
     start: int
@@ -60,17 +66,25 @@ class ProbeRequest:
     extras: tuple[tuple[int, bytes], ...] = ()  # (level j, extra keys of the prompt's block j+1), sparse
     lease: bool = True
     nixl: bool = False  # also answer where the reported payloads lie (as a lookup does; store/nixl_lookup.py)
+    spans: tuple[tuple[int, int], ...] | None = None  # (first level from start, levels) whose tokens are carried
+    total_tokens: int = -1  # the prompt's tokens from start·B on; required with spans
 
     @property
     def num_blocks(self) -> int:
         return len(self.hashes) // HASH_BYTES
+
+    @property
+    def num_tokens(self) -> int:
+        """The prompt's tokens from ``start``·B on, carried or not."""
+        return len(self.tokens) // TOKEN_BYTES if self.spans is None else self.total_tokens
 
     def num_levels(self, block_tokens: int) -> int:
         return self.levels(block_tokens).num_levels
 
     def levels(self, block_tokens: int) -> Levels:
         """The prompt's levels from ``start`` on, as the matcher reads them."""
-        return Levels(self.start, self.parent, self.hashes, self.tokens, block_tokens, dict(self.extras))
+        return Levels(self.start, self.parent, self.hashes, self.tokens, block_tokens, dict(self.extras),
+                      self.spans, self.num_tokens)
 
     def to_header(self) -> dict[str, object]:
         d: dict[str, object] = {"ns": self.namespace_id, "start": self.start, "parent": self.parent,
@@ -79,6 +93,9 @@ class ProbeRequest:
             d["extras"] = [[j, e] for j, e in self.extras]
         if self.nixl:
             d["nixl"] = True
+        if self.spans is not None:
+            d["spans"] = [[first, count] for first, count in self.spans]
+            d["total_tokens"] = self.total_tokens
         return d
 
     @classmethod
@@ -91,18 +108,24 @@ class ProbeRequest:
         parent = req_bin(h, "parent", size=HASH_BYTES)
         hashes = req_bin(h, "hashes", multiple=HASH_BYTES)
         tokens = req_bin(h, "tokens", multiple=TOKEN_BYTES)
-        k, T = len(hashes) // HASH_BYTES, len(tokens) // TOKEN_BYTES
+        lean = h.get("spans") is not None
+        length = "total_tokens" if lean else "tokens"
+        k, T = len(hashes) // HASH_BYTES, req_int(h, "total_tokens") if lean else len(tokens) // TOKEN_BYTES
         if T > limits.max_lookup_tokens:
-            raise WireError("tokens", f"{T} tokens, at most {limits.max_lookup_tokens} (max_lookup_tokens)",
+            raise WireError(length, f"{T} tokens, at most {limits.max_lookup_tokens} (max_lookup_tokens)",
                             Problem.TOO_LARGE)
         # The prompt from level start on: k full blocks (one per hash), then at most a partial level.
         if not k * B <= T < (k + 1) * B or T == 0:
-            raise WireError("tokens", f"expected {k} blocks of {B} tokens (one per hash) and fewer than {B} "
+            raise WireError(length, f"expected {k} blocks of {B} tokens (one per hash) and fewer than {B} "
                             f"more, got {T} tokens")
         levels = k + (1 if T > k * B else 0)
         if start + levels > max_levels:
             raise WireError("start", f"levels up to {start + levels - 1} are past the longest prompt "
                             f"(max_lookup_tokens={limits.max_lookup_tokens})", Problem.TOO_LARGE)
+        spans = read_spans(h, T, B, len(tokens) // TOKEN_BYTES) if lean else None
+        if spans is not None and (not spans or spans[0][0] != 0):
+            # The node reads the root level's branch key, and the first level's children, from it.
+            raise WireError("spans", "a lean probe carries its first level's tokens: spans start at level 0")
         extras: list[tuple[int, bytes]] = []
         raw = h.get("extras")
         if raw is not None:
@@ -121,7 +144,8 @@ class ProbeRequest:
                 if x[1]:
                     extras.append((x[0], x[1]))
         return cls(namespace_id=ns, start=start, parent=parent, hashes=hashes, tokens=tokens, extras=tuple(extras),
-                   lease=req_bool(h, "lease", default=True), nixl=req_bool(h, "nixl", default=False))
+                   lease=req_bool(h, "lease", default=True), nixl=req_bool(h, "nixl", default=False),
+                   spans=spans, total_tokens=T if lean else -1)
 
 
 TIER_ELSEWHERE = "elsewhere"
@@ -156,6 +180,9 @@ class ProbeAnswer:
     lease_ttl_s: float = 0.0
     replicas: dict[bytes, tuple[str, ...]] = field(default_factory=dict)
     nixl: NixlPlacements | None = None  # asked with ``nixl``: placements, as in a LookupAnswer
+    need_level: int | None = None
+    """A lean probe's run stopped at this level (absolute), whose tokens it did not carry, with
+    something stored there to compare: no answer yet (nothing leased); ask again carrying them."""
 
     @property
     def end(self) -> int:
@@ -163,6 +190,8 @@ class ProbeAnswer:
         return self.start + self.held if self.stop is not None else self.start + self.held - 1
 
     def to_header(self) -> dict[str, object]:
+        if self.need_level is not None:
+            return {"start": self.start, "need_level": self.need_level}
         return {"start": self.start, "held": self.held, "stop": self.stop.to_wire() if self.stop else None,
                 "inexact": list(self.inexact), "snaps": [[j, r.to_wire()] for j, r in self.snapshots.items()],
                 "lease": self.lease_id, "lease_ttl_s": self.lease_ttl_s,
@@ -172,6 +201,8 @@ class ProbeAnswer:
     @classmethod
     def from_header(cls, h: dict[str, object]) -> ProbeAnswer:
         start = req_int(h, "start")
+        if h.get("need_level") is not None:
+            return cls(start=start, need_level=req_int(h, "need_level", lo=start))
         held = req_int(h, "held")
         end = start + held
         inexact = req_list(h, "inexact", "", held + 1)

@@ -51,7 +51,7 @@ async def probe(request: web.Request) -> web.Response:
     membership = request.app[MEMBERSHIP]
     root_home = membership.is_home if membership.is_cluster else (lambda key: True)
     answer = store.probe(req, request.app[REPLICATOR].replicas_of(), root_home=root_home, copies=store.replica_keys)
-    if req.nixl and (extension := request.app.get(PROBE_NIXL)) is not None:
+    if req.nixl and answer.need_level is None and (extension := request.app.get(PROBE_NIXL)) is not None:
         answer = dataclasses.replace(answer, nixl=extension(req, answer))
     return frame_response(answer.to_header())
 

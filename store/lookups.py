@@ -198,13 +198,17 @@ class LookupService:
         ns_id = ns.id  # every key probed below is scoped by the request's namespace (store/index.py)
         root = self._namespaces.root(ns_id)
         assert root is not None
-        self.reports.earn(self._ledger.owner_of(ns), len(req.tokens) // TOKEN_BYTES)
         B = ns.block_tokens
         index = self._index
         now = self._clock()
         self._leases.expire(now)
         scan = self._config.max_child_scan
         found = index.run(ns_id, req.levels(B), scan=scan, budget=ScanBudget(scan), copies=copies)
+        if found.needs is not None:  # a lean probe stopped where it carried no tokens: ask for them
+            return ProbeAnswer(start=req.start, need_level=found.needs)
+        # Earned once per answered probe, by the prompt's tokens (carried or not, as a whole probe
+        # would): a lean probe's second trip earns no more than one whole probe does.
+        self.reports.earn(self._ledger.owner_of(ns), req.num_tokens)
         run = found.run
         # The first level is this node's (exact) when it is the root level's home, or when its parent
         # block is held here in its own right (not a fork record, not a copy); a later level is, unless

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import aiohttp
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixstore.protocol.wire import CONTENT_TYPE, encode_frame
+from prefixstore.protocol.wire import CONTENT_TYPE, decode_frame, encode_frame
 from prefixstore.store import StoreConfig
 
 from ..conftest import RunningStore
@@ -33,6 +34,18 @@ async def post(running: RunningStore, path: str, header: dict[str, object]) -> t
                                 headers={"Content-Type": CONTENT_TYPE}) as resp:
             body = await resp.json() if resp.content_type == "application/json" else {}
             return resp.status, body
+
+
+async def post_frame(running: RunningStore, path: str, header: dict[str, object]) -> tuple[int, dict[str, object]]:
+    """POST a frame; the answer's frame header (200) or JSON error body."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(running.url + path, data=encode_frame(header),
+                                headers={"Content-Type": CONTENT_TYPE}) as resp:
+            raw = await resp.read()
+            if resp.status != 200:
+                return resp.status, json.loads(raw)
+            header_out, _ = decode_frame(raw)
+            return resp.status, header_out
 
 
 async def register(running: RunningStore) -> None:
@@ -62,6 +75,25 @@ async def test_probe_fields_are_checked(running: RunningStore) -> None:
     assert status == 200
 
 
+async def test_lean_probe_fields_are_checked(running: RunningStore) -> None:
+    """A lean probe (spans, total_tokens) is checked as a lean lookup is, and must carry its first level."""
+    await register(running)
+    # Three blocks and a tail of 2 (14 tokens, 4 levels); levels 0 and 3 carried: 4 + 2 tokens.
+    good = {"ns": NS.id, "start": 0, "parent": ROOT, "hashes": b"\x02" * 48, "tokens": b"\x00" * 24,
+            "spans": [[0, 1], [3, 1]], "total_tokens": 14}
+    cases = {
+        "total_tokens": {**good, "total_tokens": 20},  # three hashes: 12 to 15 tokens
+        "spans": {**good, "spans": [[1, 1], [3, 1]], "tokens": b"\x00" * 24},  # not its first level
+        "spans[1]": {**good, "spans": [[0, 1], [0, 1]]},  # not disjoint
+        "tokens": {**good, "tokens": b"\x00" * 28},  # more than the spans name
+    }
+    for field, header in cases.items():
+        status, body = await post(running, "/v1/probe", header)
+        assert 400 <= status < 500 and body["field"] == field, (field, status, body)
+    status, answer = await post_frame(running, "/v1/probe", good)
+    assert status == 200 and answer["held"] == 0  # nothing stored: no level needed either
+
+
 async def test_report_and_drop_fields_are_checked(running: RunningStore) -> None:
     await register(running)
     status, body = await post(running, "/v1/lookup_report",
@@ -74,7 +106,8 @@ async def test_report_and_drop_fields_are_checked(running: RunningStore) -> None
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(fields=st.dictionaries(st.sampled_from(["start", "parent", "hashes", "tokens", "extras", "lease"]),
+@given(fields=st.dictionaries(st.sampled_from(["start", "parent", "hashes", "tokens", "extras", "lease", "spans",
+                                               "total_tokens"]),
                               st.one_of(st.integers(-2, 5), st.binary(max_size=40), st.none(), st.text(max_size=3),
                                         st.lists(st.lists(st.one_of(st.integers(-1, 3), st.binary(max_size=4)),
                                                           max_size=3), max_size=3),

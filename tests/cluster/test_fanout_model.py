@@ -5,7 +5,7 @@ nothing evicted, ``kv_tokens`` is the longest common prefix of the prompt with
 any stored sequence and ``state_tokens`` the largest stored snapshot boundary
 the prompt agrees with; every read returns exactly the true bytes. Here the
 entries are spread over three real nodes by branch placement (protocol/placement.py)
-and each lookup walks the prompt's branches (client/walk.py).
+and each lookup walks the prompt's branches (client/walk.py), its probes whole or lean.
 
 With nodes killed (``KillMachine``): while one is down an answer may only be
 lower than the reference and a read may miss, never return other bytes; once
@@ -43,11 +43,13 @@ class ClusterMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.client: PrefixClient | None = None
 
-    @initialize(block=st.sampled_from([1, 3, 4]))
-    def setup(self, block: int) -> None:
-        # A fresh namespace per example: the nodes' earlier entries are invisible to it.
+    @initialize(block=st.sampled_from([1, 3, 4]), window=st.one_of(st.none(), st.integers(0, 6)))
+    def setup(self, block: int, window: int | None) -> None:
+        # A fresh namespace per example: the nodes' earlier entries are invisible to it. Probes
+        # carry every token (window None) or are lean: tokens of their first level and of their
+        # last `window` tokens, so most stops fall where a probe carried none and the node asks.
         self.ns = make_namespace(block_tokens=block, model=f"fanout-{next(_names)}")
-        self.client = PrefixClient(self.ns, ClientConfig(urls=tuple(self.urls)))
+        self.client = PrefixClient(self.ns, ClientConfig(urls=tuple(self.urls), lookup_token_window=window))
 
     def teardown(self) -> None:
         if self.client is not None:
