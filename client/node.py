@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -292,8 +292,8 @@ class NodeClient:
         """want / have / rejected per item; a store failure answers 'rejected' for all. ``place``
         (a cluster, protocol/placement.py): let the node decide fork heads (a cluster save does)."""
         out: list[ItemResult] = []
-        for s in range(0, len(items), self.config.max_items):
-            chunk = items[s : s + self.config.max_items]
+        for s, e in item_chunks(items, self.config.max_items):
+            chunk = items[s:e]
             header: dict[str, object] = {"ns": self.namespace.id, "items": [i.to_wire() for i in chunk]}
             if not place:
                 header["place"] = False
@@ -320,8 +320,8 @@ class NodeClient:
                     self._failures.record("put", err)
                     out.extend(ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE) for _ in records)
             return out
-        for s in range(0, len(items), self.config.max_items):
-            chunk = items[s : s + self.config.max_items]
+        for s, e in item_chunks([spec for spec, _ in items], self.config.max_items):
+            chunk = items[s:e]
             views = [as_view(buf) for _, buf in chunk]
             specs = await with_payloads([spec for spec, _ in chunk], views)
             out.extend(await self.data.write(specs, views, commit))
@@ -371,6 +371,24 @@ class NodeClient:
         return tally(final, put)
 
 
+def item_chunks(specs: Sequence[ItemSpec], max_items: int) -> Iterator[tuple[int, int]]:
+    """The calls ``specs`` go in: [s, e) ranges of at most ``max_items`` items, in order. A range
+    never ends between an item and the snapshots right after it: a store decides a snapshot against
+    its container in the same offer (or already stored), and answers ``container_missing`` where the
+    container came in the call before, not stored yet (a cluster save offers its whole chain before
+    putting any of it, in level order: client/saves.py)."""
+    s, n = 0, len(specs)
+    while s < n:
+        e = min(s + max_items, n)
+        cut = e
+        while s < cut < n and specs[cut].kind is Kind.STATE:
+            cut -= 1  # back to the item the snapshots follow: it opens the next call with them
+        if cut > s:
+            e = cut
+        yield s, e
+        s = e
+
+
 def check_device_outs(items: Sequence[GetItem], outs: Sequence[object], config: ClientConfig) -> None:
     """read_device's preconditions (a programming error raises; the store never does)."""
     if len(items) != len(outs):
@@ -382,4 +400,4 @@ def check_device_outs(items: Sequence[GetItem], outs: Sequence[object], config: 
                          "crossing verified); set verify_checksums=False to trust leases instead")
 
 
-__all__ = ["NodeClient", "Observer", "check_device_outs"]
+__all__ = ["NodeClient", "Observer", "check_device_outs", "item_chunks"]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from prefixstore.protocol.errors import ItemStatus, Reason
-from prefixstore.protocol.keys import Kind
+from prefixstore.protocol.keys import Kind, make_entry_key
 from prefixstore.protocol.wire import ItemResult, ItemSpec
 
 from .datapath import Buffer
@@ -107,10 +107,23 @@ async def save_chain(calls: SaveCalls, items: list[SaveItem], branch: bytes) -> 
         head: int | None = None  # the fork head: its record stays here, the block goes to its branch node
         records: list[int] = []
         full: list[int] = []
+        gone: set[bytes] = set()  # entry keys of this save's blocks that leave this branch this round
         for i in todo:
             d = decided[i]
+            spec = items[i].spec
+            key = make_entry_key(spec.kind, spec.hash)
+            if follows(spec, gone, items[head].spec if head is not None else None):
+                # Its parent (or container) leaves this branch, so it does too, whatever the home
+                # answered: an offer longer than a call's items (``max_items``) reaches the home in
+                # chunks, and a chunk's items are decided without the chunks before them (the home
+                # answered ``want`` under a parent it had just sent elsewhere; left here, the rest
+                # of the chain was stored where no walk reaches it).
+                moved.append(i)
+                gone.add(key)
+                continue
             if d.status is ItemStatus.ELSEWHERE:
                 moved.append(i)
+                gone.add(key)
                 next_branch = next_branch or d.branch
             elif d.fork and head is None:
                 head, next_branch = i, items[i].spec.hash
@@ -121,6 +134,7 @@ async def save_chain(calls: SaveCalls, items: list[SaveItem], branch: bytes) -> 
                     else:
                         final[i] = d
                 else:
+                    gone.add(key)  # the block goes to its branch node (its record stays here)
                     if d.status is ItemStatus.WANT:
                         records.append(i)
             else:
@@ -152,6 +166,16 @@ async def save_chain(calls: SaveCalls, items: list[SaveItem], branch: bytes) -> 
     return _result(items, final, was_put)
 
 
+def follows(spec: ItemSpec, gone: set[bytes], head: ItemSpec | None) -> bool:
+    """Whether ``spec`` must leave the branch with an item before it: a block or tail whose parent
+    block is ``gone``; a snapshot whose container is, unless the container is the fork ``head``
+    (a snapshot in a fork head stays with its record, module docstring)."""
+    if spec.kind is Kind.STATE:
+        return (spec.container is not None and spec.container in gone
+                and (head is None or spec.container != make_entry_key(head.kind, head.hash)))
+    return spec.parent is not None and make_entry_key(Kind.BLOCK, spec.parent) in gone
+
+
 async def _put(calls: SaveCalls, url: str, answers: list[ItemResult], items: list[SaveItem], todo: list[int],
                records: list[int], full: list[int], branch: bytes, head: bytes | None) -> dict[int, ItemResult]:
     """Put to one home what the primary decided, less what this home already has: fork records
@@ -179,4 +203,4 @@ def _result(items: list[SaveItem], final: list[ItemResult | None], was_put: set[
     return tally(out, [(items[i].spec.kind, out[i]) for i in sorted(was_put)])
 
 
-__all__ = ["MAX_ROUNDS", "SaveCalls", "SaveItem", "save_chain", "save_items"]
+__all__ = ["MAX_ROUNDS", "SaveCalls", "SaveItem", "follows", "save_chain", "save_items"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from prefixstore.client import ClientConfig, PrefixClient
 from prefixstore.client.cluster import ClusterClient
 from prefixstore.protocol.hashing import TOKEN_BYTES
+from prefixstore.protocol.placement import rank
 
 from ..factories import kv_payload, make_namespace, state_payload
 
@@ -16,9 +17,14 @@ async def test_lean_probes_answer_as_whole_ones_and_ask_again_for_the_level_name
     cluster = make_cluster(3, "--state-admission", "always")
     ns = make_namespace(block_tokens=4)
     system = list(range(1, 13))  # 3 blocks every conversation shares
-    first, second = system + list(range(100, 122)), system + list(range(200, 222))  # 34 tokens: 8 blocks and 2
+    first = system + list(range(100, 122))  # 34 tokens: 8 blocks and 2
     async with PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls), lookup_token_window=8)) as lean, \
             PrefixClient(ns, ClientConfig(urls=tuple(cluster.urls), lookup_token_window=None)) as whole:
+        # The second forks after the system prompt. Its fork head's branch node is not the first's
+        # (where they are the same node, 1 in 3, the chain is kept whole there and the walk takes one hop).
+        home = rank(cluster.urls, lean.prompt(first).hashes[0])[0]
+        second = next(s for k in range(200, 2000, 100) if rank(cluster.urls, lean.prompt(
+            s := system + list(range(k, k + 22))).hashes[3])[0] != home)
         for turn in (first, second):  # the second forks after the system prompt: its blocks on another branch
             saved = await lean.save(lean.prompt(turn), len(turn), lambda a, b, t=turn: kv_payload(ns, t, a, b),
                                     {len(turn): state_payload(ns, turn, len(turn))})
