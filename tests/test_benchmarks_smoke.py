@@ -58,6 +58,10 @@ def test_benchmark_help_documents_every_flag(name: str) -> None:
     assert_help_names(name, ("--out", "--quick", "--reps", "--warmup", "--seed"))
 
 
+def test_lookup_latency_help_documents_its_own_flags() -> None:
+    assert_help_names("lookup_latency", ("--tokens", "--nodes", "--concurrency", "--whole", "--no-loaded"))
+
+
 def test_soak_help_documents_every_flag() -> None:
     """soak.py runs for a duration, not in repetitions: its own flags instead of --reps/--warmup."""
     assert_help_names("soak", ("--out", "--quick", "--seed", "--duration-s", "--clients", "--mix", "--server", "--tier"))
