@@ -230,7 +230,7 @@ class ClusterClient:
                 nodes = ", ".join(sorted(set(lost)))
                 self._failures.record("lookup", f"no live node holding its branch answered ({nodes})")
         self.last_walk = walk
-        if p.hashes:
+        if p.num_blocks:
             self.forks.learn(p, levels, walk.early_levels, walk.fork_levels)
         return self._answer(p, walk)
 
@@ -239,12 +239,12 @@ class ClusterClient:
         res = walk.result()
         m = res.matched
         if m:  # where each matched block was found: reads go there, or to a copy (ReadRoutes)
-            self.routes.run(BLOCK_BYTE, p.hashes[:m], cast(list[str], walk.held_at[:m]))  # below m, none is None
-            self.placement.parent_of(BLOCK_BYTE + p.hashes[m - 1], p.parent_of_block(m - 1))
+            self.routes.run(BLOCK_BYTE, p.hash_run(m), cast(list[str], walk.held_at[:m]))  # below m, none is None
+            self.placement.parent_of(BLOCK_BYTE + p.hash_at(m - 1), p.parent_of_block(m - 1))
         for j in (m - 1, m):  # where the levels a save continues from live (client/saves.py)
             branch = walk.branch_of[j] if 0 < j < len(walk.branch_of) else None
             if branch is not None:
-                self.placement.learned(p.hashes[j - 1], branch)
+                self.placement.learned(p.hash_at(j - 1), branch)
         child = snapshot = None
         if res.child is not None:
             child, url = res.child.entry
@@ -287,7 +287,7 @@ class ClusterClient:
             return
         report = LookupReport(namespace_id=self.namespace.id, num_tokens=p.num_tokens, kv_tokens=kv,
                               state_tokens=state, junction=junction,
-                              missing_block=p.hashes[m] if m < len(p.hashes) else None)
+                              missing_block=p.hash_at(m) if m < p.num_blocks else None)
         homes = self.membership.homes(branch)
         if homes:
             await self.membership.node(homes[0]).run("lookup_report", lambda c: c.report(report))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Sequence
-from typing import cast
+from typing import cast, overload
 
 import numpy as np
 import xxhash
@@ -20,6 +20,37 @@ from prefixstore.protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, cha
 from prefixstore.protocol.keys import Kind, make_entry_key
 from prefixstore.protocol.namespace import Namespace
 from prefixstore.protocol.wire import ItemSpec
+
+
+class HashRun(Sequence[BlockHash]):
+    """h_1 .. h_m of a prompt as a sequence over its ``hash_bytes``, each sliced when read: a cluster
+    lookup queues the matched run for its read routes (client/routes.py), which reads it only if a
+    read needs it, and making 8,192 bytes objects per lookup of a 131,072-token prompt cost more
+    than the rest of the client's share of it."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def __len__(self) -> int:
+        return len(self._data) // HASH_BYTES
+
+    @overload
+    def __getitem__(self, i: int) -> BlockHash: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[BlockHash]: ...
+
+    def __getitem__(self, i: int | slice) -> BlockHash | list[BlockHash]:
+        n = len(self)
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(n))]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return BlockHash(self._data[i * HASH_BYTES : (i + 1) * HASH_BYTES])
 
 
 class Prompt:
@@ -44,6 +75,22 @@ class Prompt:
         return self._hashes
 
     @property
+    def num_blocks(self) -> int:
+        """n: full blocks of the prompt (``len(hashes)``, without making the list)."""
+        return len(self.hash_bytes) // HASH_BYTES
+
+    def hash_at(self, j: int) -> BlockHash:
+        """h_{j+1}: the hash of 0-based block j (``hashes[j]``, sliced from ``hash_bytes``: a walk of a
+        131,072-token prompt reads a few of them, and making the list of 8,192 cost it a millisecond)."""
+        if not 0 <= j < self.num_blocks:
+            raise IndexError(f"block {j} of {self.num_blocks}")
+        return BlockHash(self.hash_bytes[j * HASH_BYTES : (j + 1) * HASH_BYTES])
+
+    def hash_run(self, m: int) -> HashRun:
+        """h_1 .. h_m as a lazy sequence (:class:`HashRun`)."""
+        return HashRun(self.hash_bytes[: m * HASH_BYTES])
+
+    @property
     def num_tokens(self) -> int:
         return len(self.packed) // TOKEN_BYTES
 
@@ -56,7 +103,7 @@ class Prompt:
 
     def parent_of_block(self, j: int) -> BlockHash:
         """Parent hash of 0-based block j (h_j in DESIGN's 1-based notation)."""
-        return self.root if j == 0 else self.hashes[j - 1]
+        return self.root if j == 0 else self.hash_at(j - 1)
 
     def tokens(self, start: int, end: int) -> bytes:
         return self.packed[start * TOKEN_BYTES : end * TOKEN_BYTES]
@@ -72,7 +119,7 @@ class Prompt:
     # ------------------------------------------------------------ keys
 
     def block_key(self, j: int) -> bytes:
-        return make_entry_key(Kind.BLOCK, self.hashes[j])
+        return make_entry_key(Kind.BLOCK, self.hash_at(j))
 
     def kv_key_ending_at(self, t: int) -> bytes:
         """Key of the block (t on a block boundary) or tail that ends at token t."""

@@ -155,12 +155,12 @@ class ForkHints:
 
     def levels(self, p: Prompt) -> tuple[int, ...]:
         """The levels walks from this prompt's first block forked at (most recent first)."""
-        return self._levels.get(p.hashes[0], ()) if p.hashes else ()
+        return self._levels.get(p.hash_at(0), ()) if p.num_blocks else ()
 
     def hints(self, p: Prompt, levels: Iterable[int]) -> tuple[int, ...]:
         """Of ``levels``, those where this prompt's own block is a known fork head."""
-        n = len(p.hashes)
-        return tuple(j for j in levels if j < n and p.hashes[j] in self._heads)
+        n = p.num_blocks
+        return tuple(j for j in levels if j < n and p.hash_at(j) in self._heads)
 
     def learn(self, p: Prompt, levels: Sequence[int], early: Sequence[int], followed: Sequence[int]) -> None:
         """A walk from ``p`` (hinted ``levels``) sent hops early at ``early`` and followed forks at
@@ -168,12 +168,12 @@ class ForkHints:
         no longer forks there)."""
         for j in early:
             if j not in followed:
-                self._heads.pop(p.hashes[j])
+                self._heads.pop(p.hash_at(j))
         if not followed:
             return
         for j in followed:
-            self._heads.put(p.hashes[j], None)
-        self._levels.put(p.hashes[0], tuple(dict.fromkeys([*followed, *levels]))[:MAX_FORK_LEVELS])
+            self._heads.put(p.hash_at(j), None)
+        self._levels.put(p.hash_at(0), tuple(dict.fromkeys([*followed, *levels]))[:MAX_FORK_LEVELS])
 
 
 __all__ = ["MAX_FORK_HINTS", "MAX_FORK_LEVELS", "MAX_KNOWN_KEYS", "MAX_UNROUTED", "REPLICA_TTL_S", "ForkHints",

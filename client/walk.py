@@ -90,7 +90,7 @@ class Walk:
     @property
     def n(self) -> int:
         """Full blocks of the prompt (levels 0..n-1 have a next block; level n, if any, is its tail)."""
-        return len(self.prompt.hashes)
+        return self.prompt.num_blocks
 
     @property
     def num_levels(self) -> int:
@@ -143,7 +143,7 @@ class Walk:
     def head_hop(self, branch: bytes, start: int) -> bool:
         """Whether a hop asks the branch node of the fork head at level ``start`` (the prompt's block
         h_{start+1} is the branch key): that node holds the head, not the rest of level ``start``."""
-        return start < self.n and self.prompt.hashes[start] == branch
+        return start < self.n and self.prompt.hash_at(start) == branch
 
     def _absorb(self, url: str, a: ProbeAnswer, branch: bytes, start: int, stop: int | None) -> None:
         L = self.num_levels if stop is None else min(stop, self.num_levels)
@@ -165,7 +165,7 @@ class Walk:
                 self.branch_of[first:end + 1] = [branch] * (end + 1 - first)
         stopped = a.stop is not None and start + a.held == end and held_end == start + a.held
         if a.stop is not None and stopped and a.stop.fork and end + 1 < len(self.branch_of) and end < self.n:
-            self.branch_of[end + 1] = self.prompt.hashes[end]  # the fork head's branch holds the next level
+            self.branch_of[end + 1] = self.prompt.hash_at(end)  # the fork head's branch holds the next level
         ref = a.stop.child if a.stop is not None and stopped else None
         self.runs.append(Run(
             start=start, held=max(0, held_end - start), stopped=stopped, fork=stopped and a.stop is not None and a.stop.fork,
@@ -176,7 +176,7 @@ class Walk:
         """Walk the branches from the prompt's first block (module docstring), then follow up."""
         if not self.num_levels:
             return
-        branch = self.prompt.hashes[0] if self.n else self.branch_of[0]
+        branch = self.prompt.hash_at(0) if self.n else self.branch_of[0]
         assert branch is not None
         start = 0
         # Hops an earlier walk took at forks are sent at once, beside the first (the same question the
@@ -184,7 +184,7 @@ class Walk:
         # left to the caller (``leftover``), whose leases it releases.
         for j in self.hints[:MAX_EARLY]:
             if 0 < j < self.n and self.probes < MAX_HOPS - 1:
-                head = BlockHash(self.prompt.hashes[j])
+                head = self.prompt.hash_at(j)
                 self.probes += 1
                 self.sent_early += 1
                 self.early_levels.append(j)
@@ -213,7 +213,7 @@ class Walk:
             j = min(last.end, self.num_levels - 1)
             held = last.stop is None or last.stop.fork
             if last.stop is not None and last.stop.fork:
-                head = BlockHash(self.prompt.hashes[j])
+                head = self.prompt.hash_at(j)
                 if (head, j) in tried:
                     break  # its branch node did not confirm it: the match ends at level j (the home's child)
                 self.fork_levels.append(j)
@@ -223,7 +223,7 @@ class Walk:
                 break
             # Level j was answered by a node that is not its home and does not hold the next block: the
             # branch node of a fork head that has lost it, or a node holding copies of this branch.
-            nxt = BlockHash(self.prompt.hashes[j]) if j < self.n else None
+            nxt = self.prompt.hash_at(j) if j < self.n else None
             if nxt is not None and (nxt, j) not in tried and not (j == start and self.head_hop(branch, start)):
                 branch, start = nxt, j  # a copy: the next block may be a fork head on its own branch node
                 continue

@@ -6,6 +6,7 @@ import asyncio
 
 from prefixstore.client import Prompt
 from prefixstore.client.walk import Walk
+from prefixstore.protocol.hashing import BlockHash
 from prefixstore.protocol.probe import ProbeAnswer, ProbeRequest
 
 from ..factories import make_namespace
@@ -36,3 +37,34 @@ def test_a_first_hop_cut_at_a_hinted_fork_that_is_held_through_asks_the_rest_of_
     assert sorted(asked) == sorted([(h1, 0, 6), (head, 5, 3), (h1, 6, 2)]), asked
     assert walk.matched() == 8 and walk.result().kv_tokens == 32 and walk.fork_levels == []
     assert len(walk.leftover()) == 1  # the early hop, for the caller to release
+
+
+def test_a_prompt_reads_single_hashes_and_runs_of_them_without_the_list() -> None:
+    """``hash_at``, ``num_blocks`` and ``hash_run`` (what a walk and its read routes read) say what the
+    list of hashes says, and a walk of a prompt never makes that list (it cost a 131,072-token
+    cluster lookup about a millisecond)."""
+    ns = make_namespace(block_tokens=4, with_state=False)
+    p = Prompt(ns, list(range(1, 31)))  # 7 blocks and a tail of 2
+    whole = Prompt(ns, list(range(1, 31))).hashes
+    assert p.num_blocks == len(whole) == 7
+    assert [p.hash_at(j) for j in range(7)] == whole
+    run = p.hash_run(5)
+    assert len(run) == 5 and list(run) == whole[:5] and run[-1] == whole[4] and run[1:3] == whole[1:3]
+    for bad in (-1, 7):
+        try:
+            p.hash_at(bad)
+        except IndexError:
+            continue
+        raise AssertionError(f"hash_at({bad}) did not raise")
+
+    async def hop(branch: bytes, req: ProbeRequest, first: bytes | None) -> list[tuple[str, ProbeAnswer]]:
+        return [("http://n", ProbeAnswer(start=req.start, held=req.num_blocks))]
+
+    class NoList(Prompt):
+        @property
+        def hashes(self) -> list[BlockHash]:
+            raise AssertionError("the walk made the list of hashes")
+
+    walk = Walk(NoList(ns, list(range(1, 31))), hop, has_state=False)
+    asyncio.run(walk.run())
+    assert walk.result().kv_tokens == 28
