@@ -80,7 +80,7 @@ import _harness as H
 
 REPO = H.HERE.parent
 DEFAULT_BASELINE = "9ba5d4e"  # the commit before the house redesign (issue 22)
-BENCHES = ("lookup", "cluster_lookup", "transfer", "nixl_transfer")
+BENCHES = ("lookup", "cluster_lookup", "transfer", "nixl_transfer", "lookup_latency")
 IMPORT_CHECK = ("prefixstore", "prefixstore.protocol", "prefixstore.store", "prefixstore.client",
                 "prefixstore.protocol._chain", "prefixstore.protocol._checksums")
 FLAG_RE = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -178,8 +178,18 @@ def cluster_lookup_figures(payload: dict[str, object]) -> list[Figure]:
     return out
 
 
+def lookup_latency_figures(payload: dict[str, object]) -> list[Figure]:
+    """End-to-end lookup p50 per cluster size, load, prompt length and kind (each a new prompt object:
+    hashing, the walk and the client's bookkeeping included, as an engine's lookup pays them)."""
+    rows = payload["results"]
+    assert isinstance(rows, list), "lookup_latency.json's results are rows"
+    return [Figure(name=f"lookup latency {r['nodes']} node(s) {r['load']} {r['tokens']:,} tok: {r['kind']}", unit="ms",
+                   value=float(r["p50_ms"])) for r in rows]
+
+
 EXTRACTORS: dict[str, Extractor] = {"lookup.py": lookup_figures, "cluster_lookup.py": cluster_lookup_figures,
-                                    "transfer.py": transfer_figures, "nixl_transfer.py": nixl_figures}
+                                    "transfer.py": transfer_figures, "nixl_transfer.py": nixl_figures,
+                                    "lookup_latency.py": lookup_latency_figures}
 
 
 # ---------------------------------------------------------------- cases and trees
@@ -211,6 +221,10 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
         elif bench == "cluster_lookup":
             cases.append(Case(name="cluster_lookup", script="cluster_lookup.py", args=opts(
                 ("--tokens", str(args.cluster_lookup_tokens)), ("--reps", str(args.cluster_lookup_reps)))))
+        elif bench == "lookup_latency":
+            cases.append(Case(name="lookup_latency", script="lookup_latency.py", args=opts(
+                ("--nodes", args.latency_nodes), ("--tokens", args.latency_tokens), ("--reps", str(args.latency_reps)),
+                ("--no-loaded", None))))
         elif bench == "transfer":
             cases.append(Case(name="transfer", script="transfer.py", args=opts(
                 ("--batch-bytes", args.transfer_batch_bytes), ("--reps", str(args.transfer_reps)))))
@@ -565,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Revision measured as the head; '.' is this checkout as it stands, with its .venv. "
                         "Default: '.'.")
     p.add_argument("--bench", type=lambda s: [b for b in s.split(",") if b], default=list(BENCHES),
-                   metavar="B,B", help=f"Comma-separated benchmarks among {', '.join(BENCHES)}. Default: all four.")
+                   metavar="B,B", help=f"Comma-separated benchmarks among {', '.join(BENCHES)}. Default: all of them.")
     p.add_argument("--rounds", type=int, default=3,
                    help="Rounds; each runs every case on both trees (B H, then H B, ...). The noise band needs "
                         "at least 2. Default: 3.")
@@ -577,6 +591,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-lookup-tokens", type=int, default=32768,
                    help="cluster_lookup.py --tokens (4 node processes and one, in each tree). Default: 32768.")
     p.add_argument("--cluster-lookup-reps", type=int, default=60, help="cluster_lookup.py --reps. Default: 60.")
+    p.add_argument("--latency-nodes", default="4",
+                   help="lookup_latency.py --nodes (idle only, --no-loaded). Default: 4.")
+    p.add_argument("--latency-tokens", default="32768,131072", help="lookup_latency.py --tokens. Default: 32768,131072.")
+    p.add_argument("--latency-reps", type=int, default=200, help="lookup_latency.py --reps. Default: 200.")
     p.add_argument("--transfer-batch-bytes", default="16MiB", help="transfer.py --batch-bytes. Default: 16MiB.")
     p.add_argument("--transfer-reps", type=int, default=7, help="transfer.py --reps. Default: 7.")
     p.add_argument("--nixl-batch-bytes", default="16MiB", help="nixl_transfer.py --batch-bytes. Default: 16MiB.")

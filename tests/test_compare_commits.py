@@ -92,6 +92,14 @@ def test_nixl_figures_include_the_prefix_load() -> None:
     assert not figs["nixl prefix load 32,768 tok: nixl"].higher_is_better
 
 
+def test_lookup_latency_figures_by_cluster_size_load_length_and_kind() -> None:
+    payload = {"results": [{"nodes": 4, "load": "idle", "tokens": 131072, "kind": "hit", "p50_ms": 1.2, "p99_ms": 2.0},
+                           {"nodes": 4, "load": "idle", "tokens": 131072, "kind": "miss", "p50_ms": 1.7, "p99_ms": 3.0}]}
+    figs = {f.name: f for f in C.lookup_latency_figures(payload)}
+    assert figs["lookup latency 4 node(s) idle 131,072 tok: miss"].value == 1.7
+    assert not any(f.control or f.higher_is_better for f in figs.values()) and len(figs) == 2
+
+
 def test_every_flag_has_help() -> None:
     parser_actions = C.build_parser()._actions
     flags = [a for a in parser_actions if a.option_strings]
