@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TypeVar
@@ -51,6 +52,7 @@ class SyncPrefixClient:
         self._thread.start()
         self._lock = threading.Lock()  # guards closing against concurrent calls
         self._closed = False
+        self._background: list[concurrent.futures.Future[bool]] = []  # prepare_in_background's, cancelled at close
 
     # ------------------------------------------------------------ plumbing
 
@@ -79,6 +81,8 @@ class SyncPrefixClient:
             if self._closed:
                 return
             self._closed = True
+        for future in self._background:
+            future.cancel()  # a set-up still waiting on a store that does not answer: not waited for
         try:
             asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result()
         finally:
@@ -128,6 +132,19 @@ class SyncPrefixClient:
 
     def prepare(self) -> bool:
         return self._run(self._client.prepare())
+
+    def prepare_in_background(self) -> concurrent.futures.Future[bool]:
+        """:meth:`prepare` without waiting for it: an engine starting up hands the set-up (importing
+        nixl, making the agent, loading the store's) to the client's thread and goes on, so a store
+        that is down does not hold its start, and its first save does not pay the set-up
+        (docs/nixl.md, "An engine's first save"). The future says whether payloads will take NIXL;
+        :meth:`close` cancels it if it is still running."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("SyncPrefixClient is closed")
+            future = asyncio.run_coroutine_threadsafe(self._client.prepare(), self._loop)
+            self._background.append(future)
+        return future
 
     def read(self, items: Sequence[GetItem], outs: Sequence[Buffer]) -> list[int]:
         return self._run(self._client.read(items, outs))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 from typing import Any
 
@@ -127,6 +128,8 @@ class PrefixStoreRemoteConnector(RemoteConnector):
         self.namespace: Namespace | None = None
         self.idle_reason: str | None = None
         self._client: PrefixClient | None = None
+        self.prepared: concurrent.futures.Future[bool] | None = None
+        """The client's data path set-up, started here on LMCache's loop (whether payloads will take NIXL)."""
         try:
             serde = getattr(context.config, "remote_serde", "naive")
             if serde not in ("naive", None):  # cachegen & co. hand over compressed bytes, not KV tensors
@@ -139,6 +142,9 @@ class PrefixStoreRemoteConnector(RemoteConnector):
             log.warning("prefixstore LMCache connector idle (every call is a miss): %s", err)
             return
         self._client = PrefixClient(self.namespace, settings.client)
+        # The data path set up on LMCache's loop while the engine starts: its first put then does not
+        # import nixl and make the agent, and a store that is down holds nothing up. close() cancels it.
+        self.prepared = asyncio.run_coroutine_threadsafe(self._client.prepare(), self.loop)
         self._kv_size = int(self.meta_shapes[0][0])
         self._hidden = int(self.meta_shapes[0][3])
         log.info("prefixstore LMCache connector: namespace %s (%s, chunk %d tokens)", self.namespace.id_hex,
@@ -151,6 +157,12 @@ class PrefixStoreRemoteConnector(RemoteConnector):
     def failures(self) -> collections.Counter[str]:
         """The client's store failures by operation (empty while idle)."""
         return self._client.failures if self._client is not None else collections.Counter()
+
+    @property
+    def data_path(self) -> str:
+        """Where payloads go: 'nixl', 'http', 'undecided' until the set-up (``prepared``) or the first
+        transfer decides it; 'idle' while the connector is idle."""
+        return self._client.data_path if self._client is not None else "idle"
 
     def _failed(self, op: str, err: BaseException) -> None:
         self.stats["errors"] += 1
@@ -294,6 +306,8 @@ class PrefixStoreRemoteConnector(RemoteConnector):
         return []
 
     async def close(self) -> None:
+        if self.prepared is not None:
+            self.prepared.cancel()
         if self._client is not None:
             await self._client.close()
             self._client = None

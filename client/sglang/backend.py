@@ -42,6 +42,7 @@ checked against its xxh3 before it is scattered).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import threading
 from typing import Any
@@ -115,6 +116,9 @@ class PrefixStoreHiCache(HiCacheStorage):
         self._kv: HostKV | None = None
         self._state: HostState | None = None
         self._client: SyncPrefixClient | None = None
+        self.prepared: concurrent.futures.Future[bool] | None = None
+        """The client's data path set-up, started when the host pool is registered (whether payloads
+        will take NIXL); None before."""
         # States waiting for their page; the oldest beyond max_pending_states is dropped (a future miss).
         self._pending: BoundedLRU[str, torch.Tensor] = BoundedLRU(self.settings.max_pending_states,
                                                                  on_evict=self._drop_pending)
@@ -178,6 +182,9 @@ class PrefixStoreHiCache(HiCacheStorage):
         self.namespace = Namespace(model=model, revision=revision, kv=self._kv.layout, state=state,
                                    block_tokens=self._kv.page_tokens, tenant=self.settings.tenant)
         self._client = SyncPrefixClient(self.namespace, self.settings.client)
+        # The data path set up while SGLang starts, on the client's thread: SGLang's first backup
+        # then does not import nixl and make the agent, and a store that is down holds nothing up.
+        self.prepared = self._client.prepare_in_background()
         self.idle_reason = None
         log.info("prefixstore HiCache backend: namespace %s (%s, page %d tokens, %d B/page%s)",
                  self.namespace.id_hex, model, self._kv.page_tokens, self._kv.page_bytes,

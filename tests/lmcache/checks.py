@@ -32,6 +32,10 @@ def check_plugin_and_namespace(url: str, written: Any) -> None:
         assert any(isinstance(a, PrefixStoreConnectorAdapter) for a in manager.adapters)
         c = lm.connector
         assert isinstance(c, PrefixStoreRemoteConnector) and c.idle_reason is None
+        # The data path set up on LMCache's loop as the connector was made, before any put
+        # (NIXL where the store serves it, HTTP otherwise: decided either way, no failure counted).
+        assert c.prepared is not None and c.prepared.result(timeout=60) == (c.data_path == "nixl")
+        assert c.data_path in ("nixl", "http") and not c.failures
         ns = c.namespace
         assert (ns.model, ns.block_tokens, ns.kv.num_layers, ns.kv.num_heads * ns.kv.head_dim, ns.kv.dtype) == \
             (MODEL, CHUNK, engine.LAYERS, engine.HIDDEN, "bfloat16")
@@ -111,6 +115,7 @@ def check_dead_store(url: str, written: Any) -> None:
         assert e.run(e.remote.batched_async_contains("l", [key])) == 0
         c = e.connector
         assert c.stats["put_dropped"] == 1 and c.stats["errors"] == 0 and sum(c.failures.values()) > 0
+        assert c.prepared is not None and c.prepared.result(timeout=60) is False  # a miss-like answer, no error
     finally:
         e.close()
 

@@ -5,6 +5,8 @@ the engine's threads while it is (the agent's creation holds the GIL in stretche
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,32 @@ def test_the_sync_client_prepares_too(tmp_path: Path) -> None:
         with SyncPrefixClient(namespace(), ClientConfig(url=proc.url)) as client:
             assert client.data_path == "undecided"
             assert client.prepare() is True and client.data_path == "nixl"
+
+
+def test_the_sync_client_prepares_in_the_background_and_close_does_not_wait_for_it(tmp_path: Path) -> None:
+    """What SGLang's backend does at start (client/sglang/backend.py): the set-up runs on the client's
+    thread while the caller goes on; a store that takes the connection and never answers holds up
+    neither the caller nor close()."""
+    with serving() as serve:
+        proc = serve("--port", "0", "--data-dir", str(tmp_path / "data"), "--ram-bytes", "1MiB", "--page-bytes", "4KiB",
+                     "--nixl", "on")
+        assert proc.url is not None
+        with SyncPrefixClient(namespace(), ClientConfig(url=proc.url)) as client:
+            future = client.prepare_in_background()
+            assert future.result(timeout=60) is True and client.data_path == "nixl"
+            assert sum(client.path_bytes.values()) == 0  # set up before any payload moved
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections (the kernel does) and never answers
+    try:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        client = SyncPrefixClient(namespace(), ClientConfig(url=url, timeout_s=60))
+        future = client.prepare_in_background()
+        time.sleep(0.2)  # the set-up is waiting on the silent store now
+        assert not future.done()
+        started = time.monotonic()
+        client.close()
+        assert time.monotonic() - started < 10  # not the 60 s the request may take
+        assert future.cancelled()
+    finally:
+        silent.close()

@@ -267,6 +267,9 @@ def test_pages_over_nixl(serve: StartServe) -> None:
     assert nixl_store.url is not None
     _, host = engine.kv_pools("page_first")
     b = engine.backend(nixl_store.url, host, data_path="nixl")
+    # The data path is set up as the host pool is registered, before SGLang's first backup.
+    assert b.prepared is not None and b.prepared.result(timeout=60) is True
+    assert sum(b.path_bytes.values()) == 0
     keys = get_storage_hash_str(list(range(1000, 1000 + 4 * PAGE)), None, page_size=PAGE)
     idx = host.alloc(4 * PAGE)
     engine.fill_pages(host, idx, 0)
