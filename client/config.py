@@ -31,8 +31,8 @@ class ClientConfig:
     lease: bool = True
     """Ask lookups for a lease, so the matched entries cannot be evicted before they are read."""
     lookup_token_window: int | None = 1024
-    """Lean lookups (single node): a lookup carries the prompt's block hashes, but tokens only for
-    its first level and its last this-many tokens (where a cold prompt and a conversation's next
+    """Lean lookups, and a cluster lookup's probes: a request carries the prompt's block hashes, but
+    tokens only for its first level and its last this-many tokens (where a cold prompt and a conversation's next
     turn stop matching); a match that stops elsewhere costs one more round trip that carries the
     one level it needs (docs/design.md). None: carry every token (the request before lean lookups;
     one round trip always, about 5x the bytes at 16-token blocks)."""
@@ -41,7 +41,9 @@ class ClientConfig:
     max_get_bytes: int = 256 << 20
     """Split reads into batches of at most this many payload bytes."""
     max_items: int = 4096
-    """Split offers and puts into batches of at most this many items."""
+    """Split offers and puts into batches of at most this many items. A block and the snapshots
+    after it go in one batch (a store decides a snapshot against its container in the same offer):
+    below their count the snapshots are refused (``container_missing``)."""
     warn_interval_s: float = 30.0
     """At most one warning per this interval per kind of failure; counters count them all."""
     token: str = ""

@@ -376,7 +376,8 @@ def item_chunks(specs: Sequence[ItemSpec], max_items: int) -> Iterator[tuple[int
     never ends between an item and the snapshots right after it: a store decides a snapshot against
     its container in the same offer (or already stored), and answers ``container_missing`` where the
     container came in the call before, not stored yet (a cluster save offers its whole chain before
-    putting any of it, in level order: client/saves.py)."""
+    putting any of it, in level order: client/saves.py). A block with ``max_items`` snapshots or more
+    cannot share a call with them all; the ones past it are refused, as they were before."""
     s, n = 0, len(specs)
     while s < n:
         e = min(s + max_items, n)

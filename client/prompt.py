@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import cast, overload
 
 import numpy as np
@@ -52,6 +52,10 @@ class HashRun(Sequence[BlockHash]):
             raise IndexError(i)
         return BlockHash(self._data[i * HASH_BYTES : (i + 1) * HASH_BYTES])
 
+    def __iter__(self) -> Iterator[BlockHash]:
+        data = self._data
+        return (BlockHash(data[i : i + HASH_BYTES]) for i in range(0, len(data), HASH_BYTES))
+
 
 class Prompt:
     def __init__(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray | bytes,
@@ -88,6 +92,8 @@ class Prompt:
 
     def hash_run(self, m: int) -> HashRun:
         """h_1 .. h_m as a lazy sequence (:class:`HashRun`)."""
+        if not 0 <= m <= self.num_blocks:
+            raise IndexError(f"{m} blocks of {self.num_blocks}")
         return HashRun(self.hash_bytes[: m * HASH_BYTES])
 
     @property

@@ -427,7 +427,13 @@ class Index:
                 # lean request need not carry them.
                 held_seg = q.segment(x)
                 if held_seg is None:
-                    held_seg = entries[blocks + q.next_hash(x)].tokens
+                    own = entries.get(blocks + q.next_hash(x))
+                    if own is None:
+                        # The binary search trusts the hashes to be a chain (an honest client's are);
+                        # a request that is not one may name a level "held" whose block is absent. It
+                        # answers for nothing there (no snapshot), rather than raise.
+                        continue
+                    held_seg = own.tokens
                 snap = self.best_snapshot_under(node, held_seg, j * B, B, own_next=q.next_hash(x),
                                                 extra=q.extra(j), limit=j * B + B, scan=scan, budget=budget)
                 if snap is not None:

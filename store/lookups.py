@@ -32,8 +32,8 @@ answer. Probes teach nothing themselves; the client's report does.
 lookup's tokens, but nothing paced them: 2,000 reports in 0.5 s added 4.19e9 miss tokens to the
 counters behind every tenant's hit-rate panels (issue 30). A tenant's reports now spend an
 allowance in tokens that refills at ``max_lookup_tokens`` a second and grows by the tokens each
-of its probes carries here (a real walk probes the node it reports to, so its reports pay for
-themselves), up to a few lookups' worth banked. A report past it is answered like any other
+of its probes carries here, or finds held here (a lean probe carries few; a real walk probes the
+node it reports to, so its reports pay for themselves), up to a few lookups' worth banked. A report past it is answered like any other
 (a refusal would open the client's breaker on this node) but teaches nothing, and is counted
 (``prefixstore_lookup_reports_dropped_total``).
 """
@@ -206,10 +206,12 @@ class LookupService:
         found = index.run(ns_id, req.levels(B), scan=scan, budget=ScanBudget(scan), copies=copies)
         if found.needs is not None:  # a lean probe stopped where it carried no tokens: ask for them
             return ProbeAnswer(start=req.start, need_level=found.needs)
-        # Earned once per answered probe, by the prompt's tokens (carried or not, as a whole probe
-        # would): a lean probe's second trip earns no more than one whole probe does.
-        self.reports.earn(self._ledger.owner_of(ns), req.num_tokens)
         run = found.run
+        # Earned once per answered probe (a lean probe's first trip, answered need_level, earns
+        # nothing), by the tokens it carries and those of the blocks it found held here: a lean probe
+        # of made-up hashes earns what it sent, not the length it claims.
+        self.reports.earn(self._ledger.owner_of(ns),
+                          min(req.num_tokens, len(req.tokens) // TOKEN_BYTES + B * run.held))
         # The first level is this node's (exact) when it is the root level's home, or when its parent
         # block is held here in its own right (not a fork record, not a copy); a later level is, unless
         # the run entered it through a copy (Index.run).

@@ -50,12 +50,14 @@ def test_a_prompt_reads_single_hashes_and_runs_of_them_without_the_list() -> Non
     assert [p.hash_at(j) for j in range(7)] == whole
     run = p.hash_run(5)
     assert len(run) == 5 and list(run) == whole[:5] and run[-1] == whole[4] and run[1:3] == whole[1:3]
-    for bad in (-1, 7):
+    assert [run[j] for j in range(5)] == whole[:5] and list(p.hash_run(0)) == []
+    for bad in (lambda: p.hash_at(-1), lambda: p.hash_at(7), lambda: p.hash_run(-1), lambda: p.hash_run(8),
+                lambda: run[5]):
         try:
-            p.hash_at(bad)
+            bad()
         except IndexError:
             continue
-        raise AssertionError(f"hash_at({bad}) did not raise")
+        raise AssertionError("out of range, and no IndexError")
 
     async def hop(branch: bytes, req: ProbeRequest, first: bytes | None) -> list[tuple[str, ProbeAnswer]]:
         return [("http://n", ProbeAnswer(start=req.start, held=req.num_blocks))]

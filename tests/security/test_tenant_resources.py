@@ -384,6 +384,38 @@ async def test_lookup_reports_move_the_counters_no_faster_than_a_tenants_lookups
     assert kv_misses() - before >= 20 * 40 - 40  # each probed prompt's report counted
 
 
+async def test_a_lean_probe_of_made_up_hashes_earns_what_it_carries_not_what_it_claims(
+        start_store: StartStore, tmp_path: Path) -> None:
+    """A lean probe (spans) carries some levels' tokens and claims the prompt's length in
+    total_tokens, bounded only by the hashes sent (16 bytes a block). Earning by that claim let
+    4 carried tokens and made-up hashes pay for reports of 4,000 tokens each."""
+    from ..factories import make_namespace
+    from .helpers import raw_post
+
+    # A small max_lookup_tokens: the allowance refills at 4,096 tokens a second, not 2 million.
+    running = await start_store(tenanted(tmp_path, data_dir="none", ram_bytes=4 * MIB, page_bytes=4096,
+                                         max_lookup_tokens=4096, peers="http://127.0.0.1:1,http://127.0.0.1:2"))
+    ns = make_namespace(tenant="beta", block_tokens=4)
+    assert (await raw_post(running.url, "/v1/namespaces", {"namespace": ns.to_wire()}, TOKENS["beta"])).status == 200
+
+    def kv_misses() -> float:
+        return sample(running.store, "prefixstore_lookup_tokens_total", kind="kv", result="miss")
+
+    root = Prompt(ns, [1]).root
+    report = {"ns": ns.id, "num_tokens": 4000, "kv_tokens": 0, "state_tokens": 0, "junction": None, "missing": None}
+    for _ in range(20):  # spend the banked allowance
+        await raw_post(running.url, "/v1/lookup_report", report, TOKENS["beta"])
+    probe = {"ns": ns.id, "start": 0, "parent": root, "hashes": bytes(range(16)) * 1000, "tokens": b"\x01" * 16,
+             "spans": [[0, 1]], "total_tokens": 4000, "lease": False}
+    before = kv_misses()
+    for _ in range(20):
+        assert (await raw_post(running.url, "/v1/probe", probe, TOKENS["beta"])).status == 200
+        assert (await raw_post(running.url, "/v1/lookup_report", report, TOKENS["beta"])).status == 200
+    # Earning by the claim: all 20 reports count (80,000 tokens). Earning by what was carried: the
+    # refill's few thousand tokens a second, about one report in the time this takes.
+    assert kv_misses() - before <= 4 * 4000, kv_misses() - before
+
+
 def _mapped_rss(path: Path) -> int:
     """This process's resident bytes of its mappings of ``path`` (from /proc/self/smaps)."""
     total, inside = 0, False
