@@ -19,10 +19,22 @@ which decides per request (``ConnectorSettings.load_policy``)::
 
 Until each figure has samples, loads are made (the store's reason to exist; the first loads are
 also what measures them).
+
+The right-hand side is a model of what the request waits; the scheduler also measures the wait
+itself (:class:`LoadWaits`): from the step that planned an asynchronous load to the step that
+schedules the request's first computed token. Where it has samples, the decision uses that::
+
+    load when   n * prefill_s_per_token > wait(n)
+
+What the model leaves out is what made loads lose: on two busy replicas of a small model
+(benchmarks/vllm_serving.py, tiny, 8 in flight) the worker's figures put a load with its step at
+16-30 ms, while the requests waited 26-43 ms (the client loop shares the engine process's GIL
+with a forward pass that is mostly Python), so loaded requests were slower than recomputing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -44,6 +56,12 @@ class CostFigures:
     step_s: float | None = None
     load_s_per_token: float | None = None
     load_fixed_s: float | None = None
+    wait_s_per_token: float | None = None
+    wait_fixed_s: float | None = None
+    wait_ref_tokens: int | None = None
+    """The scheduler's measured wait of a load (:class:`LoadWaits`, the same line as the load's
+    figures, ``robust_line``); None until it has samples. Where set, :meth:`load_gain_s` uses it
+    in place of the modelled load and step."""
     load_ref_tokens: int | None = None
     """Set where most loads were of one size (``robust_line``): that size, and ``load_fixed_s`` their
     median time. A load of n tokens is then estimated at the cheapest line through that point,
@@ -53,7 +71,9 @@ class CostFigures:
 
     def load_pays(self, tokens: int) -> bool:
         """Whether loading ``tokens`` beats recomputing them (True while a figure is missing)."""
-        if None in (self.prefill_s_per_token, self.step_s, self.load_s_per_token, self.load_fixed_s):
+        measured = None not in (self.wait_s_per_token, self.wait_fixed_s)
+        if self.prefill_s_per_token is None or not measured and None in (self.step_s, self.load_s_per_token,
+                                                                         self.load_fixed_s):
             return True
         gain = self.load_gain_s(tokens)
         return gain is not None and gain > 0
@@ -66,18 +86,19 @@ class CostFigures:
         never longer than recomputing the tokens would take."""
         if self.prefill_s_per_token is None:
             return None
+        if self.wait_s_per_token is not None and self.wait_fixed_s is not None:
+            return tokens * self.prefill_s_per_token - line_at(tokens, self.wait_s_per_token, self.wait_fixed_s,
+                                                              self.wait_ref_tokens)
         load = 0.0
         if self.load_s_per_token is not None and self.load_fixed_s is not None:
-            fixed = self.load_fixed_s
-            if self.load_ref_tokens:
-                fixed *= min(tokens, self.load_ref_tokens) / self.load_ref_tokens
-            load = tokens * self.load_s_per_token + fixed
+            load = line_at(tokens, self.load_s_per_token, self.load_fixed_s, self.load_ref_tokens)
         return tokens * self.prefill_s_per_token - load - (self.step_s or 0.0)
 
     def as_us(self) -> dict[str, int]:
         """The figures there are, in whole microseconds, keyed as the connector's stats report them."""
         pairs = (("cost_us:prefill_per_token", self.prefill_s_per_token), ("cost_us:decode_step", self.step_s),
-                 ("cost_us:load_per_token", self.load_s_per_token), ("cost_us:load_fixed", self.load_fixed_s))
+                 ("cost_us:load_per_token", self.load_s_per_token), ("cost_us:load_fixed", self.load_fixed_s),
+                 ("cost_us:wait_per_token", self.wait_s_per_token), ("cost_us:wait_fixed", self.wait_fixed_s))
         return {key: round(v * 1e6) for key, v in pairs if v is not None}
 
     def worst(self, other: CostFigures) -> CostFigures:
@@ -91,6 +112,39 @@ class CostFigures:
                            load_s_per_token=pick(self.load_s_per_token, other.load_s_per_token),
                            load_fixed_s=pick(self.load_fixed_s, other.load_fixed_s),
                            load_ref_tokens=max(self.load_ref_tokens or 0, other.load_ref_tokens or 0) or None)
+
+
+def line_at(tokens: int, per_token: float, fixed: float, ref: int | None) -> float:
+    """Seconds ``robust_line``'s figures give a load of ``tokens``: ``fixed + tokens * per_token``, or
+    where most samples were of one size ``ref`` (per_token 0), ``fixed * min(tokens, ref) / ref``
+    (CostFigures.load_ref_tokens)."""
+    if ref:
+        fixed *= min(tokens, ref) / ref
+    return tokens * per_token + fixed
+
+
+class LoadWaits:
+    """The scheduler's measurement of what a load costs the request that makes it: seconds from the
+    step that planned its asynchronous load to the step that schedules it again, the load done,
+    against the tokens loaded (one scheduler thread; the last ``LOAD_SAMPLES``)."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=LOAD_SAMPLES)
+        self._line: tuple[float, float, int | None] | None = None
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self._samples.append((tokens, seconds))
+            self._line = None
+
+    def apply(self, figures: CostFigures) -> CostFigures:
+        """``figures`` with the measured wait (unchanged with fewer than two samples)."""
+        if len(self._samples) < 2:
+            return figures
+        if self._line is None:
+            self._line = robust_line(list(self._samples))
+        per_token, fixed, ref = self._line
+        return dataclasses.replace(figures, wait_s_per_token=per_token, wait_fixed_s=fixed, wait_ref_tokens=ref)
 
 
 class CostMeter:
@@ -165,4 +219,5 @@ def median(values: list[float]) -> float:
     return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
 
 
-__all__ = ["ALPHA", "LOAD_SAMPLES", "MIN_PREFILL_TOKENS", "CostFigures", "CostMeter", "median", "robust_line"]
+__all__ = ["ALPHA", "LOAD_SAMPLES", "MIN_PREFILL_TOKENS", "CostFigures", "CostMeter", "LoadWaits", "line_at", "median",
+           "robust_line"]

@@ -20,7 +20,7 @@ from ..client import PrefixClient
 from ..pagekeys import SALT_PREFIX
 from ..prompt import Prompt
 from ..results import LookupResult
-from .costs import CostFigures
+from .costs import CostFigures, LoadWaits
 from .loop import ClientLoop
 from .plans import CacheGroups, LoadPlan, PrefixStoreMetadata, PrefixStoreWorkerMeta, SavePlan, namespace_for, store_prompt
 from .settings import ConnectorSettings
@@ -151,7 +151,11 @@ class PrefixStoreScheduler:
         self._store_slow = False  # a lookup timed out and none was answered since
         self._skipped = 0  # hits the cost figures kept from loading since the last one loaded anyway
         self.costs = CostFigures()
-        """The workers' latest figures of what loads and recomputing cost (costs.py)."""
+        """The workers' latest figures of what loads and recomputing cost, with the wait this
+        scheduler measured (costs.py)."""
+        self._waits = LoadWaits()
+        self._load_planned: dict[str, tuple[float, int]] = {}
+        """Requests with an asynchronous load: when it was planned, and its tokens (``LoadWaits``)."""
         self.refused: str | None = None
         """Why the workers refuse to move anything (their views could not be mapped), once one said
         so: the scheduler then plans no load and no save."""
@@ -452,6 +456,8 @@ class PrefixStoreScheduler:
         is_async = self.groups.hybrid or waits
         if is_async:
             self._loading.add(request.request_id)
+            if not waits:  # a promised load waits for a commit: not what a load costs
+                self._load_planned[request.request_id] = (time.monotonic(), num_external_tokens)
         if waits:
             self._stats.count("commit_waits")
         self._loads.append(LoadPlan(req_id=request.request_id, lookup=lookup, start=local, end=end,
@@ -482,10 +488,13 @@ class PrefixStoreScheduler:
         running state. Saving at the prompt end, not only at the finish, is what lets a request
         arriving while this one decodes hit."""
         scheduled = scheduler_output.num_scheduled_tokens
+        now = time.monotonic()
         for new in scheduler_output.scheduled_new_reqs:
+            self._waited(new.req_id, now)
             self._plan_step_save(new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            self._waited(req_id, now)
             self._plan_step_save(req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         self._idle = scheduler_output.total_num_scheduled_tokens == 0
         self._block_left = self.settings.lookup_block_s
@@ -494,6 +503,13 @@ class PrefixStoreScheduler:
                                    num_reqs=len(scheduled), num_tokens=scheduler_output.total_num_scheduled_tokens)
         self._loads, self._saves = [], []
         return meta
+
+    def _waited(self, req_id: str, now: float) -> None:
+        """A request scheduled again after its load: what the load cost it (``LoadWaits``)."""
+        planned = self._load_planned.pop(req_id, None)
+        if planned is not None:
+            self._waits.add(planned[1], now - planned[0])
+            self.costs = self._waits.apply(self.costs)
 
     def _plan_step_save(self, req_id: str, computed_after_step: int) -> None:
         request = self._requests.get(req_id)
@@ -541,6 +557,7 @@ class PrefixStoreScheduler:
         self._promised.pop(req_id, None)
         self._failed_loads.discard(req_id)
         self._wait_since.pop(req_id, None)
+        self._load_planned.pop(req_id, None)
         copied = self._copied_upto.pop(req_id, 0)
         saved = self._saved_upto.pop(req_id, 0)
         state = self._saved_state.pop(req_id, 0)
@@ -605,12 +622,14 @@ class PrefixStoreScheduler:
         once every worker reported it), and whether a worker refuses."""
         for req_id in output.finished_recving or ():
             self._loading.discard(req_id)
+        for req_id in output.failed_recving or ():
+            self._load_planned.pop(req_id, None)  # recomputed: its wait says nothing of a load's
         self._failed_loads.update(output.failed_recving or ())
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PrefixStoreWorkerMeta):
             return
         if meta.costs is not None:
-            self.costs = meta.costs
+            self.costs = self._waits.apply(meta.costs)
         if meta.refused and self.refused is None:
             self.refused = meta.refused[0]
             log.warning("prefixstore: a worker refuses to move KV (%s); this engine stops loading and saving",

@@ -30,7 +30,8 @@ EVENT_KEYS = ("lookups", "lookup_failures", "lookup_timeouts", "lookups_deferred
 #: The cost figures a load decision used (client/vllm/costs.py), in microseconds, reported with the
 #: decision: the latest value wins in a report (not a sum), and is exported as a gauge.
 COST_KEYS = {"cost_us:prefill_per_token": "prefill_per_token", "cost_us:decode_step": "decode_step",
-             "cost_us:load_per_token": "load_per_token", "cost_us:load_fixed": "load_fixed"}
+             "cost_us:load_per_token": "load_per_token", "cost_us:load_fixed": "load_fixed",
+             "cost_us:wait_per_token": "wait_per_token", "cost_us:wait_fixed": "wait_fixed"}
 
 
 #: Batch sizes (requests) of a decode step, in the buckets the step-time counters use.
@@ -135,8 +136,10 @@ class PrefixStorePromMetrics(KVConnectorPromMetrics):
             for idx, values in per_engine_labelvalues.items() for flag in ("yes", "no") for _, _, name in BATCH_BUCKETS}
         costs = self._gauge_cls(name="prefixstore_vllm_cost_seconds",
                                 documentation="The figures the connector's last load decision used (docs/vllm.md, "
-                                              "load_policy): prefill_per_token and load_per_token (seconds per "
-                                              "token), decode_step and load_fixed (seconds).",
+                                              "load_policy): prefill_per_token, load_per_token and wait_per_token "
+                                              "(seconds per token), decode_step, load_fixed and wait_fixed (seconds; "
+                                              "wait_*: the wait the scheduler measured, which the decision uses "
+                                              "where there is one).",
                                 labelnames=[*labelnames, "figure"])
         self._costs: dict[tuple[int, str], Any] = {
             (idx, key): costs.labels(*values, figure)

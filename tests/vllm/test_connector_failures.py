@@ -390,6 +390,47 @@ def test_figures_that_say_no_load_pays_are_measured_again(engine_factory: Engine
     assert (stats.data["loads_skipped"], stats.data["loads_remeasured"]) == (2 * REMEASURE_EVERY - 2, 2)
 
 
+def test_a_load_is_judged_by_what_its_request_waited(engine_factory: EngineFactory,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's figures model a load (2 ms and a 6 ms step: a 40-token hit that takes 40 ms to
+    recompute is loaded); the scheduler measures what the load cost its request, from the step
+    that planned it to the step that schedules the request again. Two loads whose requests waited
+    100 ms each: the next such hit is recomputed (counted), and the measured wait reaches the
+    operator beside the modelled figures. One sample is not enough to overrule the model."""
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+    from prefixstore.client.vllm import scheduler as scheduler_module
+    from prefixstore.client.vllm.costs import CostFigures
+    from prefixstore.client.vllm.plans import PrefixStoreWorkerMeta
+
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
+    modelled = CostFigures(prefill_s_per_token=1e-3, step_s=0.006, load_s_per_token=2e-6, load_fixed_s=0.002)
+    e = engine_factory("costs-waited", hybrid=True)
+    hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=99)
+
+    def ask(i: int) -> tuple[int | None, bool]:
+        e.scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=modelled)))
+        return e.scheduler.get_num_new_matched_tokens(request(f"a{i}", PROMPT + [8] * 10), 0)
+
+    for i in range(2):
+        assert ask(i) == (40, True)
+        r = request(f"a{i}", PROMPT + [8] * 10)
+        tables = ([40 + 3 * i, 41 + 3 * i, 42 + 3 * i], [0, 0, 52 + i])
+        e.scheduler.update_state_after_alloc(r, blocks_of(*tables), 40)
+        e.scheduler.build_connector_meta(SchedulerOutput.make_empty())  # the step the load runs beside
+        clock[0] += 0.100  # the load, and the step that reported it
+        step = SchedulerOutput.make_empty()
+        step.scheduled_new_reqs = [NewRequestData.from_request(r, tables)]
+        step.num_scheduled_tokens = {r.request_id: 10}
+        e.scheduler.build_connector_meta(step)  # scheduled again: it waited 100 ms
+    assert ask(2) == (0, False)
+    stats = e.scheduler.get_kv_connector_stats()
+    assert stats is not None and stats.data["loads_skipped"] == 1
+    assert {k: v for k, v in stats.data.items() if k.startswith("cost_us:wait")} == {
+        "cost_us:wait_per_token": 0, "cost_us:wait_fixed": 100000}
+
+
 def test_the_worker_reports_what_its_loads_cost(engine_factory: EngineFactory) -> None:
     """The worker times its finished loads and the scheduler receives the figures with the step's
     report (the load policy decides on them)."""

@@ -109,3 +109,25 @@ def test_tensor_parallel_ranks_report_their_worst() -> None:
     a = CostFigures(prefill_s_per_token=1.0, step_s=2.0, load_s_per_token=None, load_fixed_s=3.0)
     b = CostFigures(prefill_s_per_token=2.0, step_s=1.0, load_s_per_token=4.0, load_fixed_s=None)
     assert a.worst(b) == CostFigures(prefill_s_per_token=2.0, step_s=2.0, load_s_per_token=4.0, load_fixed_s=3.0)
+
+
+def test_a_measured_wait_overrules_the_modelled_load() -> None:
+    """The scheduler's measured waits (LoadWaits) take the place of the modelled load and step: the
+    wide model's figures load 124 tokens or more, but requests that waited 40 ms + 20 us a token
+    for their loads make a load pay only past 40 ms / (270 - 20) us = 160 tokens. One wait is not
+    a line: the figures stay modelled."""
+    from prefixstore.client.vllm.costs import LoadWaits
+
+    waits = LoadWaits()
+    waits.add(500, 0.040 + 500 * 20e-6)
+    assert waits.apply(WIDE) == WIDE
+    for n in (1000, 2000, 3000):
+        waits.add(n, 0.040 + n * 20e-6)
+    waits.add(0, 9.0)  # nothing loaded: no sample
+    measured = waits.apply(WIDE)
+    assert measured.wait_fixed_s == pytest.approx(0.040) and measured.wait_s_per_token == pytest.approx(20e-6)
+    assert WIDE.load_pays(130) and not measured.load_pays(130)
+    assert measured.load_pays(161) and not measured.load_pays(159)
+    assert measured.as_us()["cost_us:wait_fixed"] == 40000
+    # The worker's next figures keep the measured wait (the scheduler applies it to each).
+    assert waits.apply(TINY).wait_fixed_s == pytest.approx(0.040)
