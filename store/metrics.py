@@ -8,6 +8,7 @@ can never drift from what the index holds.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
@@ -166,6 +167,7 @@ class StoreMetrics:
         self.latency = Histogram(
             "prefixstore_request_duration_seconds", "Server-side request latency by endpoint.",
             ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self._per_request: dict[tuple[str, int], tuple[Any, Any]] = {}  # observe_request's labelled children
         # Connection limits (max_connections, header_timeout_s).
         self.connections = Gauge("prefixstore_connections", "Client connections open now.", registry=r)
         self.connections_refused = Counter(
@@ -227,3 +229,15 @@ class StoreMetrics:
         # resident from start, so RSS minus prefixstore_arena_capacity_bytes is the node's overhead.
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        """One answered request: its latency and its count by status class. The labelled children
+        are looked up once per (endpoint, status class), not per request (prometheus_client's
+        ``labels`` takes a lock and builds a key each time; endpoints are the app's routes)."""
+        key = (endpoint, status // 100)
+        children = self._per_request.get(key)
+        if children is None:
+            children = (self.latency.labels(endpoint), self.requests.labels(endpoint, f"{status // 100}xx"))
+            self._per_request[key] = children
+        children[0].observe(seconds)
+        children[1].inc()
