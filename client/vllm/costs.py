@@ -21,8 +21,10 @@ Until each figure has samples, loads are made (the store's reason to exist; the 
 also what measures them).
 
 The right-hand side is a model of what the request waits; the scheduler also measures the wait
-itself (:class:`LoadWaits`): from the step that planned an asynchronous load to the step that
-schedules the request's first computed token. Where it has samples, the decision uses that::
+itself (:class:`LoadWaits`): from the step that planned an asynchronous load to the step whose
+report says it ended (what the request waits beyond recomputing; a wait for room in the batch
+after that, which a recomputing request would also have, is not counted). Where it has enough
+recent samples, the decision uses that::
 
     load when   n * prefill_s_per_token > wait(n)
 
@@ -58,10 +60,11 @@ class CostFigures:
     load_fixed_s: float | None = None
     wait_s_per_token: float | None = None
     wait_fixed_s: float | None = None
-    wait_ref_tokens: int | None = None
-    """The scheduler's measured wait of a load (:class:`LoadWaits`, the same line as the load's
-    figures, ``robust_line``); None until it has samples. Where set, :meth:`load_gain_s` uses it
-    in place of the modelled load and step."""
+    """The scheduler's measured wait of a load (:class:`LoadWaits`, ``robust_line`` over its
+    samples: a wait of n tokens is ``wait_fixed_s + n * wait_s_per_token``, where most samples were
+    of one size the fixed part alone, a floor, for any size: most of a wait is whole steps); None
+    while there are too few recent samples. Where set, :meth:`load_gain_s` uses it in place of
+    the modelled load and step."""
     load_ref_tokens: int | None = None
     """Set where most loads were of one size (``robust_line``): that size, and ``load_fixed_s`` their
     median time. A load of n tokens is then estimated at the cheapest line through that point,
@@ -87,11 +90,13 @@ class CostFigures:
         if self.prefill_s_per_token is None:
             return None
         if self.wait_s_per_token is not None and self.wait_fixed_s is not None:
-            return tokens * self.prefill_s_per_token - line_at(tokens, self.wait_s_per_token, self.wait_fixed_s,
-                                                              self.wait_ref_tokens)
+            return tokens * self.prefill_s_per_token - (self.wait_fixed_s + tokens * self.wait_s_per_token)
         load = 0.0
         if self.load_s_per_token is not None and self.load_fixed_s is not None:
-            load = line_at(tokens, self.load_s_per_token, self.load_fixed_s, self.load_ref_tokens)
+            fixed = self.load_fixed_s
+            if self.load_ref_tokens:
+                fixed *= min(tokens, self.load_ref_tokens) / self.load_ref_tokens
+            load = tokens * self.load_s_per_token + fixed
         return tokens * self.prefill_s_per_token - load - (self.step_s or 0.0)
 
     def as_us(self) -> dict[str, int]:
@@ -111,40 +116,46 @@ class CostFigures:
                            step_s=pick(self.step_s, other.step_s),
                            load_s_per_token=pick(self.load_s_per_token, other.load_s_per_token),
                            load_fixed_s=pick(self.load_fixed_s, other.load_fixed_s),
-                           load_ref_tokens=max(self.load_ref_tokens or 0, other.load_ref_tokens or 0) or None)
+                           load_ref_tokens=max(self.load_ref_tokens or 0, other.load_ref_tokens or 0) or None,
+                           wait_s_per_token=pick(self.wait_s_per_token, other.wait_s_per_token),
+                           wait_fixed_s=pick(self.wait_fixed_s, other.wait_fixed_s))
 
 
-def line_at(tokens: int, per_token: float, fixed: float, ref: int | None) -> float:
-    """Seconds ``robust_line``'s figures give a load of ``tokens``: ``fixed + tokens * per_token``, or
-    where most samples were of one size ``ref`` (per_token 0), ``fixed * min(tokens, ref) / ref``
-    (CostFigures.load_ref_tokens)."""
-    if ref:
-        fixed *= min(tokens, ref) / ref
-    return tokens * per_token + fixed
+#: Measured waits (LoadWaits) overrule the modelled load only with at least this many samples,
+#: each at most WAIT_MAX_AGE_S old: two are a line through two points, and after a busy spell
+#: the figures go back to the model, which then measures again.
+MIN_WAIT_SAMPLES = 4
+WAIT_MAX_AGE_S = 60.0
 
 
 class LoadWaits:
     """The scheduler's measurement of what a load costs the request that makes it: seconds from the
-    step that planned its asynchronous load to the step that schedules it again, the load done,
-    against the tokens loaded (one scheduler thread; the last ``LOAD_SAMPLES``)."""
+    step that planned its asynchronous load to the step whose report says it ended, against the
+    tokens loaded. The loads that end in one report and were planned in one step wait alike: they
+    are one sample (their mean tokens), or one slow step would count as many. One scheduler
+    thread; the last ``LOAD_SAMPLES`` samples of at most ``WAIT_MAX_AGE_S``."""
 
     def __init__(self) -> None:
-        self._samples: deque[tuple[int, float]] = deque(maxlen=LOAD_SAMPLES)
+        self._samples: deque[tuple[int, float, float]] = deque(maxlen=LOAD_SAMPLES)  # (tokens, seconds, at)
         self._line: tuple[float, float, int | None] | None = None
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int, seconds: float, at: float) -> None:
         if tokens > 0:
-            self._samples.append((tokens, seconds))
+            self._samples.append((tokens, seconds, at))
             self._line = None
 
-    def apply(self, figures: CostFigures) -> CostFigures:
-        """``figures`` with the measured wait (unchanged with fewer than two samples)."""
-        if len(self._samples) < 2:
-            return figures
+    def apply(self, figures: CostFigures, now: float) -> CostFigures:
+        """``figures`` with the measured wait, or without one while there are fewer than
+        ``MIN_WAIT_SAMPLES`` recent samples."""
+        while self._samples and now - self._samples[0][2] > WAIT_MAX_AGE_S:
+            self._samples.popleft()
+            self._line = None
+        if len(self._samples) < MIN_WAIT_SAMPLES:
+            return dataclasses.replace(figures, wait_s_per_token=None, wait_fixed_s=None)
         if self._line is None:
-            self._line = robust_line(list(self._samples))
-        per_token, fixed, ref = self._line
-        return dataclasses.replace(figures, wait_s_per_token=per_token, wait_fixed_s=fixed, wait_ref_tokens=ref)
+            self._line = robust_line([(n, s) for n, s, _ in self._samples])
+        per_token, fixed, _ = self._line
+        return dataclasses.replace(figures, wait_s_per_token=per_token, wait_fixed_s=fixed)
 
 
 class CostMeter:
@@ -219,5 +230,5 @@ def median(values: list[float]) -> float:
     return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
 
 
-__all__ = ["ALPHA", "LOAD_SAMPLES", "MIN_PREFILL_TOKENS", "CostFigures", "CostMeter", "LoadWaits", "line_at", "median",
-           "robust_line"]
+__all__ = ["ALPHA", "LOAD_SAMPLES", "MIN_PREFILL_TOKENS", "MIN_WAIT_SAMPLES", "WAIT_MAX_AGE_S", "CostFigures", "CostMeter",
+           "LoadWaits", "median", "robust_line"]

@@ -72,6 +72,9 @@ DEFERRED_LOOKUP_MAX_S = 2.0
 """The longest a busy engine's lookup may take before it is a miss, however long recomputing what it
 could bring would take (PrefixStoreScheduler.lookup)."""
 
+wait_clock = time.monotonic
+"""The clock of measured load waits (costs.LoadWaits); a module name, so a test can set it alone."""
+
 REMEASURE_EVERY = 8
 """Under ``load_policy: when_faster``, one hit in this many of those the engine's figures say not to
 load is loaded anyway, so that the figures are measured again: a load not made is a figure not
@@ -154,8 +157,10 @@ class PrefixStoreScheduler:
         """The workers' latest figures of what loads and recomputing cost, with the wait this
         scheduler measured (costs.py)."""
         self._waits = LoadWaits()
-        self._load_planned: dict[str, tuple[float, int]] = {}
-        """Requests with an asynchronous load: when it was planned, and its tokens (``LoadWaits``)."""
+        self._load_planned: dict[str, tuple[int, float, int]] = {}
+        """Requests with an asynchronous load: the step and time it was planned at, and its tokens
+        (``LoadWaits``)."""
+        self._step_no = 0  # build_connector_meta calls: which loads were planned in the same step
         self.refused: str | None = None
         """Why the workers refuse to move anything (their views could not be mapped), once one said
         so: the scheduler then plans no load and no save."""
@@ -457,7 +462,7 @@ class PrefixStoreScheduler:
         if is_async:
             self._loading.add(request.request_id)
             if not waits:  # a promised load waits for a commit: not what a load costs
-                self._load_planned[request.request_id] = (time.monotonic(), num_external_tokens)
+                self._load_planned[request.request_id] = (self._step_no, wait_clock(), num_external_tokens)
         if waits:
             self._stats.count("commit_waits")
         self._loads.append(LoadPlan(req_id=request.request_id, lookup=lookup, start=local, end=end,
@@ -487,14 +492,12 @@ class PrefixStoreScheduler:
         pass that wrote it, while the state after exactly that many tokens is still the request's
         running state. Saving at the prompt end, not only at the finish, is what lets a request
         arriving while this one decodes hit."""
+        self._step_no += 1
         scheduled = scheduler_output.num_scheduled_tokens
-        now = time.monotonic()
         for new in scheduler_output.scheduled_new_reqs:
-            self._waited(new.req_id, now)
             self._plan_step_save(new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            self._waited(req_id, now)
             self._plan_step_save(req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         self._idle = scheduler_output.total_num_scheduled_tokens == 0
         self._block_left = self.settings.lookup_block_s
@@ -504,12 +507,20 @@ class PrefixStoreScheduler:
         self._loads, self._saves = [], []
         return meta
 
-    def _waited(self, req_id: str, now: float) -> None:
-        """A request scheduled again after its load: what the load cost it (``LoadWaits``)."""
-        planned = self._load_planned.pop(req_id, None)
-        if planned is not None:
-            self._waits.add(planned[1], now - planned[0])
-            self.costs = self._waits.apply(self.costs)
+    def _loads_ended(self, req_ids: Sequence[str]) -> None:
+        """Loads the workers report ended: what each cost its request (``LoadWaits``), one sample
+        per step they were planned in (those wait alike)."""
+        now = wait_clock()
+        by_step: dict[int, tuple[float, list[int]]] = {}
+        for req_id in req_ids:
+            planned = self._load_planned.pop(req_id, None)
+            if planned is not None:
+                step, at, n = planned
+                by_step.setdefault(step, (at, []))[1].append(n)
+        for at, sizes in by_step.values():
+            self._waits.add(round(sum(sizes) / len(sizes)), now - at, now)
+        if by_step:
+            self.costs = self._waits.apply(self.costs, now)
 
     def _plan_step_save(self, req_id: str, computed_after_step: int) -> None:
         request = self._requests.get(req_id)
@@ -620,16 +631,17 @@ class PrefixStoreScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The workers' reports: loads that ended (and failed), saves that ended (a save is over
         once every worker reported it), and whether a worker refuses."""
-        for req_id in output.finished_recving or ():
-            self._loading.discard(req_id)
         for req_id in output.failed_recving or ():
             self._load_planned.pop(req_id, None)  # recomputed: its wait says nothing of a load's
+        for req_id in output.finished_recving or ():
+            self._loading.discard(req_id)
+        self._loads_ended(list(output.finished_recving or ()))
         self._failed_loads.update(output.failed_recving or ())
         meta = output.kv_connector_worker_meta
         if not isinstance(meta, PrefixStoreWorkerMeta):
             return
         if meta.costs is not None:
-            self.costs = self._waits.apply(meta.costs)
+            self.costs = self._waits.apply(meta.costs, wait_clock())
         if meta.refused and self.refused is None:
             self.refused = meta.refused[0]
             log.warning("prefixstore: a worker refuses to move KV (%s); this engine stops loading and saving",

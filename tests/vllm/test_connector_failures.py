@@ -23,6 +23,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed: tests/vllm/install_vl
 import torch  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
 import prefixstore.client.vllm.worker as worker_module  # noqa: E402
@@ -394,37 +395,48 @@ def test_a_load_is_judged_by_what_its_request_waited(engine_factory: EngineFacto
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker's figures model a load (2 ms and a 6 ms step: a 40-token hit that takes 40 ms to
     recompute is loaded); the scheduler measures what the load cost its request, from the step
-    that planned it to the step that schedules the request again. Two loads whose requests waited
-    100 ms each: the next such hit is recomputed (counted), and the measured wait reaches the
-    operator beside the modelled figures. One sample is not enough to overrule the model."""
-    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
-
+    that planned it to the report that it ended. Loads whose requests waited 100 ms each: once
+    there are MIN_WAIT_SAMPLES of them, the next such hit is recomputed (counted), and the
+    measured wait reaches the operator beside the modelled figures. Loads planned in one step and
+    reported in one report are one sample (one slow step is one sample, not as many as it held);
+    a load that failed is none."""
     from prefixstore.client.vllm import scheduler as scheduler_module
-    from prefixstore.client.vllm.costs import CostFigures
+    from prefixstore.client.vllm.costs import MIN_WAIT_SAMPLES, CostFigures
     from prefixstore.client.vllm.plans import PrefixStoreWorkerMeta
 
     clock = [1000.0]
-    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(scheduler_module, "wait_clock", lambda: clock[0])
     modelled = CostFigures(prefill_s_per_token=1e-3, step_s=0.006, load_s_per_token=2e-6, load_fixed_s=0.002)
     e = engine_factory("costs-waited", hybrid=True)
     hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=99)
+    e.scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=modelled)))
+    asked = iter(range(1000))
 
-    def ask(i: int) -> tuple[int | None, bool]:
-        e.scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=modelled)))
-        return e.scheduler.get_num_new_matched_tokens(request(f"a{i}", PROMPT + [8] * 10), 0)
+    def load_in_step(n: int, fail: bool = False) -> None:
+        """``n`` hits loaded in one step, reported ended 100 ms later in one report."""
+        ids = []
+        for _ in range(n):
+            r = request(f"a{next(asked)}", PROMPT + [8] * 10)
+            assert e.scheduler.get_num_new_matched_tokens(r, 0) == (40, True)
+            b = 40 + 3 * len(ids)
+            e.scheduler.update_state_after_alloc(r, blocks_of([b, b + 1, b + 2], [0, 0, 52]), 40)
+            ids.append(r.request_id)
+        e.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+        clock[0] += 0.100
+        e.scheduler.update_connector_output(KVConnectorOutput(
+            finished_recving=set(ids), failed_recving=set(ids) if fail else None,
+            kv_connector_worker_meta=PrefixStoreWorkerMeta(costs=modelled)))
 
-    for i in range(2):
-        assert ask(i) == (40, True)
-        r = request(f"a{i}", PROMPT + [8] * 10)
-        tables = ([40 + 3 * i, 41 + 3 * i, 42 + 3 * i], [0, 0, 52 + i])
-        e.scheduler.update_state_after_alloc(r, blocks_of(*tables), 40)
-        e.scheduler.build_connector_meta(SchedulerOutput.make_empty())  # the step the load runs beside
-        clock[0] += 0.100  # the load, and the step that reported it
-        step = SchedulerOutput.make_empty()
-        step.scheduled_new_reqs = [NewRequestData.from_request(r, tables)]
-        step.num_scheduled_tokens = {r.request_id: 10}
-        e.scheduler.build_connector_meta(step)  # scheduled again: it waited 100 ms
-    assert ask(2) == (0, False)
+    load_in_step(3)  # one sample
+    load_in_step(1, fail=True)  # none
+    for _ in range(MIN_WAIT_SAMPLES - 2):
+        load_in_step(1)
+    assert e.scheduler.get_num_new_matched_tokens(request("b0", PROMPT + [8] * 10), 0) == (40, True)  # still the model
+    e.scheduler.update_state_after_alloc(request("b0", PROMPT + [8] * 10), blocks_of([90, 91, 92], [0, 0, 53]), 40)
+    e.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    clock[0] += 0.100
+    e.scheduler.update_connector_output(KVConnectorOutput(finished_recving={"b0"}))
+    assert e.scheduler.get_num_new_matched_tokens(request("b1", PROMPT + [8] * 10), 0) == (0, False)
     stats = e.scheduler.get_kv_connector_stats()
     assert stats is not None and stats.data["loads_skipped"] == 1
     assert {k: v for k, v in stats.data.items() if k.startswith("cost_us:wait")} == {

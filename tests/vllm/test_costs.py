@@ -114,20 +114,40 @@ def test_tensor_parallel_ranks_report_their_worst() -> None:
 def test_a_measured_wait_overrules_the_modelled_load() -> None:
     """The scheduler's measured waits (LoadWaits) take the place of the modelled load and step: the
     wide model's figures load 124 tokens or more, but requests that waited 40 ms + 20 us a token
-    for their loads make a load pay only past 40 ms / (270 - 20) us = 160 tokens. One wait is not
-    a line: the figures stay modelled."""
-    from prefixstore.client.vllm.costs import LoadWaits
+    for their loads make a load pay only past 40 ms / (270 - 20) us = 160 tokens. Fewer than
+    MIN_WAIT_SAMPLES waits are not a line: the figures stay modelled; nor are waits older than
+    WAIT_MAX_AGE_S: after a quiet spell the model decides, and the loads it makes measure again."""
+    from prefixstore.client.vllm.costs import MIN_WAIT_SAMPLES, WAIT_MAX_AGE_S, LoadWaits
 
     waits = LoadWaits()
-    waits.add(500, 0.040 + 500 * 20e-6)
-    assert waits.apply(WIDE) == WIDE
-    for n in (1000, 2000, 3000):
-        waits.add(n, 0.040 + n * 20e-6)
-    waits.add(0, 9.0)  # nothing loaded: no sample
-    measured = waits.apply(WIDE)
+    sizes = [500 * (i + 1) for i in range(MIN_WAIT_SAMPLES)]
+    for i, n in enumerate(sizes[:-1]):
+        waits.add(n, 0.040 + n * 20e-6, at=100.0 + i)
+    assert waits.apply(WIDE, now=110.0) == WIDE
+    waits.add(0, 9.0, at=110.0)  # nothing loaded: no sample
+    waits.add(sizes[-1], 0.040 + sizes[-1] * 20e-6, at=110.0)
+    measured = waits.apply(WIDE, now=110.0)
     assert measured.wait_fixed_s == pytest.approx(0.040) and measured.wait_s_per_token == pytest.approx(20e-6)
     assert WIDE.load_pays(130) and not measured.load_pays(130)
     assert measured.load_pays(161) and not measured.load_pays(159)
     assert measured.as_us()["cost_us:wait_fixed"] == 40000
-    # The worker's next figures keep the measured wait (the scheduler applies it to each).
-    assert waits.apply(TINY).wait_fixed_s == pytest.approx(0.040)
+    # The worker's next figures get the measured wait too (the scheduler applies it to each).
+    assert waits.apply(TINY, now=110.0).wait_fixed_s == pytest.approx(0.040)
+    # The oldest wait ages out: too few are left, and the figures are the model's again.
+    assert waits.apply(measured, now=100.0 + WAIT_MAX_AGE_S + 0.5) == WIDE
+
+
+def test_waits_of_one_size_are_a_floor_for_every_size() -> None:
+    """Most loads of one size (hybrid loads fall on vLLM's block grid): their median wait is what
+    any load waits, a smaller one included, since most of a wait is whole engine steps. (Scaled
+    down as the worker's load time is, a 32-token load next to 544-token ones 40 ms long would be
+    put at 2.4 ms, and loaded where it waits a step.)"""
+    from prefixstore.client.vllm.costs import LoadWaits
+
+    waits = LoadWaits()
+    for i in range(6):
+        waits.add(544, 0.040, at=float(i))
+    waits.add(32, 0.045, at=6.0)
+    measured = waits.apply(CostFigures(prefill_s_per_token=1e-3), now=7.0)
+    assert measured.wait_s_per_token == 0 and measured.wait_fixed_s == pytest.approx(0.040)
+    assert not measured.load_pays(32) and not measured.load_pays(40) and measured.load_pays(41)
