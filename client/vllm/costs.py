@@ -30,8 +30,8 @@ recent samples, the decision uses that::
 
 What the model leaves out is what made loads lose: on two busy replicas of a small model
 (benchmarks/vllm_serving.py, tiny, 8 in flight) the worker's figures put a load with its step at
-16-30 ms, while the requests waited 26-43 ms (the client loop shares the engine process's GIL
-with a forward pass that is mostly Python), so loaded requests were slower than recomputing.
+12-19 ms, while the requests waited 19-27 ms for it to end (the client loop shares the engine
+process's GIL with a forward pass that is mostly Python; docs/benchmarks.md).
 """
 
 from __future__ import annotations
