@@ -373,11 +373,13 @@ def test_prometheus_counters(engine_factory) -> None:  # type: ignore[no-untyped
                                                    ["model_name", "engine"], {0: ["m", "0"]})
     assert prom is not None
     prom.observe({"query_tokens": 100, "kv_hit_tokens": 60, "state_hit_tokens": 20, "lookups": 2,
-                  "cost_us:prefill_per_token": 15, "cost_us:load_fixed": 2000}, 0)
+                  "cost_us:prefill_per_token": 15, "cost_us:load_fixed": 2000, "cost_us:wait_fixed": 25000}, 0)
     assert registry.get_sample_value("prefixstore_vllm_cost_seconds",
                                      {"model_name": "m", "engine": "0", "figure": "prefill_per_token"}) == 15e-6
     assert registry.get_sample_value("prefixstore_vllm_cost_seconds",
                                      {"model_name": "m", "engine": "0", "figure": "load_fixed"}) == 2e-3
+    assert registry.get_sample_value("prefixstore_vllm_cost_seconds",
+                                     {"model_name": "m", "engine": "0", "figure": "wait_fixed"}) == 25e-3
     value = registry.get_sample_value
     labels = {"model_name": "m", "engine": "0"}
     assert value("prefixstore_vllm_lookup_tokens_total", {**labels, "kind": "kv", "result": "hit"}) == 60
