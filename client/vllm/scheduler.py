@@ -147,6 +147,8 @@ class PrefixStoreScheduler:
         """Requests whose load failed: vLLM recomputes them and asks again, and they are not loaded
         again (a failure that repeats would otherwise loop)."""
         self._wait_since: dict[str, float] = {}  # req -> when its lookup first waited for a save in flight
+        self._unlooked: dict[str, int] = {}  # req -> the tokens a lookup could have added, not looked up
+        self._unsaved: set[str] = set()  # requests not looked up, and so not saved (_no_load_pays)
         self._pending: dict[str, PendingLookup] = {}  # req -> its lookup, sent and not yet answered
         self._idle = True
         """Whether the engine's last step scheduled no token (a lookup may then hold the scheduler)."""
@@ -349,12 +351,15 @@ class PrefixStoreScheduler:
             # deferred again, and the request would wait at each of its chances to be scheduled.
             lookup, loadable = memo[0], memo[2]
         else:
+            params = getattr(request, "kv_transfer_params", None) or {}
+            if request.request_id not in self._pending and self._no_load_pays(request.request_id, params,
+                                                                              len(tokens) - num_computed_tokens):
+                return 0, False
             if (request.request_id not in self._pending
                     and self._save_in_flight_extends(request.request_id, tokens, extra_keys(request),
                                                      num_computed_tokens)):
                 self._stats.count("save_waits")
                 return None, False
-            params = getattr(request, "kv_transfer_params", None) or {}
             answer = self.lookup(request.request_id, tokens, extra_keys(request), num_computed_tokens,
                                  extend=not params.get("do_remote_prefill"))
             if answer is None:
@@ -372,8 +377,7 @@ class PrefixStoreScheduler:
             # would undo the split. Decided once per request: asked again, the first answer.
             if (loadable > num_computed_tokens and self.groups.hybrid and not promised
                     and self.settings.load_policy == "when_faster"):
-                for key, value in self.costs.as_us().items():  # what the decision used, for the operator
-                    self._stats.set(key, value)
+                self._report_costs()
                 if self.costs.load_pays(loadable - num_computed_tokens):
                     pass
                 elif self._skipped + 1 < REMEASURE_EVERY:
@@ -394,6 +398,35 @@ class PrefixStoreScheduler:
         if extra <= 0:
             return 0, False
         return extra, self.groups.hybrid or request.request_id in self._promised
+
+    def _no_load_pays(self, req_id: str, params: dict[str, Any], most: int) -> bool:
+        """Whether this request is not looked up at all: under ``load_policy: when_faster``, on a
+        hybrid model, when the engine's figures say that no load of it would beat recomputing,
+        not even one of all ``most`` tokens it does not hold (a load's gain only grows with its
+        tokens, costs.py). The lookup could then change nothing but cost: its round trip holds
+        the scheduler (``lookup_block_s``) or defers the request a step, and the store and the
+        client's thread spend CPU the engine is short of (docs/benchmarks.md: on two busy
+        replicas of the tiny model, lookups alone took 20% off TTFT). Counted as a skipped load
+        (``lookups_skipped``); one in ``REMEASURE_EVERY`` is looked up anyway, and a hit then
+        loaded, so the figures are measured again. Asked again for the same request (it did not
+        fit this step), the same answer, counted once. A prefill instance's promise is always
+        looked up."""
+        if (not self.groups.hybrid or self.settings.load_policy != "when_faster" or params.get("do_remote_prefill")
+                or self.costs.load_pays(most)):
+            return False
+        if self._unlooked.get(req_id) == most:
+            return True
+        self._report_costs()
+        if self._skipped + 1 >= REMEASURE_EVERY:
+            return False  # looked up; a hit is then loaded anyway (get_num_new_matched_tokens)
+        self._skipped += 1
+        self._unlooked[req_id] = most
+        self._stats.count("lookups_skipped")
+        return True
+
+    def _report_costs(self) -> None:
+        for key, value in self.costs.as_us().items():  # what a load decision used, for the operator
+            self._stats.set(key, value)
 
     def _promise(self, request: Request, num_tokens: int) -> int:
         """The tokens [0, t) a prefill instance said it saved for this request, that this engine can
@@ -438,6 +471,10 @@ class PrefixStoreScheduler:
         if self._idle:  # a request admitted in this step: the rest of the step holds somebody
             self._idle = False
             self._block_left = self.settings.lookup_block_s
+        if self._unlooked.pop(request.request_id, None) is not None:
+            self._unsaved.add(request.request_id)
+        else:
+            self._unsaved.discard(request.request_id)  # looked up after all (preempted, asked again)
         memo = self._lookups.pop(request.request_id, None)
         if memo is None:
             return
@@ -448,14 +485,22 @@ class PrefixStoreScheduler:
         query = lookup.num_tokens - local
         self._stats.count("query_tokens", max(query, 0))
         self._stats.count("kv_hit_tokens", max(min(lookup.kv_tokens - local, query), 0))
+        B = self.settings.block_tokens
         if num_external_tokens <= 0:
+            if lookup.ok and lookup.matched_blocks:
+                # The store holds the prompt's blocks up to its match: this request's saves start
+                # there instead of offering them again (the offer would answer "have" to each, at
+                # the cost of copying them out of the blocks, hashing and offering them, on the
+                # engine's thread and the store's). Should some of them be evicted before the save,
+                # the store's chain has a hole there: later lookups stop at it (a shorter hit, never
+                # a wrong one) until a save that starts below it fills it.
+                self._store_start[request.request_id] = min(lookup.matched_blocks * B, lookup.num_tokens)
             return
         end = local + num_external_tokens
         state_index = None
         if self.groups.hybrid:
             self._stats.count("state_hit_tokens", num_external_tokens)
             state_index = self.groups.state_index(end)
-        B = self.settings.block_tokens
         self._store_start[request.request_id] = min(lookup.matched_blocks, end // B) * B
         waits = self._promised.pop(request.request_id, None) is not None
         is_async = self.groups.hybrid or waits
@@ -562,6 +607,7 @@ class PrefixStoreScheduler:
         keeps the blocks until the worker copied them."""
         req_id = request.request_id
         self._lookups.pop(req_id, None)
+        self._unlooked.pop(req_id, None)
         self._drop_pending(req_id)
         self._requests.pop(req_id, None)
         self._junctions.pop(req_id, None)
@@ -573,6 +619,7 @@ class PrefixStoreScheduler:
         saved = self._saved_upto.pop(req_id, 0)
         state = self._saved_state.pop(req_id, 0)
         plan = self._finish(request, block_ids, saved, copied)
+        self._unsaved.discard(req_id)
         if plan is not None:
             saved, state = len(plan.tokens), max(state, max(plan.snapshots, default=0))
         return plan is not None, self._handoff(request, saved, state)
@@ -670,6 +717,14 @@ class PrefixStoreScheduler:
             self._stats.count("skipped_requests")
             return None
         if computed < 1:
+            return None
+        if request.request_id in self._unsaved and not (getattr(request, "kv_transfer_params", None) or {}).get(
+                "do_remote_decode"):
+            # Not looked up because no load of what it did not hold would pay: nor would a load of
+            # what it adds, by the engine most likely to ask for it, the one serving the next turn
+            # of its conversation, which holds all but this turn (_no_load_pays). A prefill
+            # instance's hand-off is saved whatever it costs.
+            self._stats.count("saves_skipped")
             return None
         kept: list[int] = []
         if self.groups.hybrid:

@@ -55,9 +55,12 @@ class ConnectorSettings:
     reports it) beats recomputing the same tokens (client/vllm/costs.py; a small model recomputes
     a short hit faster than a hybrid load returns); skipped loads are counted (``loads_skipped``),
     and one in ``scheduler.REMEASURE_EVERY`` is made anyway so the figures are measured again
-    (``loads_remeasured``).
+    (``loads_remeasured``). A request that no load could pay for, not even one of every token it
+    lacks locally, is not looked up, nor saved (``lookups_skipped``, ``saves_skipped``; one in
+    ``REMEASURE_EVERY`` is, docs/vllm.md "Requests no load would pay for").
     A decode instance's load of what its prefill instance saved (``commit_wait_s``) is made under
-    either: recomputing it would undo the split. always: load every hit."""
+    either: recomputing it would undo the split; a prefill instance's hand-off is always saved.
+    always: look up, load and save every request."""
     save: bool = True
     """Offer finished requests' KV (and snapshots) to the store."""
     save_wait_s: float = 2.0

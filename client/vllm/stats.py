@@ -17,13 +17,13 @@ if TYPE_CHECKING:
 STAT_KEYS = ("lookups", "lookup_failures", "lookup_timeouts", "lookups_deferred", "query_tokens", "kv_hit_tokens", "state_hit_tokens", "loaded_tokens",
              "load_failures", "loaded_bytes", "saves", "saved_items", "saved_bytes", "dropped_items", "saves_dropped",
              "skipped_requests", "save_waits", "save_waits_ended", "junction_stops", "junctions_off_grid", "snapshots_withheld",
-             "loads_skipped", "loads_remeasured", "commit_waits", "commit_wait_timeouts", "commit_wait_polls",
-             "commit_wait_ms", "pd_namespace_mismatches")
+             "loads_skipped", "lookups_skipped", "saves_skipped", "loads_remeasured", "commit_waits",
+             "commit_wait_timeouts", "commit_wait_polls", "commit_wait_ms", "pd_namespace_mismatches")
 
 #: The counters ``prefixstore_vllm_events_total{event=...}`` carries (the rest are tokens and bytes).
 EVENT_KEYS = ("lookups", "lookup_failures", "lookup_timeouts", "lookups_deferred", "load_failures", "saves", "saved_items", "dropped_items", "saves_dropped",
               "skipped_requests", "save_waits", "save_waits_ended", "junction_stops", "junctions_off_grid",
-              "snapshots_withheld", "loads_skipped", "loads_remeasured", "commit_waits", "commit_wait_timeouts", "commit_wait_polls",
+              "snapshots_withheld", "loads_skipped", "lookups_skipped", "saves_skipped", "loads_remeasured", "commit_waits", "commit_wait_timeouts", "commit_wait_polls",
               "pd_namespace_mismatches")
 
 

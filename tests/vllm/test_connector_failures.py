@@ -343,11 +343,12 @@ def test_a_deferred_lookup_is_answered_on_a_later_step(engine_factory: EngineFac
 
 def test_a_load_that_would_not_beat_recomputing_is_not_made(engine_factory: EngineFactory) -> None:
     """With the engine's figures saying 40 tokens recompute faster than a hybrid load returns (a
-    tiny model), the store's hit is not loaded (counted), and with load_policy 'always' it is."""
+    tiny model), the store's hit is not loaded (counted), and with load_policy 'always' it is.
+    (A load of all 49 tokens the request lacks would pay, so it is looked up.)"""
     from prefixstore.client.vllm.costs import CostFigures
     from prefixstore.client.vllm.plans import PrefixStoreWorkerMeta
 
-    slow_load = CostFigures(prefill_s_per_token=15e-6, step_s=0.006, load_s_per_token=2e-6, load_fixed_s=0.002)
+    slow_load = CostFigures(prefill_s_per_token=1e-3, step_s=0.006, load_s_per_token=0, load_fixed_s=0.039)
     for policy, expected in (("when_faster", (0, False)), ("always", (40, True))):
         e = engine_factory(f"costs-{policy}", hybrid=True, load_policy=policy)
         hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=95)
@@ -359,8 +360,8 @@ def test_a_load_that_would_not_beat_recomputing_is_not_made(engine_factory: Engi
         if policy == "when_faster":  # the figures the decision used reach the operator, in microseconds
             assert stats is not None
             assert {k: v for k, v in stats.data.items() if k.startswith("cost_us:")} == {
-                "cost_us:prefill_per_token": 15, "cost_us:decode_step": 6000, "cost_us:load_per_token": 2,
-                "cost_us:load_fixed": 2000}
+                "cost_us:prefill_per_token": 1000, "cost_us:decode_step": 6000, "cost_us:load_per_token": 0,
+                "cost_us:load_fixed": 39000}
 
 
 def test_figures_that_say_no_load_pays_are_measured_again(engine_factory: EngineFactory) -> None:
@@ -371,7 +372,7 @@ def test_figures_that_say_no_load_pays_are_measured_again(engine_factory: Engine
     from prefixstore.client.vllm.plans import PrefixStoreWorkerMeta
     from prefixstore.client.vllm.scheduler import REMEASURE_EVERY
 
-    slow_load = CostFigures(prefill_s_per_token=15e-6, step_s=0.006, load_s_per_token=2e-6, load_fixed_s=0.002)
+    slow_load = CostFigures(prefill_s_per_token=1e-3, step_s=0.006, load_s_per_token=0, load_fixed_s=0.039)
     fast_load = CostFigures(prefill_s_per_token=1e-3, step_s=0.006, load_s_per_token=2e-6, load_fixed_s=0.002)
     e = engine_factory("costs-remeasured", hybrid=True)
     hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=98)
@@ -436,9 +437,11 @@ def test_a_load_is_judged_by_what_its_request_waited(engine_factory: EngineFacto
     e.scheduler.build_connector_meta(SchedulerOutput.make_empty())
     clock[0] += 0.100
     e.scheduler.update_connector_output(KVConnectorOutput(finished_recving={"b0"}))
-    assert e.scheduler.get_num_new_matched_tokens(request("b1", PROMPT + [8] * 10), 0) == (0, False)
+    # 40 tokens recompute in 40 ms, their load waits 100: not loaded. (Looked up: a load of all
+    # the 109 tokens the request lacks would pay.)
+    assert e.scheduler.get_num_new_matched_tokens(request("b1", PROMPT + [8] * 70), 0) == (0, False)
     stats = e.scheduler.get_kv_connector_stats()
-    assert stats is not None and stats.data["loads_skipped"] == 1
+    assert stats is not None and (stats.data["loads_skipped"], stats.data["lookups_skipped"]) == (1, 0)
     assert {k: v for k, v in stats.data.items() if k.startswith("cost_us:wait")} == {
         "cost_us:wait_per_token": 0, "cost_us:wait_fixed": 100000}
 
