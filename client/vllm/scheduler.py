@@ -149,6 +149,7 @@ class PrefixStoreScheduler:
         self._wait_since: dict[str, float] = {}  # req -> when its lookup first waited for a save in flight
         self._unlooked: dict[str, int] = {}  # req -> the tokens a lookup could have added, not looked up
         self._unsaved: set[str] = set()  # requests not looked up, and so not saved (_no_load_pays)
+        self._remeasure: set[str] = set()  # requests looked up to measure the figures again (_no_load_pays)
         self._pending: dict[str, PendingLookup] = {}  # req -> its lookup, sent and not yet answered
         self._idle = True
         """Whether the engine's last step scheduled no token (a lookup may then hold the scheduler)."""
@@ -352,8 +353,10 @@ class PrefixStoreScheduler:
             lookup, loadable = memo[0], memo[2]
         else:
             params = getattr(request, "kv_transfer_params", None) or {}
-            if request.request_id not in self._pending and self._no_load_pays(request.request_id, params,
-                                                                              len(tokens) - num_computed_tokens):
+            # Not looked up last time it was asked (a step it did not fit): decided again here.
+            unlooked = self._unlooked.pop(request.request_id, None)
+            if request.request_id not in self._pending and self._no_load_pays(
+                    request.request_id, params, len(tokens) - num_computed_tokens, unlooked):
                 return 0, False
             if (request.request_id not in self._pending
                     and self._save_in_flight_extends(request.request_id, tokens, extra_keys(request),
@@ -365,6 +368,8 @@ class PrefixStoreScheduler:
             if answer is None:
                 return None, False  # still on its way: asked again next step
             lookup, loadable = answer
+            remeasure = request.request_id in self._remeasure
+            self._remeasure.discard(request.request_id)
             promised = self._promise(request, len(tokens))
             # Even when this lookup failed or timed out: a store busy taking the prefill's put
             # answers late (lookup_timeout_s bounds the scheduler, not the worker); the worker's
@@ -392,6 +397,10 @@ class PrefixStoreScheduler:
                     # again (a busy spell's slow loads, an estimate off), and the store never used.
                     self._skipped = 0
                     self._stats.count("loads_remeasured")
+            if remeasure:
+                # Looked up to measure the figures again: whatever it found, the count of requests
+                # not looked up starts again (a miss would otherwise have every later one looked up).
+                self._skipped = 0
         extra = loadable - num_computed_tokens
         self._lookups[request.request_id] = (lookup, num_computed_tokens, loadable)
         self._plan_junction(request, lookup, max(loadable, num_computed_tokens))
@@ -399,26 +408,28 @@ class PrefixStoreScheduler:
             return 0, False
         return extra, self.groups.hybrid or request.request_id in self._promised
 
-    def _no_load_pays(self, req_id: str, params: dict[str, Any], most: int) -> bool:
+    def _no_load_pays(self, req_id: str, params: dict[str, Any], most: int, unlooked: int | None) -> bool:
         """Whether this request is not looked up at all: under ``load_policy: when_faster``, on a
         hybrid model, when the engine's figures say that no load of it would beat recomputing,
-        not even one of all ``most`` tokens it does not hold (a load's gain only grows with its
-        tokens, costs.py). The lookup could then change nothing but cost: its round trip holds
-        the scheduler (``lookup_block_s``) or defers the request a step, and the store and the
-        client's thread spend CPU the engine is short of (docs/benchmarks.md: on two busy
-        replicas of the tiny model, lookups alone took 20% off TTFT). Counted as a skipped load
-        (``lookups_skipped``); one in ``REMEASURE_EVERY`` is looked up anyway, and a hit then
-        loaded, so the figures are measured again. Asked again for the same request (it did not
-        fit this step), the same answer, counted once. A prefill instance's promise is always
-        looked up."""
+        not even one of all ``most`` tokens it does not hold. (Where a load of all of them does
+        not pay, no smaller one does: a load's gain against recomputing is convex in its tokens
+        and at most 0 at none, every figure set of costs.py.) The lookup could then change
+        nothing but cost: its round trip holds the scheduler (``lookup_block_s``) or defers the
+        request a step, and the store and the client's thread spend CPU the engine is short of.
+        Counted (``lookups_skipped``); one in ``REMEASURE_EVERY`` is looked up anyway, and a hit
+        then loaded, so the figures are measured again. Asked again for the same request (it
+        did not fit this step; ``unlooked``: what it lacked then) and still lacking as much, the
+        same answer, counted once. A prefill instance's promise is always looked up."""
         if (not self.groups.hybrid or self.settings.load_policy != "when_faster" or params.get("do_remote_prefill")
                 or self.costs.load_pays(most)):
             return False
-        if self._unlooked.get(req_id) == most:
+        if unlooked == most:
+            self._unlooked[req_id] = most
             return True
         self._report_costs()
         if self._skipped + 1 >= REMEASURE_EVERY:
-            return False  # looked up; a hit is then loaded anyway (get_num_new_matched_tokens)
+            self._remeasure.add(req_id)  # looked up; a hit is then loaded anyway (get_num_new_matched_tokens)
+            return False
         self._skipped += 1
         self._unlooked[req_id] = most
         self._stats.count("lookups_skipped")
@@ -471,10 +482,10 @@ class PrefixStoreScheduler:
         if self._idle:  # a request admitted in this step: the rest of the step holds somebody
             self._idle = False
             self._block_left = self.settings.lookup_block_s
-        if self._unlooked.pop(request.request_id, None) is not None:
-            self._unsaved.add(request.request_id)
-        else:
+        if self._unlooked.pop(request.request_id, None) is None:
             self._unsaved.discard(request.request_id)  # looked up after all (preempted, asked again)
+        elif request.request_id not in self._copied_upto:
+            self._unsaved.add(request.request_id)  # (a request preempted after a save began keeps saving)
         memo = self._lookups.pop(request.request_id, None)
         if memo is None:
             return
@@ -491,10 +502,13 @@ class PrefixStoreScheduler:
                 # The store holds the prompt's blocks up to its match: this request's saves start
                 # there instead of offering them again (the offer would answer "have" to each, at
                 # the cost of copying them out of the blocks, hashing and offering them, on the
-                # engine's thread and the store's). Should some of them be evicted before the save,
-                # the store's chain has a hole there: later lookups stop at it (a shorter hit, never
-                # a wrong one) until a save that starts below it fills it.
+                # engine's thread and the store's). Should the block below the start be evicted
+                # before the save, the store refuses the save's blocks (their parent is gone): the
+                # save is lost, never wrong, and the next request's lookup, finding less, saves from
+                # lower down.
                 self._store_start[request.request_id] = min(lookup.matched_blocks * B, lookup.num_tokens)
+            else:
+                self._store_start.pop(request.request_id, None)  # an earlier allocation's (preempted)
             return
         end = local + num_external_tokens
         state_index = None
@@ -608,6 +622,7 @@ class PrefixStoreScheduler:
         req_id = request.request_id
         self._lookups.pop(req_id, None)
         self._unlooked.pop(req_id, None)
+        self._remeasure.discard(req_id)
         self._drop_pending(req_id)
         self._requests.pop(req_id, None)
         self._junctions.pop(req_id, None)

@@ -90,6 +90,28 @@ def test_a_prefill_instances_hand_off_is_saved_whatever_the_figures_say(engine_f
     held, params = e.scheduler.request_finished_all_groups(r, ([20, 21, 22, 23], [0, 0, 0, 24]))
     assert held and params is not None and params["do_remote_prefill"]
     assert [s.req_id for s in e.scheduler.build_connector_meta(SchedulerOutput.make_empty()).saves] == ["p"]
+    stats = e.scheduler.get_kv_connector_stats()
+    assert stats is not None and (stats.data["lookups_skipped"], stats.data["saves_skipped"]) == (1, 0)
+
+
+def test_a_request_looked_up_after_all_is_saved(engine_factory: EngineFactory) -> None:
+    """Not looked up in a step it did not fit; asked again once vLLM holds its first 40 tokens and
+    the figures say a load of the rest would pay, it is looked up (the store's hit adds nothing
+    to vLLM's) and, being looked up, saved: from the store's match."""
+    e = engine_factory("unlooked-then-looked", hybrid=True)
+    hybrid_finished(e, "r1", [3, 7, 9], [11, 12, 13], seed=34)
+    figures(e, RECOMPUTE_WINS)
+    r = request("a", PROMPT + [8] * 10)
+    assert e.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+    figures(e, LOAD_WINS)
+    assert e.scheduler.get_num_new_matched_tokens(r, 40) == (0, False)
+    e.scheduler.update_state_after_alloc(r, blocks_of([20, 21, 22, 23], [0, 0, 0, 24]), 0)
+    r.num_computed_tokens = 49
+    assert e.scheduler.request_finished_all_groups(r, ([20, 21, 22, 23], [0, 0, 0, 24]))[0]
+    (save,) = e.scheduler.build_connector_meta(SchedulerOutput.make_empty()).saves
+    assert save.req_id == "a" and save.start > 0
+    stats = e.scheduler.get_kv_connector_stats()
+    assert stats is not None and (stats.data["lookups"], stats.data["saves_skipped"]) == (1, 0)
 
 
 def test_one_request_in_remeasure_every_is_looked_up_anyway(engine_factory: EngineFactory) -> None:
@@ -107,6 +129,23 @@ def test_one_request_in_remeasure_every_is_looked_up_anyway(engine_factory: Engi
     stats = e.scheduler.get_kv_connector_stats()
     assert stats is not None
     assert (stats.data["lookups_skipped"], stats.data["loads_remeasured"]) == (2 * REMEASURE_EVERY - 2, 2)
+
+
+def test_a_remeasuring_lookup_that_misses_starts_the_count_again(engine_factory: EngineFactory,
+                                                                 store: ServeProcess) -> None:
+    """Prompts the store does not hold: one in REMEASURE_EVERY is looked up, and its miss does not
+    leave every later request looked up."""
+    from prefixstore.client.vllm.scheduler import REMEASURE_EVERY
+
+    e = engine_factory("unlooked-misses", hybrid=True)
+    figures(e, RECOMPUTE_WINS)
+    before = store_lookups(store.url)
+    answers = [e.scheduler.get_num_new_matched_tokens(request(f"m{i}", [900 + i] + PROMPT), 0)
+               for i in range(3 * REMEASURE_EVERY)]
+    assert all(a == (0, False) for a in answers), answers
+    assert store_lookups(store.url) == before + 3
+    stats = e.scheduler.get_kv_connector_stats()
+    assert stats is not None and stats.data["lookups_skipped"] == 3 * REMEASURE_EVERY - 3
 
 
 def test_a_request_that_loads_nothing_saves_from_the_stores_match(engine_factory: EngineFactory) -> None:
