@@ -411,36 +411,79 @@ class DataPath:
         HTTP put. A failure drops the batch (``dropped``), counted; quota refusals say so."""
         channel = await self.ready()
         if channel is not None:
-            try:
-                results, problems, written = await channel.write(self._node.call, self._ns.id, specs, views,
-                                                                 commit, self._config.timeout_s)
-            except StoreError as err:
-                if nixl_refused(err):
-                    self._disable(f"the store stopped serving NIXL: {err}", permanent=True)
-                else:
-                    return self._dropped(len(specs), err)
-            except (TransferFailed, WireError) as err:
-                self._failures.record("put", err)
-                return [ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE)] * len(specs)
-            else:
-                self.bytes_moved["nixl"] += written
-                for kind, message in problems:
-                    self._failures.record("nixl" if kind == "nixl" else "put", message)
-                return results
+            got = await self._write_nixl(channel, specs, views, commit, quota_whole=True)
+            if got is not None:
+                return got[0]
+        got = await self._put_http(specs, views, commit, quota_whole=True)
+        assert got is not None
+        return got[0]
+
+    async def _put_http(self, specs: Sequence[ItemSpec], views: list[memoryview], commit: bool,
+                        quota_whole: bool) -> tuple[list[ItemResult], list[int]] | None:
+        """The batch as one HTTP put: its results and the items sent (all). None where, unless
+        ``quota_whole``, the store refused it whole over the tenant's quota (nothing counted: the
+        caller offers instead)."""
+        sent = list(range(len(specs)))
         try:
             answer = await self._node.call("/v1/put", {"ns": self._ns.id, "commit": commit,
                                                        "items": [x.to_wire() for x in specs]}, views)
             results = results_of(answer, len(specs))
         except StoreError as err:
-            return self._dropped(len(specs), err)
+            if not quota_whole and err.is_refusal(Problem.QUOTA):
+                return None
+            return self._dropped(len(specs), err), sent
         except WireError as err:
             self._failures.record("put", err)
-            return [ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE)] * len(specs)
+            return [ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE)] * len(specs), sent
         self.bytes_moved["http"] += sum(v.nbytes for v, r in zip(views, results) if r.status is ItemStatus.OK)
         refused = sum(r.reason is Reason.QUOTA for r in results)
         if refused:  # never a silent drop: counted and warned like a failure
             self._failures.record("quota", f"{refused} item(s) refused: {Reason.QUOTA.text}")
-        return results
+        return results, sent
+
+    async def write_unoffered(self, specs: Sequence[ItemSpec], views: list[memoryview]
+                              ) -> tuple[list[ItemResult], list[int]] | None:
+        """A save's batch sent with no offer before it (NodeClient.save). Returns the results
+        (committed) and the items whose payloads were sent, or None where the batch must be
+        offered first.
+
+        * At most ``small_save_bytes`` of payload: one HTTP put, NIXL or not. The store still
+          decides each item; what it holds or refuses traveled for nothing, a bounded waste that
+          costs less than the round trip an offer takes.
+        * Larger, over NIXL: the reserve answers have / rejected / reserved per item before any
+          byte moves, as an offer would, and only what it reserved is written.
+        * Larger, over HTTP (a put would carry every payload before the store decides), NIXL just
+          turned off, or a batch refused whole over its tenant's quota (an offer answers that per
+          item, and the part that fits is stored): None."""
+        if sum(v.nbytes for v in views) <= self._config.small_save_bytes:
+            return await self._put_http(specs, views, True, quota_whole=False)
+        channel = await self.ready()
+        if channel is None:
+            return None
+        return await self._write_nixl(channel, specs, views, True, quota_whole=False)
+
+    async def _write_nixl(self, channel: NixlChannel, specs: Sequence[ItemSpec], views: list[memoryview],
+                          commit: bool, quota_whole: bool) -> tuple[list[ItemResult], list[int]] | None:
+        """The batch over NIXL: its results and the items whose payloads were sent. None where it
+        goes another way: the store stopped serving NIXL (turned off here), or, unless
+        ``quota_whole``, a whole-batch quota refusal (nothing counted: the caller offers instead)."""
+        try:
+            results, problems, written, sent = await channel.write(self._node.call, self._ns.id, specs, views,
+                                                                   commit, self._config.timeout_s)
+        except StoreError as err:
+            if nixl_refused(err):
+                self._disable(f"the store stopped serving NIXL: {err}", permanent=True)
+                return None
+            if not quota_whole and err.is_refusal(Problem.QUOTA):
+                return None
+            return self._dropped(len(specs), err), []
+        except (TransferFailed, WireError) as err:
+            self._failures.record("put", err)
+            return [ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE)] * len(specs), []
+        self.bytes_moved["nixl"] += written
+        for kind, message in problems:
+            self._failures.record("nixl" if kind == "nixl" else "put", message)
+        return results, sent
 
     def _dropped(self, n: int, err: StoreError) -> list[ItemResult]:
         over_quota = err.is_refusal(Problem.QUOTA)

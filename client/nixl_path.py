@@ -701,9 +701,11 @@ class NixlChannel:
         return ok[:done]
 
     async def write(self, call: Call, ns_id: bytes, specs: Sequence[ItemSpec], views: Sequence[memoryview],
-                    commit: bool, timeout_s: float) -> tuple[list[ItemResult], list[tuple[str, str]], int]:
+                    commit: bool, timeout_s: float) -> tuple[list[ItemResult], list[tuple[str, str]], int, list[int]]:
         """Reserve pages, WRITE the payloads into them, have the store verify and commit them.
-        ``specs`` carry their checksums. Returns per-item results, problems and bytes written."""
+        ``specs`` carry their checksums. Returns per-item results, problems, bytes written and the
+        items the store reserved (their payloads were sent; the reserve decided the others: have,
+        rejected)."""
         started = time.monotonic()
         raw = await call("/v1/nixl/reserve", {"ns": ns_id, "items": [s.to_wire() for s in specs]})
         try:
@@ -718,14 +720,15 @@ class NixlChannel:
             results.append(ItemResult(r.status, r.reason))
             if r.status is ItemStatus.PENDING:
                 todo.append((i, r.runs))
+        sent = [i for i, _ in todo]
         if not todo:
-            return results, problems, 0
+            return results, problems, 0, sent
 
-        def dropped(detail: str) -> tuple[list[ItemResult], list[tuple[str, str]], int]:
+        def dropped(detail: str) -> tuple[list[ItemResult], list[tuple[str, str]], int, list[int]]:
             for i, _ in todo:
                 results[i] = ItemResult(ItemStatus.DROPPED, Reason.NIXL_FAILED, detail=detail)
             problems.append(("nixl", detail))
-            return results, problems, 0
+            return results, problems, 0, sent
 
         try:
             await self.follow(answer.agent)
@@ -753,7 +756,7 @@ class NixlChannel:
             results[i] = ItemResult.from_wire(r)
             if results[i].status in (ItemStatus.OK, ItemStatus.PENDING):
                 written += views[i].nbytes
-        return results, problems, written
+        return results, problems, written, sent
 
 
 __all__ = ["Dest", "Described", "LookupRuns", "NixlChannel", "NixlPath", "NixlUnavailable", "BatchRead", "TransferFailed", "address_of",

@@ -37,7 +37,7 @@ from .device import DeviceBuffer
 from .failures import Failures
 from .prompt import Prompt, with_payloads
 from .results import LookupResult, SaveResult, lost, tally
-from .saves import save_items
+from .saves import SaveItem, save_items
 
 Observer = Callable[[str, dict[str, object], dict[str, object]], Awaitable[None]]
 """``(path, request header, answer header)``, awaited after each answered call, before the client
@@ -338,7 +338,8 @@ class NodeClient:
         """Offer KV [start, kv_upto) and snapshots, then put what the store wants.
 
         ``kv_payload(a, b)`` returns the store-layout payload of tokens [a, b)
-        (layer-major, see KVLayout); it is only called for wanted items.
+        (layer-major, see KVLayout). It is called for every item of a batch sent
+        without an offer (below), else only for the items the offer wanted.
         ``snapshots`` maps boundaries t <= kv_upto to state payloads; ``origins`` maps a
         boundary to why the engine took it (protocol.keys.Origin, offered with the item: the
         store's adaptive admission and eviction judge prompt ends, generation ends, junctions
@@ -349,7 +350,14 @@ class NodeClient:
         batch: the store rejects a block whose parent was offered but not yet
         stored ("parent not stored"), and every block after it chains off it.
         Once a batch is dropped because the store is unavailable, the rest are
-        dropped without asking (their parents are missing anyway)."""
+        dropped without asking (their parents are missing anyway).
+
+        A batch is not offered where the store can decide it as well from the put itself
+        (DataPath.write_unoffered): a small one (``small_save_bytes``) goes as one HTTP put, a
+        larger one over NIXL is decided by its reserve before any byte moves. Either way a round
+        trip is saved. A put refused whole over the tenant's quota is offered after all, so what
+        fits is stored.
+        """
         items = save_items(prompt, kv_upto, kv_payload, snapshots, start, origins)
         final: list[ItemResult] = []  # per item: its put result where it was put, else its offer decision
         put: list[tuple[Kind, ItemResult]] = []
@@ -359,16 +367,29 @@ class NodeClient:
             if gone:
                 final.extend(ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE) for _ in chunk)
                 continue
-            decisions = await self.offer([it.spec for it in chunk])
-            wanted = [n for n, d in enumerate(decisions) if d.status is ItemStatus.WANT]
-            results = await self.put([(chunk[n].spec, chunk[n].payload()) for n in wanted]) if wanted else []
-            outcome = list(decisions)
-            for n, r in zip(wanted, results):
-                outcome[n] = r
+            direct = await self._put_unoffered(chunk)
+            if direct is not None:
+                outcome, sent = direct
+                put.extend((chunk[n].spec.kind, outcome[n]) for n in sent)
+            else:
+                decisions = await self.offer([it.spec for it in chunk])
+                wanted = [n for n, d in enumerate(decisions) if d.status is ItemStatus.WANT]
+                results = await self.put([(chunk[n].spec, chunk[n].payload()) for n in wanted]) if wanted else []
+                outcome = list(decisions)
+                for n, r in zip(wanted, results):
+                    outcome[n] = r
+                put.extend((chunk[n].spec.kind, r) for n, r in zip(wanted, results))
             final.extend(outcome)
-            put.extend((chunk[n].spec.kind, r) for n, r in zip(wanted, results))
             gone = any(lost(r) for r in outcome)
-        return tally(final, put)
+        return tally(final, put, [it.spec.size for it in items])
+
+    async def _put_unoffered(self, chunk: Sequence[SaveItem]) -> tuple[list[ItemResult], list[int]] | None:
+        """One batch of a save with no offer before it (:meth:`save`), or None where it must be offered."""
+        if sum(it.spec.size for it in chunk) > self.config.small_save_bytes and await self.data.ready() is None:
+            return None  # a larger batch over HTTP: payloads are made only for what an offer wants
+        views = [as_view(it.payload()) for it in chunk]
+        specs = await with_payloads([it.spec for it in chunk], views)
+        return await self.data.write_unoffered(specs, views)
 
 
 def item_chunks(specs: Sequence[ItemSpec], max_items: int) -> Iterator[tuple[int, int]]:

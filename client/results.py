@@ -76,6 +76,7 @@ class SaveResult:
     already: int = 0
     rejected: int = 0
     dropped: int = 0  # store failure: nothing was saved for these
+    stored_bytes: int = 0  # payload bytes of the items stored (OK)
     results: list[tuple[Kind, ItemResult]] = field(default_factory=list)
 
 
@@ -84,13 +85,16 @@ def lost(r: ItemResult) -> bool:
     return r.status is ItemStatus.DROPPED or r.reason is Reason.UNAVAILABLE
 
 
-def tally(final: Sequence[ItemResult], put: Sequence[tuple[Kind, ItemResult]]) -> SaveResult:
+def tally(final: Sequence[ItemResult], put: Sequence[tuple[Kind, ItemResult]],
+          sizes: Sequence[int] = ()) -> SaveResult:
     """A save's outcome, counted the one way every client counts it: per item its last answer
     (``final``: the put's where it was put, the offer's otherwise) is stored (OK), already there
     (HAVE), dropped (:func:`lost`) or rejected (the rest); ``put`` lists the items whose payloads were
-    sent, with their put results (SaveResult.results)."""
+    sent, with their put results (SaveResult.results); ``sizes``: each item's payload bytes, where
+    ``stored_bytes`` is wanted."""
     stored = sum(r.status is ItemStatus.OK for r in final)
     have = sum(r.status is ItemStatus.HAVE for r in final)
     dropped = sum(lost(r) for r in final)
+    stored_bytes = sum(size for r, size in zip(final, sizes) if r.status is ItemStatus.OK)
     return SaveResult(stored=stored, already=have, rejected=len(final) - stored - have - dropped, dropped=dropped,
-                      results=list(put))
+                      results=list(put), stored_bytes=stored_bytes)

@@ -200,7 +200,7 @@ async def _put(calls: SaveCalls, url: str, answers: list[ItemResult], items: lis
 
 def _result(items: list[SaveItem], final: list[ItemResult | None], was_put: set[int]) -> SaveResult:
     out = [r if r is not None else ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE) for r in final]
-    return tally(out, [(items[i].spec.kind, out[i]) for i in sorted(was_put)])
+    return tally(out, [(items[i].spec.kind, out[i]) for i in sorted(was_put)], [it.spec.size for it in items])
 
 
 __all__ = ["MAX_ROUNDS", "SaveCalls", "SaveItem", "follows", "save_chain", "save_items"]

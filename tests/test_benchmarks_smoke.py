@@ -180,6 +180,20 @@ def test_save_gil_quick_run_measures_every_mode(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
+def test_save_offer_quick_run_takes_each_road(tmp_path: Path) -> None:
+    """benchmarks/save_offer.py: each mode's saves took the road it names (NIXL or one HTTP put)."""
+    results = quick_run("save_offer", tmp_path / "out", env=NIXL_ENV)
+    assert set(results["medians"]) == {"nixl-offered", "nixl-reserve", "small-put", "http-offered"}
+    assert all(m["wall_ms"] > 0 and m["client_cpu_ms"] > 0 for m in results["medians"].values())
+    paths = results["path_bytes"]
+    assert paths["nixl-reserve"].get("nixl", 0) > 0 and paths["nixl-reserve"].get("http", 0) == 0
+    assert paths["small-put"].get("http", 0) > 0 and paths["small-put"].get("nixl", 0) == 0
+    assert set(results["ratios"]) == {"nixl-reserve", "small-put", "http-offered"}
+    assert_help_names("save_offer", ("--payload-size", "--blocks", "--saves", "--out", "--quick", "--reps",
+                                     "--warmup", "--seed"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 def test_first_transfer_quick_run_times_both_modes(tmp_path: Path) -> None:
     """benchmarks/first_transfer.py: a fresh process's first save, prepared and not, each over NIXL."""
     results = quick_run("first_transfer", tmp_path / "out", env=NIXL_ENV)

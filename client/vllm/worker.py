@@ -694,12 +694,8 @@ class PrefixStoreWorker:
         snapshots = {t: full[pos + i * S : pos + (i + 1) * S] for i, t in enumerate(plan.snapshots)}
         keep = buf if self.tp.size == 1 else None  # full views buf's memory at TP=1: given back after the put
 
-        put_bytes = 0
-
         def payload(a: int, b: int) -> Any:
-            nonlocal put_bytes
             lo, hi = offsets[(a, b)]
-            put_bytes += hi - lo
             return full[lo:hi]
 
         timeout_s = self.settings.save_timeout_s
@@ -720,7 +716,7 @@ class PrefixStoreWorker:
             self._stats.count("saves")
             self._stats.count("saved_items", result.stored)
             self._stats.count("dropped_items", result.dropped)
-            self._stats.count("saved_bytes", put_bytes if result.stored else 0)
+            self._stats.count("saved_bytes", result.stored_bytes)
             self._save_ended(plan.save_id)
 
         self._saves_in_flight = [f for f in self._saves_in_flight if not f.done()]

@@ -23,6 +23,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 
 from prefixstore.client.vllm.connector import PrefixStoreConnector, PrefixStoreStats  # noqa: E402
+from prefixstore.protocol.wire import ItemSpec  # noqa: E402
 
 from ..nixl.conftest import NEEDS_NIXL  # noqa: E402
 from ..serve_process import ServeProcess, StartServe  # noqa: E402
@@ -410,7 +411,7 @@ def test_a_second_engine_in_the_process_registers_its_counters_again(engine_fact
 def test_save_then_load_over_nixl_into_the_registered_staging_region(
         serve: StartServe, tmp_path: Path, engine_factory) -> None:  # type: ignore[no-untyped-def]
     nixl_store = serve("--port", "0", "--data-dir", "none", "--state-admission", "always", "--nixl", "on")
-    e = engine_factory("nixl", url=nixl_store.url, data_path="nixl")
+    e = engine_factory("nixl", url=nixl_store.url, data_path="nixl", small_save_bytes=0)  # the save over NIXL too
     kv = random_kv(seed=7)
     e.write([3, 7, 9], kv, 0, 40)
     e.finish(request("n1", PROMPT + [5], computed=40), ([3, 7, 9],))
@@ -457,23 +458,43 @@ class BlockTable:
         return self.block_ids[req_id]
 
 
-def offered_states(e: Engine) -> list[tuple[int, int]]:
-    """Records (boundary, origin) of every snapshot the worker's client offers the store from now on."""
+def saved_specs(monkeypatch: pytest.MonkeyPatch) -> list[list[ItemSpec]]:
+    """Records the items of every save a node client makes from now on, one list per save: what it
+    offers, or, where it sends no offer (a small save's one HTTP put, a NIXL save's reserve:
+    client/node.py ``NodeClient.save``), what its put carries."""
+    from prefixstore.client import node
+
+    made = node.save_items
+    saves: list[list[ItemSpec]] = []
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        items = made(*args, **kwargs)
+        saves.append([it.spec for it in items])
+        return items
+
+    monkeypatch.setattr(node, "save_items", recording)
+    return saves
+
+
+def offered_states(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Records (boundary, origin) of every snapshot the worker's client sends the store from now on."""
     from prefixstore.protocol.keys import Kind
 
-    client = e.worker.worker_side.client.impl
-    offer = client.offer
-    seen: list[tuple[int, int]] = []
+    saves = saved_specs(monkeypatch)
 
-    async def recording(items):  # type: ignore[no-untyped-def]
-        seen.extend((i.boundary, i.origin) for i in items if i.kind is Kind.STATE)
-        return await offer(items)
+    class Seen(list):  # type: ignore[type-arg]
+        """The snapshots of the saves recorded so far; clear() forgets them."""
 
-    client.offer = recording
-    return seen
+        def __eq__(self, other: object) -> bool:
+            return [(i.boundary, i.origin) for save in saves for i in save if i.kind is Kind.STATE] == other
+
+        def clear(self) -> None:
+            saves.clear()
+
+    return Seen()
 
 
-def test_snapshots_are_offered_with_their_origin(engine_factory) -> None:  # type: ignore[no-untyped-def]
+def test_snapshots_are_offered_with_their_origin(engine_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Each snapshot says why it was taken, so the store's adaptive admission can tell prompt ends
     (seldom reused in multi-turn chat) from generation ends (the next turn's start): the prefill
     step of a 40-token prompt offers the prompt end (40) and vLLM's grid state below it (32,
@@ -483,7 +504,7 @@ def test_snapshots_are_offered_with_their_origin(engine_factory) -> None:  # typ
     from prefixstore.protocol.keys import Origin
 
     e = engine_factory("origins", hybrid=True)
-    seen = offered_states(e)
+    seen = offered_states(e, monkeypatch)
     blocks = ([3, 7, 9], [11, 12, 13])
     e.scheduler.bind_kv_cache_manager(BlockTable({"r": blocks}))  # type: ignore[arg-type]
     r = request("r", PROMPT)
@@ -531,7 +552,7 @@ def test_an_async_load_into_host_memory_starts_before_the_forward_pass(engine_fa
         assert torch.equal(e.views[name][52], states[2][name])
 
 
-def test_a_request_end_save_copies_only_what_its_prompt_end_save_did_not(engine_factory) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_end_save_copies_only_what_its_prompt_end_save_did_not(engine_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A turn's prompt-end save copied its 40-token prompt (blocks 0 and 1 of the store's 16, a
     tail of 8); its request-end save, after 8 sampled tokens, copies from the store block the
     prompt ended in (32) on: one tail of 15 tokens, not the prompt's blocks again (the engine's
@@ -541,15 +562,7 @@ def test_a_request_end_save_copies_only_what_its_prompt_end_save_did_not(engine_
     from prefixstore.protocol.keys import Kind
 
     e = engine_factory("copy-once", hybrid=True)
-    client = e.worker.worker_side.client.impl
-    offer = client.offer
-    kv_items: list[int] = []
-
-    async def recording(items):  # type: ignore[no-untyped-def]
-        kv_items.append(sum(1 for i in items if i.kind is not Kind.STATE))
-        return await offer(items)
-
-    client.offer = recording
+    saves = saved_specs(monkeypatch)
     blocks = ([3, 7, 9], [11, 12, 13])
     e.scheduler.bind_kv_cache_manager(BlockTable({"r": blocks}))  # type: ignore[arg-type]
     r = request("r", PROMPT)
@@ -566,7 +579,7 @@ def test_a_request_end_save_copies_only_what_its_prompt_end_save_did_not(engine_
     r.num_computed_tokens = 47
     e.write(blocks[0], random_kv(seed=86), 40, 47)
     e.finish(r, blocks)
-    assert kv_items == [3, 1]
+    assert [sum(1 for i in save if i.kind is not Kind.STATE) for save in saves] == [3, 1]
     # Both saves together hold the whole turn: 47 tokens and the state after them.
     assert e.scheduler.get_num_new_matched_tokens(request("t2", PROMPT + list(range(8)) + [5, 6]), 0) == (47, True)
 

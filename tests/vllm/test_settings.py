@@ -8,13 +8,16 @@ import pytest
 
 from prefixstore.client import ClientConfig
 from prefixstore.client.vllm import ConnectorSettings
+from prefixstore.client.vllm.settings import SMALL_SAVE_BYTES
 
 
 def test_client_fields_and_own_keys_are_split() -> None:
     s = ConnectorSettings.from_extra_config({"url": "http://store:8077", "token": "t0k", "timeout_s": 2.5,
                                              "mode": "replay", "block_tokens": 64, "tenant": "acme", "save": False})
-    assert s.client == ClientConfig(url="http://store:8077", token="t0k", timeout_s=2.5)
+    assert s.client == ClientConfig(url="http://store:8077", token="t0k", timeout_s=2.5,
+                                    small_save_bytes=SMALL_SAVE_BYTES)  # the connector's default, not the client's
     assert (s.mode, s.block_tokens, s.tenant, s.save, s.load) == ("replay", 64, "acme", False, True)
+    assert ConnectorSettings.from_extra_config({"small_save_bytes": 0}).client.small_save_bytes == 0  # unless set
 
 
 def test_every_client_field_is_accepted() -> None:
