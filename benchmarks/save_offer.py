@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import re
 import time
-from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -123,15 +122,15 @@ async def main(argv: list[str] | None = None) -> int:
                 line = []
                 for mode in [MODES[i] for i in shuffle.permutation(len(MODES))]:
                     await asyncio.sleep(PAUSE_S)
-                    store0, cpu0, t0 = await store_cpu_s(session, rs.url), time.process_time(), time.perf_counter()
+                    store0, cpu0 = await store_cpu_s(session, rs.url), time.process_time()
                     walls = []
                     for _ in range(args.saves):
                         t = time.perf_counter()
                         await savers[mode].save(offered=mode == "nixl-offered")
                         walls.append(time.perf_counter() - t)
-                    cpu = time.process_time() - cpu0
+                    client_s = time.process_time() - cpu0
                     store = await store_cpu_s(session, rs.url) - store0
-                    got = {"wall_ms": float(np.median(walls)) * 1e3, "client_cpu_ms": cpu / args.saves * 1e3,
+                    got = {"wall_ms": float(np.median(walls)) * 1e3, "client_cpu_ms": client_s / args.saves * 1e3,
                            "store_cpu_ms": store / args.saves * 1e3}
                     if rep >= args.warmup:
                         for k, v in got.items():
