@@ -5,8 +5,9 @@ KiB, is a tiny-model save in benchmarks/vllm_serving.py) to one store child proc
 
 * ``nixl-offered``: offer, then the wanted items over NIXL (reserve, WRITE, commit): what a save
   did before, and what client code calling ``offer`` and ``put`` itself does;
-* ``nixl-reserve``: ``client.save`` over NIXL (``small_save_bytes=0``): no offer, the reserve
-  decides each item before any byte moves (client/node.py ``NodeClient.save``);
+* ``nixl-reserve``: ``client.save`` over NIXL with ``small_save_bytes`` 1 (every batch above it):
+  no offer, the reserve decides each item before any byte moves (client/node.py
+  ``NodeClient.save``);
 * ``small-put``: ``client.save`` from the same kind of NIXL client with ``small_save_bytes`` 1 MiB
   (the vLLM connector's setting): a save up to 1 MiB is one HTTP put, no offer;
 * ``http-offered``: ``client.save`` over HTTP (``data_path=http``): offer, then one HTTP put.
@@ -104,7 +105,7 @@ async def main(argv: list[str] | None = None) -> int:
     ram = max(256 << 20, 4 * args.saves * args.blocks * args.payload_size)
     async with H.serve_store("subprocess", ram_bytes=ram, page_bytes=16 << 10, tier="ram", nixl="on") as rs, \
             aiohttp.ClientSession() as session:
-        configs = {"nixl-offered": ("nixl", 0), "nixl-reserve": ("nixl", 0), "small-put": ("nixl", SMALL_SAVE_BYTES),
+        configs = {"nixl-offered": ("nixl", 0), "nixl-reserve": ("nixl", 1), "small-put": ("nixl", SMALL_SAVE_BYTES),
                    "http-offered": ("http", 0)}
         async with contextlib.AsyncExitStack() as stack:
             savers: dict[str, Saver] = {}

@@ -201,8 +201,10 @@ class PrefixClient:
     async def save(self, prompt: Prompt, kv_upto: int, kv_payload: Callable[[int, int], Buffer],
                    snapshots: Mapping[int, Buffer] | None = None, start: int = 0,
                    origins: Mapping[int, int] | None = None) -> SaveResult:
-        """Offer KV [start, kv_upto) and the snapshots, then put what the store wants; ``origins``
-        says why each snapshot was taken (boundary -> protocol.keys.Origin; absent: unknown)."""
+        """Offer KV [start, kv_upto) and the snapshots, then put what the store wants (or, with
+        ``small_save_bytes`` above 0, put with no offer where the store can decide each item from
+        the put itself: NodeClient.save); ``origins`` says why each snapshot was taken (boundary ->
+        protocol.keys.Origin; absent: unknown)."""
         await self._shape()
         return await self.impl.save(prompt, kv_upto, kv_payload, snapshots, start, origins)
 

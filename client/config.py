@@ -45,15 +45,18 @@ class ClientConfig:
     after it go in one batch (a store decides a snapshot against its container in the same offer):
     below their count the snapshots are refused (``container_missing``)."""
     small_save_bytes: int = 0
-    """A save's batch of at most this many payload bytes goes as one HTTP put with no offer before
-    it, even where NIXL is in use: one round trip instead of two (an offer and an HTTP put; or over
-    NIXL a reserve, then a commit after the WRITE). The store still decides each item (have,
-    rejected, stored), but what it already holds or refuses travels for nothing, up to this many
-    bytes, and ``kv_payload`` is called for every item. Pays for a caller whose saves rarely carry
-    what the store holds: the vLLM connector's start where the store's match ends, and it sets
-    1 MiB (client/vllm/settings.py). On this project's 2-core machine a 320 KiB save took 18% less
-    CPU so than a NIXL save, a 1.25 MiB one 14% less, a 5 MiB one 20% more (docs/benchmarks.md,
-    "A save's round trips"). 0 (the default): never."""
+    """0 (the default): every save offers each batch and sends only what the store wants. Above 0,
+    a save sends no offer where the store can decide each item from the put itself: a batch (up to
+    ``max_items`` items) of at most this many payload bytes goes as one HTTP put, even where NIXL
+    is in use, and a larger one over NIXL goes straight to the reserve, which decides before any
+    byte moves. One round trip is saved either way. The store still decides each item (have,
+    rejected, stored), but what a small put carries that the store holds or refuses travels for
+    nothing, and ``kv_payload`` is called for every item. Pays for a caller whose saves rarely
+    carry what the store holds: the vLLM connector's start where the store's match ends, and it
+    sets 1 MiB (client/vllm/settings.py). Keep it under the store's ``max_body_bytes``. On this
+    project's 2-core machine a 320 KiB save as one HTTP put took 34% less CPU than offered over
+    NIXL, a 1.25 MiB one 27% less, a 5 MiB one 7% more (docs/benchmarks.md, "A save's round
+    trips")."""
     warn_interval_s: float = 30.0
     """At most one warning per this interval per kind of failure; counters count them all."""
     token: str = ""
@@ -99,7 +102,7 @@ class ClientConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
         if self.small_save_bytes < 0:
-            raise ValueError("small_save_bytes: must be >= 0 (0: never put a save without an offer over HTTP)")
+            raise ValueError("small_save_bytes: must be >= 0 (0: every save offers first)")
         if self.lookup_token_window is not None and self.lookup_token_window < 0:
             raise ValueError("lookup_token_window: must be >= 0, or None to carry every token")
         if self.token and not (self.token.isascii() and self.token.isprintable() and " " not in self.token):

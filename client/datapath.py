@@ -443,15 +443,17 @@ class DataPath:
 
     async def write_unoffered(self, specs: Sequence[ItemSpec], views: list[memoryview]
                               ) -> tuple[list[ItemResult], list[int]] | None:
-        """A save's batch sent with no offer before it (NodeClient.save). Returns the results
-        (committed) and the items whose payloads were sent, or None where the batch must be
-        offered first.
+        """A save's batch sent with no offer before it (NodeClient.save, where ``small_save_bytes``
+        is above 0). Returns the results (committed) and the items whose payloads were sent, or
+        None where the batch must be offered first.
 
         * At most ``small_save_bytes`` of payload: one HTTP put, NIXL or not. The store still
           decides each item; what it holds or refuses traveled for nothing, a bounded waste that
           costs less than the round trip an offer takes.
         * Larger, over NIXL: the reserve answers have / rejected / reserved per item before any
-          byte moves, as an offer would, and only what it reserved is written.
+          byte moves, and only what it reserved is written. It decides as an offer does on a
+          single node (on a cluster node both refuse an item without a branch; cluster saves go
+          through client/saves.py, which offers).
         * Larger, over HTTP (a put would carry every payload before the store decides), NIXL just
           turned off, or a batch refused whole over its tenant's quota (an offer answers that per
           item, and the part that fits is stored): None."""

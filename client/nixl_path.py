@@ -704,8 +704,8 @@ class NixlChannel:
                     commit: bool, timeout_s: float) -> tuple[list[ItemResult], list[tuple[str, str]], int, list[int]]:
         """Reserve pages, WRITE the payloads into them, have the store verify and commit them.
         ``specs`` carry their checksums. Returns per-item results, problems, bytes written and the
-        items the store reserved (their payloads were sent; the reserve decided the others: have,
-        rejected)."""
+        items the store reserved (their payloads were written, or their WRITE failed and they were
+        dropped; the reserve decided the others: have, rejected)."""
         started = time.monotonic()
         raw = await call("/v1/nixl/reserve", {"ns": ns_id, "items": [s.to_wire() for s in specs]})
         try:

@@ -352,11 +352,13 @@ class NodeClient:
         Once a batch is dropped because the store is unavailable, the rest are
         dropped without asking (their parents are missing anyway).
 
-        A batch is not offered where the store can decide it as well from the put itself
-        (DataPath.write_unoffered): a small one (``small_save_bytes``) goes as one HTTP put, a
+        With ``small_save_bytes`` above 0 (the vLLM connector's setting; the client's default is
+        0) a batch is not offered where the store can decide it from the put itself
+        (DataPath.write_unoffered): one of at most that many payload bytes goes as one HTTP put, a
         larger one over NIXL is decided by its reserve before any byte moves. Either way a round
         trip is saved. A put refused whole over the tenant's quota is offered after all, so what
-        fits is stored.
+        fits is stored (the store keeps the admission decisions it made, so each item is still
+        judged once).
         """
         items = save_items(prompt, kv_upto, kv_payload, snapshots, start, origins)
         final: list[ItemResult] = []  # per item: its put result where it was put, else its offer decision
@@ -385,8 +387,9 @@ class NodeClient:
 
     async def _put_unoffered(self, chunk: Sequence[SaveItem]) -> tuple[list[ItemResult], list[int]] | None:
         """One batch of a save with no offer before it (:meth:`save`), or None where it must be offered."""
-        if sum(it.spec.size for it in chunk) > self.config.small_save_bytes and await self.data.ready() is None:
-            return None  # a larger batch over HTTP: payloads are made only for what an offer wants
+        small = self.config.small_save_bytes
+        if small == 0 or (sum(it.spec.size for it in chunk) > small and await self.data.ready() is None):
+            return None  # offered: payloads are made only for what the offer wants
         views = [as_view(it.payload()) for it in chunk]
         specs = await with_payloads([it.spec for it in chunk], views)
         return await self.data.write_unoffered(specs, views)

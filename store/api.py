@@ -30,7 +30,6 @@ from prefixstore.protocol.namespace import Namespace
 from prefixstore.transport.stream import FrameReader
 from prefixstore.protocol.wire import (
     CONTENT_TYPE,
-    ItemSpec,
     LookupRequest,
     WireError,
     encode_header,
@@ -41,7 +40,7 @@ from prefixstore.protocol.wire import (
     req_entry_keys,
 )
 from .puts import read_order
-from .http import (BODY_SENT, LOOKUP_NIXL, PEER, STORE, TENANT, control_header, frame_response, owned,
+from .http import (BODY_SENT, LOOKUP_NIXL, PEER, STORE, TENANT, control_header, frame_response, owned, placed,
                    single_node_only, stalled)
 from .sendbody import write_body
 
@@ -66,14 +65,6 @@ async def register_namespace(request: web.Request) -> web.Response:
         raise WireError("ns", f"the namespace's tenant {ns.tenant!r} is not the tenant of this token",
                         Problem.FORBIDDEN)
     return frame_response({"ns": await store.register_namespace(ns)})
-
-
-def placed(request: web.Request, items: list[ItemSpec]) -> None:
-    """On a node of a larger cluster every item names its branch (protocol/placement.py): an item
-    without one comes from a single-node client, whose saves would land where no lookup finds them."""
-    for i, item in enumerate(items):
-        if item.branch is None:
-            single_node_only(request, f"items[{i}].branch")
 
 
 async def lookup(request: web.Request) -> web.Response:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
@@ -32,7 +32,8 @@ from prefixstore.protocol.errors import HTTP_STATUS, Problem, RequestError
 from prefixstore.protocol.namespace import Namespace, NamespaceError
 from prefixstore.protocol.nixl_wire import NixlPlacements
 from prefixstore.protocol.probe import ProbeAnswer, ProbeRequest
-from prefixstore.protocol.wire import CONTENT_TYPE, PREFIX_BYTES, LookupAnswer, LookupRequest, WireError, decode_frame, encode_frame
+from prefixstore.protocol.wire import (CONTENT_TYPE, PREFIX_BYTES, ItemSpec, LookupAnswer, LookupRequest, WireError, decode_frame,
+                                       encode_frame)
 from .core import Store
 from .ledger import OPEN_TENANT
 from .namespaces import unknown
@@ -68,6 +69,15 @@ def single_node_only(request: web.Request, what: str) -> None:
                         "branches: connect through the cluster (ClientConfig(urls=(...)) with the members "
                         "or the headless Service, docs/cluster.md); cluster clients use /v1/probe",
                         Problem.CONFLICT)
+
+
+def placed(request: web.Request, items: Sequence[ItemSpec]) -> None:
+    """On a node of a larger cluster every item of an offer, put or NIXL reserve names its branch
+    (protocol/placement.py): an item without one comes from a single-node client, whose saves would
+    land where no lookup finds them."""
+    for i, item in enumerate(items):
+        if item.branch is None:
+            single_node_only(request, f"items[{i}].branch")
 
 # The cluster token (tenants file: cluster_token_sha256) authenticates another node pushing replicas:
 # it reaches every tenant's namespaces, but only on these paths (no lookups, no reads).

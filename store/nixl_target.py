@@ -108,7 +108,7 @@ from prefixstore.protocol.wire import (
 from . import nixl_lookup
 from .arena import Arena
 from .config import StoreConfig
-from .http import LOOKUP_NIXL, PROBE_NIXL, STORE, control_header, frame_response, owned
+from .http import LOOKUP_NIXL, PROBE_NIXL, STORE, control_header, frame_response, owned, placed
 from .index import Entry
 from .leases import Leases
 from .lmdb_tier import LmdbTier, MapPin
@@ -401,6 +401,7 @@ async def nixl_reserve(request: web.Request) -> web.Response:
     ns_id = req_bin(header, "ns", size=8)
     owned(request, ns_id)
     items = parse_items(header, store.limits)
+    placed(request, items)  # a cluster node takes only placed items, as /v1/offer and /v1/put do
     await store.room_for(items)  # write-behind: wait for demotable RAM, as /v1/put does
     plan = store.reserve(ns_id, items)  # refused whole over the tenant's quota, as a put is
     out: list[NixlReservation] = []

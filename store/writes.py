@@ -137,6 +137,12 @@ class WritePath:
         # Offered and wanted, per owner, oldest first: admitted at put without asking again.
         # At most max_offers_per_tenant each (an owner flooding offers forgets its own oldest).
         self._wanted: dict[str, OrderedDict[bytes, float]] = {}
+        # Admission decisions of puts refused whole over the tenant's quota, per owner, oldest
+        # first: key -> (admitted, until when). The client offers such a batch next, so that what
+        # fits is stored; its offer takes these decisions instead of asking admission again, and
+        # each item is seen once per save (a second-hit policy would otherwise take a snapshot on
+        # its first save). At most max_offers_per_tenant each, like the wants.
+        self._decided: dict[str, OrderedDict[bytes, tuple[bool, float]]] = {}
         # Cluster: parent node key -> (the block offered as its continuation, until when).
         self._claims: OrderedDict[bytes, tuple[bytes, float]] = OrderedDict()
 
@@ -226,10 +232,12 @@ class WritePath:
             self._claims.popitem(last=False)
         return False
 
-    def _triage(self, ns: Namespace, items: Sequence[ItemSpec], for_put: bool, place: bool = True
-                ) -> tuple[list[ItemResult], list[Entry | None]]:
-        """First pass of offer and put: validate everything, allocate nothing."""
+    def _triage(self, ns: Namespace, items: Sequence[ItemSpec], for_put: bool, place: bool = True,
+                sighted: list[tuple[bytes, bool]] | None = None) -> tuple[list[ItemResult], list[Entry | None]]:
+        """First pass of offer and put: validate everything, allocate nothing. ``sighted`` collects
+        the admission decisions it asked for (key, admitted)."""
         owner = self._ledger.owner_of(ns)
+        decided = self._decided.get(owner)
         now = self._clock()
         taken = self._ledger.bytes_of(ns.tenant)  # plus what this batch takes, below
         counted = self._ledger.entries_of(ns.tenant)  # ... and entries, likewise
@@ -304,7 +312,15 @@ class WritePath:
                 continue
             offers = self._wanted.get(owner) if for_put else None
             wanted = offers is not None and offers.pop(key, None) is not None
-            if not wanted and not self._admission[item.kind].admit(item.kind, key, item.size, now, item.origin):
+            if not wanted:
+                before = decided.pop(key, None) if decided else None
+                if before is not None and before[1] > now:
+                    wanted = before[0]
+                else:
+                    wanted = self._admission[item.kind].admit(item.kind, key, item.size, now, item.origin)
+                    if sighted is not None:
+                        sighted.append((key, wanted))
+            if not wanted:
                 results.append(ItemResult(ItemStatus.REJECTED, Reason.ADMISSION))
                 new.append(None)
                 continue
@@ -340,9 +356,10 @@ class WritePath:
         assert e.parent is not None
         return None if e.parent == self._namespaces.root(e.namespace_id) else e.parent_key
 
-    def plan_put(self, ns: Namespace, items: Sequence[ItemSpec]) -> PutPlan:
-        """Decide each item and reserve arena pages for the ones taken."""
-        results, new = self._triage(ns, items, for_put=True)
+    def plan_put(self, ns: Namespace, items: Sequence[ItemSpec],
+                 sighted: list[tuple[bytes, bool]] | None = None) -> PutPlan:
+        """Decide each item and reserve arena pages for the ones taken (``sighted``: _triage's)."""
+        results, new = self._triage(ns, items, for_put=True, sighted=sighted)
         now = self._clock()
         # Pin every anchor (parent / container) before allocating: making room
         # may evict, and must not evict what this batch builds on.
@@ -420,10 +437,18 @@ class WritePath:
         """:meth:`plan_put` for a put that moves bytes: refused *whole* (nothing reserved) when any
         item would take the tenant over its quota, before any payload byte is read, so the engine
         is told plainly (an offer, which moves no bytes, answers per item instead)."""
-        plan = self.plan_put(ns, items)
+        sighted: list[tuple[bytes, bool]] = []
+        plan = self.plan_put(ns, items, sighted)
         over = plan.over_quota
         if over:
             self.abort_put(plan)
+            decided = self._decided.setdefault(self._ledger.owner_of(ns), OrderedDict())
+            until = self._clock() + self._config.pending_ttl_s
+            for key, admitted in sighted:
+                decided.pop(key, None)
+                decided[key] = (admitted, until)
+            while len(decided) > self._config.max_offers_per_tenant:
+                decided.popitem(last=False)
             share = self._ledger.entry_share
             raise WireError("quota", f"tenant {ns.tenant!r} would exceed its quota of {self._ledger.quota_of(ns)} "
                             f"bytes (holds {self._ledger.bytes_of(ns.tenant)})"
@@ -519,6 +544,11 @@ class WritePath:
                 wanted.popitem(last=False)
             if not wanted:
                 del self._wanted[owner]
+        for owner, decided in list(self._decided.items()):
+            while decided and next(iter(decided.values()))[1] <= now:
+                decided.popitem(last=False)
+            if not decided:
+                del self._decided[owner]
 
     # ------------------------------------------------------------ committing
 

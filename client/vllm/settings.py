@@ -178,9 +178,10 @@ class ConnectorSettings:
 
 SMALL_SAVE_BYTES = 1 << 20
 """The connector's ``small_save_bytes`` where the config names none (the client's own default is
-0). A save here starts where the store's match (or this engine's load) ends, so it rarely carries
-what the store holds: a save of at most 1 MiB goes as one HTTP put with no offer, one round trip
-instead of two (ClientConfig.small_save_bytes)."""
+0: every save offered first). A save here starts where the store's match (or this engine's load)
+ends, so it rarely carries what the store holds: each batch of at most 1 MiB goes as one HTTP put
+with no offer, and a larger one over NIXL straight to the reserve, one round trip fewer either way
+(ClientConfig.small_save_bytes)."""
 
 
 def _urls(kwargs: dict[str, object], fields: Mapping[str, dataclasses.Field[object]]) -> None:
