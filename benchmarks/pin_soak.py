@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=H.DEFAULT_OUT,
                    help="Directory for pin_soak.json and pin_soak.png. Default: benchmarks/out.")
     p.add_argument("--quick", action="store_true",
-                   help="A smoke run: 20 s, 2 connections, the same defaults otherwise. Figures are not meaningful.")
+                   help="A smoke run: 8 s, 2 connections, the same defaults otherwise. Figures are not meaningful.")
     p.add_argument("--duration-s", type=float, default=120.0, help="Seconds of the pattern. Default: 120.")
     p.add_argument("--entries", type=int, default=320,
                    help="1 MiB prompts each tenant saves; with the default arena, 320 leave alpha's all and beta's "
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                         "Default: none: the defaults are what is soaked.")
     args = p.parse_args(argv)
     if args.quick:
-        args.duration_s, args.connections, args.hold_s = 20.0, 2, 2.0
+        args.duration_s, args.connections, args.hold_s = 8.0, 2, 2.0
     with tempfile.TemporaryDirectory(prefix="prefixstore-pin-soak-") as tmp:
         result = asyncio.run(run(args, Path(tmp)))
     rows = [["idle (after the saves)", *(result["idle"][k] / MIB for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem"))],  # type: ignore[index]

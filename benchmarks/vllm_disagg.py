@@ -52,6 +52,7 @@ from typing import Any
 import _harness as h
 import aiohttp
 import numpy as np
+from _cluster import free_ports
 from _serving_load import VOCAB, Result, complete, completion_body
 from _vllm_sides import MODELS, Model, build_model, prefixstore_nodes, scrape, spawn, stop, tail, wait_http
 
@@ -74,15 +75,14 @@ class Server:
     url: str
     proc: Any
     log: Path
+    tag: str
 
 
-def start_server(tmp: Path, logs: Path, model: Model, *, tp: int, block_size: int, role: str | None, store: str,
-                 max_model_len: int, kv_cache_tokens: int, commit_wait_s: float, cores: str, tag: str) -> Server:
-    """One OpenAI-compatible vLLM server; ready on return. ``role``: the connector's kv_role (None:
-    no connector). ``cores``: ``VLLM_CPU_OMP_THREADS_BIND`` (one core list per rank, ``|``-separated)."""
-    from _cluster import free_ports
-
-    [port] = free_ports(1)
+def launch_server(logs: Path, model: Model, *, port: int, tp: int, block_size: int, role: str | None, store: str,
+                  max_model_len: int, kv_cache_tokens: int, commit_wait_s: float, cores: str, tag: str) -> Server:
+    """One OpenAI-compatible vLLM server on ``port``, started (:func:`ready` waits for it).
+    ``role``: the connector's kv_role (None: no connector). ``cores``: ``VLLM_CPU_OMP_THREADS_BIND``
+    (one core list per rank, ``|``-separated)."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_TARGET_DEVICE": "cpu",
            "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "1"}
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model.path,
@@ -100,13 +100,19 @@ def start_server(tmp: Path, logs: Path, model: Model, *, tp: int, block_size: in
             "kv_connector_module_path": "prefixstore.client.vllm.connector",
             "kv_connector_extra_config": {"url": store, "model_id": model.model_id, "commit_wait_s": commit_wait_s}})]
     log = logs / f"{tag}.log"
-    server = Server(url=f"http://127.0.0.1:{port}", proc=spawn(args, log, env), log=log)
-    try:
-        wait_http(server.url + "/health", 900, server.proc, f"vLLM {tag}")
-    except RuntimeError as err:
-        stop([server.proc])
-        raise RuntimeError(f"{err}; its log's last lines:\n{tail(log)}") from err
-    return server
+    return Server(url=f"http://127.0.0.1:{port}", proc=spawn(args, log, env), log=log, tag=tag)
+
+
+def ready(servers: list[Server]) -> None:
+    """Wait for every server of ``servers``, started together: they start side by side, since a
+    start leaves a core idle much of the time (one process importing). A server that does not come
+    up stops them all, naming it with its log's last lines."""
+    for server in servers:
+        try:
+            wait_http(server.url + "/health", 900, server.proc, f"vLLM {server.tag}")
+        except RuntimeError as err:
+            stop([s.proc for s in servers])
+            raise RuntimeError(f"{err}; its log's last lines:\n{tail(server.log)}") from err
 
 
 @dataclass
@@ -211,20 +217,22 @@ def run_model(kind: str, args: argparse.Namespace, tmp: Path, logs: Path) -> dic
     try:
         h.progress(f"{kind}: starting the prefill instance (TP={args.prefill_tp}, block {blocks[0]}), the decode "
                    f"instance (TP={args.decode_tp}, block {blocks[1]}) and one instance doing both")
+        ports = free_ports(3)  # at once: the servers start side by side and bind later (distinct ports)
         common = dict(store=urls[0], max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
                       commit_wait_s=args.commit_wait_s)
-        prefill = start_server(tmp, logs, model, tp=args.prefill_tp, block_size=blocks[0], role="kv_producer",
-                               cores="|".join(cores[i % len(cores)] for i in range(args.prefill_tp)),
-                               tag=f"{kind}-prefill", **common)  # type: ignore[arg-type]
+        prefill = launch_server(logs, model, port=ports[0], tp=args.prefill_tp, block_size=blocks[0], role="kv_producer",
+                                cores="|".join(cores[i % len(cores)] for i in range(args.prefill_tp)),
+                                tag=f"{kind}-prefill", **common)  # type: ignore[arg-type]
         procs.append(prefill.proc)
-        decode = start_server(tmp, logs, model, tp=args.decode_tp, block_size=blocks[1], role="kv_consumer",
-                              cores="|".join(cores[(i + 1) % len(cores)] for i in range(args.decode_tp)),
-                              tag=f"{kind}-decode", **common)  # type: ignore[arg-type]
+        decode = launch_server(logs, model, port=ports[1], tp=args.decode_tp, block_size=blocks[1], role="kv_consumer",
+                               cores="|".join(cores[(i + 1) % len(cores)] for i in range(args.decode_tp)),
+                               tag=f"{kind}-decode", **common)  # type: ignore[arg-type]
         procs.append(decode.proc)
-        one = start_server(tmp, logs, model, tp=args.decode_tp, block_size=blocks[1], role=None,
-                           cores="|".join(cores[i % len(cores)] for i in range(args.decode_tp)),
-                           tag=f"{kind}-one", **common)  # type: ignore[arg-type]
+        one = launch_server(logs, model, port=ports[2], tp=args.decode_tp, block_size=blocks[1], role=None,
+                            cores="|".join(cores[i % len(cores)] for i in range(args.decode_tp)),
+                            tag=f"{kind}-one", **common)  # type: ignore[arg-type]
         procs.append(one.proc)
+        ready([prefill, decode, one])
         rows: list[Row] = []
 
         async def drive() -> None:

@@ -23,6 +23,21 @@ ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("UCX_MODULES", "^ib")  # before any NIXL agent of this process starts UCX (DESIGN §9)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _hub_offline() -> Iterator[None]:
+    """A hybrid backend reads its model's Hugging Face config (client/sglang/backend.py,
+    ``model_state_shards``). The tests' model names are on no hub and CI reaches PyPI only, so
+    without offline mode each such backend waited about 23 s in huggingface_hub's retries before
+    it fell back to SGLang's own state bytes, which is what these tests check. The writer process
+    gets ``HF_HUB_OFFLINE=1`` (``written``)."""
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    yield
+    constants.HF_HUB_OFFLINE = before
+
+
 @pytest.fixture(scope="session")
 def serve() -> Iterator[StartServe]:
     with serving() as start:
@@ -41,7 +56,7 @@ def written(store: ServeProcess, tmp_path_factory: pytest.TempPathFactory) -> di
     assert store.url is not None
     out = tmp_path_factory.mktemp("writer") / "written.json"
     proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.sglang.engine", "write", store.url, str(out)],
-                          cwd=ROOT, env=clean_env(PYTHONPATH=os.pathsep.join(sys.path)), capture_output=True,
+                          cwd=ROOT, env=clean_env(PYTHONPATH=os.pathsep.join(sys.path), HF_HUB_OFFLINE="1"), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return dict(json.loads(out.read_text()))
