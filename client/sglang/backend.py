@@ -86,7 +86,10 @@ def model_state_shards(model_path: str | None, mamba: Any) -> StateShards | None
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model_path)
+        # SGLang has read this config before it registers host pools, so it is on disk (the model's
+        # directory, or the Hub's cache): never asked of the network, where an offline host would
+        # hold the engine's start in the Hub client's retries (about 23 s) for a name it lacks.
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         conv_dtype = DTYPE_NAMES[mamba.conv_buffer[0].dtype]
         state_dtype = DTYPE_NAMES[mamba.temporal_buffer.dtype]
         if config.model_type == "lfm2":

@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 from prefixstore.client import ClientConfig, SyncPrefixClient  # noqa: E402
 from prefixstore.client.sglang import KEYSPACE, page_prompt  # noqa: E402
-from prefixstore.client.sglang.backend import PrefixStoreHiCache  # noqa: E402
+from prefixstore.client.sglang.backend import PrefixStoreHiCache, model_state_shards  # noqa: E402
 
 from ..nixl.conftest import NEEDS_NIXL  # noqa: E402
 from ..serve_process import ServeProcess, StartServe  # noqa: E402
@@ -289,3 +289,21 @@ def test_pages_over_nixl(serve: StartServe) -> None:
             reader.close()
     finally:
         b.close()
+
+
+def test_the_model_config_is_read_from_disk_never_from_the_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang has read its model's config before the backend does: a name found in no directory and
+    no cache is SGLang's own state bytes at once, and the Hub is never asked for its files (an
+    offline host's engine waited through the Hub client's retries, about 23 s, at its start)."""
+    from huggingface_hub import constants, file_download
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # as on a host that never set it
+    asked: list[object] = []
+
+    def no_network(*args: object, **kwargs: object) -> object:
+        asked.append(args[:1])
+        raise OSError("this test has no network")
+
+    monkeypatch.setattr(file_download, "get_hf_file_metadata", no_network)
+    assert model_state_shards("prefixstore-tests/in-no-cache", engine.mamba_host_pool("page_first")) is None
+    assert asked == []
