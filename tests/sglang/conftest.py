@@ -25,11 +25,12 @@ os.environ.setdefault("UCX_MODULES", "^ib")  # before any NIXL agent of this pro
 
 @pytest.fixture(scope="session", autouse=True)
 def _hub_offline() -> Iterator[None]:
-    """A hybrid backend reads its model's Hugging Face config (client/sglang/backend.py,
-    ``model_state_shards``). The tests' model names are on no hub and CI reaches PyPI only, so
-    without offline mode each such backend waited about 23 s in huggingface_hub's retries before
-    it fell back to SGLang's own state bytes, which is what these tests check. The writer process
-    gets ``HF_HUB_OFFLINE=1`` (``written``)."""
+    """No test here needs the Hub, and CI reaches PyPI only. A hybrid backend reads its model's
+    Hugging Face config from disk (client/sglang/backend.py ``model_state_shards``); before it did,
+    each such backend of these tests, whose model names are on no hub, waited about 23 s in the
+    Hub client's retries. Offline mode also keeps the Hub client's own calls (its user-agent
+    registry) off the network. The writer process gets ``HF_HUB_OFFLINE=1`` (``written``);
+    test_backend.py checks the backend itself with offline mode off."""
     from huggingface_hub import constants
 
     before = constants.HF_HUB_OFFLINE
