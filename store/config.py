@@ -117,8 +117,10 @@ class StoreConfig:
         "Most namespaces one tenant may register (every store without a tenants file counts as one "
         "tenant). Each is kept in memory and on disk and charged to the tenant's quota_bytes."))
     max_offers_per_tenant: int = field(default=32768, metadata=_doc(
-        "Most offered-and-wanted items the store remembers per tenant until their put (pending_ttl_s); "
-        "beyond it the tenant's oldest are forgotten, and their put asks admission again."))
+        "Most offered-and-wanted items the store remembers per tenant until their put (pending_ttl_s), and "
+        "apart from them, most admission decisions it keeps of puts refused whole over the tenant's quota "
+        "for the offer that follows; beyond either the tenant's oldest are forgotten, and admission is "
+        "asked again."))
     max_leases_per_tenant: int = field(default=8192, metadata=_doc(
         "Most lookup leases one tenant may hold at once; beyond it the tenant's oldest lease ends early."))
     model_metrics_per_tenant: int = field(default=16, metadata=_doc(
