@@ -339,7 +339,7 @@ class NodeClient:
 
         ``kv_payload(a, b)`` returns the store-layout payload of tokens [a, b)
         (layer-major, see KVLayout). It is called for every item of a batch sent
-        without an offer (below), else only for the items the offer wanted.
+        without an offer (below), else only for the items the offer wanted; never twice for one item.
         ``snapshots`` maps boundaries t <= kv_upto to state payloads; ``origins`` maps a
         boundary to why the engine took it (protocol.keys.Origin, offered with the item: the
         store's adaptive admission and eviction judge prompt ends, generation ends, junctions
@@ -369,14 +369,15 @@ class NodeClient:
             if gone:
                 final.extend(ItemResult(ItemStatus.DROPPED, Reason.UNAVAILABLE) for _ in chunk)
                 continue
-            direct = await self._put_unoffered(chunk)
+            payloads = Payloads(chunk)
+            direct = await self._put_unoffered(chunk, payloads)
             if direct is not None:
                 outcome, sent = direct
                 put.extend((chunk[n].spec.kind, outcome[n]) for n in sent)
             else:
                 decisions = await self.offer([it.spec for it in chunk])
                 wanted = [n for n, d in enumerate(decisions) if d.status is ItemStatus.WANT]
-                results = await self.put([(chunk[n].spec, chunk[n].payload()) for n in wanted]) if wanted else []
+                results = await self.put([(chunk[n].spec, payloads[n]) for n in wanted]) if wanted else []
                 outcome = list(decisions)
                 for n, r in zip(wanted, results):
                     outcome[n] = r
@@ -385,14 +386,31 @@ class NodeClient:
             gone = any(lost(r) for r in outcome)
         return tally(final, put, [it.spec.size for it in items])
 
-    async def _put_unoffered(self, chunk: Sequence[SaveItem]) -> tuple[list[ItemResult], list[int]] | None:
+    async def _put_unoffered(self, chunk: Sequence[SaveItem], payloads: Payloads
+                             ) -> tuple[list[ItemResult], list[int]] | None:
         """One batch of a save with no offer before it (:meth:`save`), or None where it must be offered."""
         small = self.config.small_save_bytes
         if small == 0 or (sum(it.spec.size for it in chunk) > small and await self.data.ready() is None):
             return None  # offered: payloads are made only for what the offer wants
-        views = [as_view(it.payload()) for it in chunk]
+        views = [as_view(payloads[n]) for n in range(len(chunk))]
         specs = await with_payloads([it.spec for it in chunk], views)
         return await self.data.write_unoffered(specs, views)
+
+
+class Payloads:
+    """A save batch's payloads, each made at most once: a batch refused whole over quota after its
+    payloads were made for an unoffered put is offered, and the put of what the offer wants reuses
+    them (an engine's payload is a copy out of its KV blocks)."""
+
+    def __init__(self, chunk: Sequence[SaveItem]) -> None:
+        self._chunk = chunk
+        self._made: dict[int, Buffer] = {}
+
+    def __getitem__(self, n: int) -> Buffer:
+        made = self._made.get(n)
+        if made is None:
+            made = self._made[n] = self._chunk[n].payload()
+        return made
 
 
 def item_chunks(specs: Sequence[ItemSpec], max_items: int) -> Iterator[tuple[int, int]]:

@@ -89,9 +89,17 @@ async def test_a_save_over_the_tenants_quota_is_offered_and_stores_what_fits(
                                              small_save_bytes=small_save_bytes)) as c:
         await c.prepare()
         calls = record_calls(c)
-        saved = await c.save(c.prompt(toks), len(toks), lambda a, b: kv_payload(ns, toks, a, b))
+        made: list[tuple[int, int]] = []
+
+        def payload(a: int, b: int) -> bytes:
+            made.append((a, b))
+            return kv_payload(ns, toks, a, b)
+
+        saved = await c.save(c.prompt(toks), len(toks), payload)
         # The put was refused whole (a 413: no answer the observers see), then the batch offered.
         assert [p for p in calls if p != "/v1/namespaces"][:3] == ["/v1/offer", "/v1/nixl/reserve", "/v1/nixl/commit"]
+        # Each payload was made once: the put after the offer sent those the refused put had made.
+        assert sorted(made) == [(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS) for i in range(5)]
         assert (saved.stored, saved.rejected, saved.dropped) == (3, 2, 0)
         assert (await c.lookup(toks)).kv_tokens == 3 * BLOCK_TOKENS
         assert c.path_bytes["nixl"] == 3 * ns.block_bytes
