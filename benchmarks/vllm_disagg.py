@@ -103,16 +103,30 @@ def launch_server(logs: Path, model: Model, *, port: int, tp: int, block_size: i
     return Server(url=f"http://127.0.0.1:{port}", proc=spawn(args, log, env), log=log, tag=tag)
 
 
-def ready(servers: list[Server]) -> None:
+def ready(servers: list[Server], deadline_s: float = 900) -> None:
     """Wait for every server of ``servers``, started together: they start side by side, since a
-    start leaves a core idle much of the time (one process importing). A server that does not come
-    up stops them all, naming it with its log's last lines."""
-    for server in servers:
-        try:
-            wait_http(server.url + "/health", 900, server.proc, f"vLLM {server.tag}")
-        except RuntimeError as err:
-            stop([s.proc for s in servers])
-            raise RuntimeError(f"{err}; its log's last lines:\n{tail(server.log)}") from err
+    start leaves a core idle much of the time (one process importing). All are watched at once: the
+    first that exits, or any still not up after ``deadline_s``, stops them all, named with its
+    log's last lines."""
+    deadline = time.monotonic() + deadline_s
+    waiting = list(servers)
+    while waiting:
+        for server in list(waiting):
+            failed = None
+            if server.proc.poll() is not None:
+                failed = f"vLLM {server.tag} exited with status {server.proc.returncode} before it was up"
+            elif time.monotonic() > deadline:
+                failed = f"vLLM {server.tag} not up within {deadline_s:g} s"
+            else:
+                try:
+                    wait_http(server.url + "/health", 0, server.proc, f"vLLM {server.tag}")  # one try
+                    waiting.remove(server)
+                except RuntimeError:
+                    pass  # not up yet
+            if failed is not None:
+                stop([s.proc for s in servers])
+                raise RuntimeError(f"{failed}; its log's last lines:\n{tail(server.log)}")
+        time.sleep(0.2)
 
 
 @dataclass

@@ -71,7 +71,10 @@ def kv_payload(ns: Namespace, tokens: list[int] | np.ndarray, start: int, end: i
     (layer, token)'s seed): a generator per layer and token made a 64-block save of a 256-layer
     model take 13 s."""
     toks = np.asarray(tokens, dtype=np.uint64)
-    prefix = np.cumsum(toks * np.uint64(2654435761) + np.uint64(1), dtype=np.uint64)
+    # Each (position, token) pair mixed before the running sum, so the sum is not order-free: a
+    # prefix with two tokens swapped, or two changed by opposite amounts, sums to another value.
+    at = np.arange(len(toks), dtype=np.uint64)
+    prefix = np.cumsum(_mix64(toks ^ (at << np.uint64(32)) ^ np.uint64(0x5851F42D4C957F2D)), dtype=np.uint64)
     per_layer = ns.kv.layer_token_bytes
     positions = np.arange(start, end, dtype=np.uint64)
     layers = np.arange(ns.kv.num_layers, dtype=np.uint64)
