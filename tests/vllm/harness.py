@@ -51,6 +51,11 @@ class Engine:
         kv_consumer: a decode instance); ``block_size``: vLLM's (the store's stays 16)."""
         self.kernel = kernel
         """The cache-write kernel the forward pass uses (default: vLLM's own CPU kernel)."""
+        # A busy step waits for a lookup up to its budget (lookup_timeout_s), not the 3 ms a real
+        # engine under load spends: a test's steps hold no running requests back, and on a loaded
+        # CI machine a lookup may take longer than 3 ms and come back "not yet" (None) where the
+        # test asks for its answer. The tests of deferral name lookup_block_s themselves.
+        extra.setdefault("lookup_block_s", 1.0)
         BS = block_size
         kt = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role=role,  # type: ignore[arg-type]
                               kv_connector_module_path="prefixstore.client.vllm.connector",
