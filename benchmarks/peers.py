@@ -33,7 +33,8 @@ PUT (benchmarks/transfer.py does not wait: there the drain lands in whichever ca
 Then lookup: a ``--lookup-tokens`` (131,072) prompt stored as 8,192 blocks of 16 tokens;
 prefixstore's ``client.lookup(tokens)`` end to end (hashing the prompt included, the lean request
 of protocol/match.py), and ``prefixstore-keyed``: the same lookup of a prompt hashed before the
-clock starts, against Mooncake's ``batch_is_exist`` of the same 8,192 block keys and a Valkey
+clock starts, and ``prefixstore-post``: the end-to-end lookup of a client with its control channel
+off (one HTTP POST a lookup, as before the channel; the baseline of the channel's gain), against Mooncake's ``batch_is_exist`` of the same 8,192 block keys and a Valkey
 pipeline of 8,192 EXISTS (both given the keys ready-made), for a hit (the stored prompt) and a
 miss (a prompt never stored, and its keys). The calls are interleaved one at a time, in a shuffled
 order, each after the same 20 ms pause, so every peer finds the CPU as a lookup arriving between
@@ -373,6 +374,8 @@ async def bench_size(size: int, args: argparse.Namespace, log_dir: Path) -> dict
             rs = await stack.enter_async_context(H.serve_store(
                 "subprocess", ram_bytes=ram_bytes, page_bytes=min(size, 64 << 10), **store_knobs(args)))
             client = await stack.enter_async_context(PrefixClient(ns, ClientConfig(url=rs.url, timeout_s=120)))
+        posts = await stack.enter_async_context(PrefixClient(ns, ClientConfig(url=rs.url, timeout_s=120,
+                                                                              control_channel=False)))
             chains, _, _ = await prepare(client, size, n, ram_bytes, args.seed)  # warms the arena
             chains.source[:] = batch.source  # its payloads are views of it: the same bytes as every peer's
             get_set = chains.fresh()
@@ -489,9 +492,9 @@ async def bench_lookup(args: argparse.Namespace, log_dir: Path) -> dict[str, obj
 
         held: list[bytes] = []  # leases the timed lookups took, released after the clock stops
 
-        def lookup_of(what: Any, want: int) -> Callable[[], Any]:
+        def lookup_of(what: Any, want: int, by: PrefixClient = client) -> Callable[[], Any]:
             async def call() -> None:
-                got = await client.lookup(what)
+                got = await by.lookup(what)
                 if got.kv_tokens != want:
                     raise SystemExit(f"prefixstore: a lookup matched {got.kv_tokens} tokens, not {want}")
                 if got.lease_id is not None:
@@ -507,6 +510,8 @@ async def bench_lookup(args: argparse.Namespace, log_dir: Path) -> dict[str, obj
         runs["prefixstore_miss"] = prefix_miss
         runs["prefixstore-keyed_hit"] = keyed_lookup
         runs["prefixstore-keyed_miss"] = keyed_miss
+        runs["prefixstore-post_hit"] = lookup_of(tokens, args.lookup_tokens, posts)
+        runs["prefixstore-post_miss"] = lookup_of(missing, 0, posts)
         if "mooncake" in args.peers and available("mooncake") is None:
             store = stack.enter_context(mooncake_cluster(256 << 20, log_dir))
             ptr = payload.ctypes.data
@@ -592,10 +597,15 @@ def ratios(results: list[dict[str, Any]], lookup: dict[str, Any] | None) -> dict
                 target = TARGETS[f"lookup_vs_batch_is_exist_{case}"]
                 out[f"{name}_{case}"] = {"ratio": round(value, 3), "target": target,
                                          "met": value <= target, "lower_is_better": True}
+    for case in ("hit", "miss"):  # the control channel against one POST a lookup (no target)
+        if f"prefixstore_{case}" in f and f"prefixstore-post_{case}" in f:
+            value = f[f"prefixstore_{case}"]["median_ms"] / f[f"prefixstore-post_{case}"]["median_ms"]
+            out[f"lookup_channel_vs_post_{case}"] = {"ratio": round(value, 3), "target": None, "met": None,
+                                                     "lower_is_better": True}
     return out
 
 
-COLORS = {"prefixstore": "#4c72b0", "prefixstore-keyed": "#64b5cd", "prefixstore-unchecked": "#a1c9f4", "raw": "#8c8c8c", "mooncake": "#dd8452", "valkey": "#c44e52", "lmcache": "#55a868"}
+COLORS = {"prefixstore": "#4c72b0", "prefixstore-keyed": "#64b5cd", "prefixstore-post": "#8172b3", "prefixstore-unchecked": "#a1c9f4", "raw": "#8c8c8c", "mooncake": "#dd8452", "valkey": "#c44e52", "lmcache": "#55a868"}
 
 
 def plot(results: list[dict[str, Any]], lookup: dict[str, Any] | None, path: Path) -> None:
@@ -671,6 +681,7 @@ async def main(argv: list[str] | None = None) -> int:
                                      ["peer", "what", "median ms", "p10", "p90"],
                                      [[name, {"prefixstore": "client.lookup(tokens), end to end",
                                               "prefixstore-keyed": "client.lookup(prompt), hashed before",
+                                              "prefixstore-post": "client.lookup(tokens), one POST (no channel)",
                                               "mooncake": "batch_is_exist(keys)",
                                               "valkey": "pipelined EXISTS x keys"}[name.rsplit("_", 1)[0]],
                                        f["median_ms"], f["p10_ms"], f["p90_ms"]]

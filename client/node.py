@@ -16,6 +16,7 @@ The cluster client (client/cluster.py) composes node clients; it uses the node c
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import time
@@ -23,15 +24,23 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 import numpy as np
-
 from prefixstore.protocol.errors import ItemStatus, Problem, Reason, StoreError
 from prefixstore.protocol.keys import Kind
 from prefixstore.protocol.match import lean_levels, span_tokens
 from prefixstore.protocol.namespace import Namespace
 from prefixstore.protocol.probe import LookupReport, ProbeAnswer, ProbeRequest
+from prefixstore.protocol.wire import (
+    GetItem,
+    ItemResult,
+    ItemSpec,
+    LookupAnswer,
+    LookupRequest,
+    WireError,
+)
 from prefixstore.transport.frames import FramePool, get_json, post
-from prefixstore.protocol.wire import GetItem, ItemResult, ItemSpec, LookupAnswer, LookupRequest, WireError
+
 from .config import ClientConfig
+from .control import ControlChannel
 from .datapath import Buffer, DataPath, as_view, batches, results_of
 from .device import DeviceBuffer
 from .failures import Failures
@@ -68,6 +77,7 @@ class NodeClient:
         self.namespace = namespace
         self.config = config or ClientConfig()
         self._pool: FramePool | None = None
+        self._control: ControlChannel | None = None
         self._registered = False
         self._failures = Failures(self.config.warn_interval_s, label)
         self.data = DataPath(namespace, self.config, self, self._failures)
@@ -107,6 +117,9 @@ class NodeClient:
 
     async def close(self) -> None:
         self.data.close()
+        if self._control is not None:
+            await self._control.close()
+            self._control = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -125,10 +138,26 @@ class NodeClient:
                                    ssl_context=self.config.ssl_context(), authorization=self.config.authorization)
         return self._pool
 
+    @property
+    def control(self) -> ControlChannel | None:
+        """The control channel to this node (client/control.py), where ``control_channel`` is on."""
+        if not self.config.control_channel:
+            return None
+        pool = self.pool
+        if self._control is None or self._control.pool is not pool:
+            if self._control is not None:  # its pool was closed and replaced
+                asyncio.ensure_future(self._control.close())
+            self._control = ControlChannel(pool, timeout_s=self.config.timeout_s)
+        return self._control
+
     async def post(self, path: str, header: dict[str, object],
                    payloads: Sequence[bytes | memoryview] = ()) -> dict[str, object]:
-        """POST a frame, return the answer's header. Raises StoreError."""
-        answer = await post(self.pool, path, header, payloads, timeout_s=self.config.timeout_s)
+        """POST a frame, return the answer's header. Raises StoreError. A lookup or a probe goes over
+        the control channel where it is open (the same frames, the same answers)."""
+        control = self.control if not payloads else None
+        answer = await control.call(path, header) if control is not None else None
+        if answer is None:
+            answer = await post(self.pool, path, header, payloads, timeout_s=self.config.timeout_s)
         for observe in self.observers:
             await observe(path, header, answer)
         return answer

@@ -40,7 +40,7 @@ from prefixstore.protocol.wire import (
     req_entry_keys,
 )
 from .puts import read_order
-from .http import (BODY_SENT, LOOKUP_NIXL, PEER, STORE, TENANT, control_header, frame_response, owned, placed,
+from .http import (BODY_SENT, CONTROL_CALLS, LOOKUP_NIXL, PEER, STORE, TENANT, control_header, frame_response, owned, placed,
                    single_node_only, stalled)
 from .sendbody import write_body
 
@@ -67,15 +67,20 @@ async def register_namespace(request: web.Request) -> web.Response:
     return frame_response({"ns": await store.register_namespace(ns)})
 
 
-async def lookup(request: web.Request) -> web.Response:
+def answer_lookup(request: web.Request, header: dict[str, object]) -> dict[str, object]:
+    """A lookup's answer (the POST route's and the control channel's, store/control.py)."""
     store = request.app[STORE]
     single_node_only(request, "lookup")
-    header = await control_header(request)
     req = LookupRequest.from_header(header, store.limits, lambda ns_id: owned(request, ns_id).block_tokens)
     answer = store.lookup(req)
     if req.nixl and answer.need_level is None and (extension := request.app.get(LOOKUP_NIXL)) is not None:
         answer = dataclasses.replace(answer, nixl=extension(req, answer))
-    return frame_response(answer.to_header())
+    return answer.to_header()
+
+
+async def lookup(request: web.Request) -> web.Response:
+    single_node_only(request, "lookup")
+    return frame_response(answer_lookup(request, await control_header(request)))
 
 
 async def offer(request: web.Request) -> web.Response:
@@ -218,6 +223,7 @@ def install(app: web.Application) -> None:
     app.router.add_post("/v1/commit", commit)
     app.router.add_post("/v1/get", get)
     app.router.add_post("/v1/release", release)
+    app[CONTROL_CALLS]["/v1/lookup"] = answer_lookup
 
 
 __all__ = ["NAMESPACE_HEADER_BYTES", "install"]

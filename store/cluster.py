@@ -23,7 +23,7 @@ from prefixstore.protocol.errors import Problem
 from prefixstore.protocol.probe import LookupReport, ProbeRequest
 from prefixstore.protocol.wire import WireError, req_bin, req_entry_keys
 from .config import StoreConfig
-from .http import CLUSTER_SIZE, PROBE_NIXL, READINESS, STORE, control_header, frame_response, owned
+from .http import CLUSTER_SIZE, CONTROL_CALLS, PROBE_NIXL, READINESS, STORE, control_header, frame_response, owned
 from .membership import DnsResolver, Membership
 from .replication import Replicator
 
@@ -44,16 +44,20 @@ async def members(request: web.Request) -> web.Response:
     return web.json_response(answer)
 
 
-async def probe(request: web.Request) -> web.Response:
+def answer_probe(request: web.Request, header: dict[str, object]) -> dict[str, object]:
+    """A probe's answer (the POST route's and the control channel's, store/control.py)."""
     store = request.app[STORE]
-    header = await control_header(request)
     req = ProbeRequest.from_header(header, store.limits, lambda ns_id: owned(request, ns_id).block_tokens)
     membership = request.app[MEMBERSHIP]
     root_home = membership.is_home if membership.is_cluster else (lambda key: True)
     answer = store.probe(req, request.app[REPLICATOR].replicas_of(), root_home=root_home, copies=store.replica_keys)
     if req.nixl and answer.need_level is None and (extension := request.app.get(PROBE_NIXL)) is not None:
         answer = dataclasses.replace(answer, nixl=extension(req, answer))
-    return frame_response(answer.to_header())
+    return answer.to_header()
+
+
+async def probe(request: web.Request) -> web.Response:
+    return frame_response(answer_probe(request, await control_header(request)))
 
 
 async def lookup_report(request: web.Request) -> web.Response:
@@ -104,6 +108,7 @@ def install(app: web.Application, config: StoreConfig, clock: Callable[[], float
     app.cleanup_ctx.append(lifecycle)
     app.router.add_get("/v1/members", members)
     app.router.add_post("/v1/probe", probe)
+    app[CONTROL_CALLS]["/v1/probe"] = answer_probe
     app.router.add_post("/v1/lookup_report", lookup_report)
     app.router.add_post("/v1/replica/drop", replica_drop)
 

@@ -22,6 +22,7 @@ CORS preflight, which this server never grants, so a page cannot drive an open s
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -57,6 +58,11 @@ CLUSTER_SIZE: web.AppKey[Callable[[], int]] = web.AppKey("cluster_size")
 ReadinessCheck = Callable[[], "str | None"]
 READINESS: web.AppKey[dict[str, ReadinessCheck]] = web.AppKey("readiness")
 """Made by create_app; route modules add their checks (None: passes; else why not): /readyz (store/admin.py)."""
+Answerer = Callable[[web.Request, dict[str, object]], dict[str, object]]
+CONTROL_CALLS: web.AppKey[dict[str, Answerer]] = web.AppKey("control_calls")
+"""Made by create_app; route modules add the calls that are answered from a request header alone,
+at once (no payload, no wait): the POST route and the control channel (store/control.py) both
+answer through them. Each takes the request that authenticated the caller (its ``TENANT``)."""
 
 
 def single_node_only(request: web.Request, what: str) -> None:
@@ -88,8 +94,23 @@ ADMIN_PATHS = ("/v1/stats", "/v1/admin/")  # the admin token's (store/admin.py)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def error_body(field: str, message: str) -> bytes:
+    """A refusal's body: JSON naming the field."""
+    return json.dumps({"error": f"{field}: {message}", "field": field}).encode()
+
+
 def error_response(status: int, field: str, message: str) -> web.Response:
     return web.json_response({"error": f"{field}: {message}", "field": field}, status=status)
+
+
+def refusal_of(err: BaseException) -> tuple[int, str, str] | None:
+    """A refusal's (status, field, message), for the errors a handler raises on bad input; None
+    for any other exception (a 500)."""
+    if isinstance(err, RequestError):
+        return HTTP_STATUS[err.problem], err.field, err.message
+    if isinstance(err, NamespaceError):
+        return 400, "namespace", str(err)
+    return None
 
 
 @web.middleware
@@ -99,10 +120,12 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     started = time.perf_counter()
     try:
         response = await handler(request)
-    except RequestError as err:
-        response = error_response(HTTP_STATUS[err.problem], err.field, err.message)
-    except NamespaceError as err:
-        response = error_response(400, "namespace", str(err))
+        if isinstance(response, web.WebSocketResponse) and response.prepared:
+            return response  # the control channel's life is not a request: its calls are counted each
+    except (RequestError, NamespaceError) as err:
+        refused = refusal_of(err)
+        assert refused is not None
+        response = error_response(*refused)
     except web.HTTPRequestEntityTooLarge as err:
         response = error_response(413, "body", f"larger than max_body_bytes ({err.text})")
     except web.HTTPException:
@@ -152,7 +175,7 @@ async def browsers(request: web.Request, handler: Handler) -> web.StreamResponse
     return await handler(request)
 
 
-def _bearer(request: web.Request) -> str | None:
+def bearer(request: web.Request) -> str | None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
@@ -171,7 +194,7 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     if tenants is None or not request.path.startswith("/v1/"):
         request[TENANT] = OPEN_TENANT
         return await handler(request)
-    token = _bearer(request)
+    token = bearer(request)
     if request.path.startswith(ADMIN_PATHS):
         if token is None or not tenants.is_admin(token):
             store.metrics.auth_failures.inc()
@@ -257,5 +280,5 @@ def frame_response(header: dict[str, object]) -> web.Response:
     return web.Response(body=encode_frame(header), content_type=CONTENT_TYPE)
 
 
-__all__ = ["ADMIN_PATHS", "BODY_SENT", "LOOKUP_NIXL", "READINESS", "MIDDLEWARES", "OPEN_TENANT", "PEER", "PEER_PATHS", "PROBE_NIXL", "STORE",
-           "TENANT", "control_header", "error_response", "frame_response", "owned", "read_body", "stalled"]
+__all__ = ["ADMIN_PATHS", "Answerer", "access_log", "bearer", "BODY_SENT", "CONTROL_CALLS", "LOOKUP_NIXL", "READINESS", "MIDDLEWARES", "OPEN_TENANT", "PEER", "PEER_PATHS", "PROBE_NIXL", "STORE",
+           "TENANT", "control_header", "error_body", "error_response", "refusal_of", "frame_response", "owned", "read_body", "stalled"]

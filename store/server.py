@@ -7,6 +7,7 @@
     store/admin.py        /healthz /readyz /metrics /v1/stats /v1/admin/{namespaces,config,flush,delete}
     store/cluster.py      /v1/members /v1/probe /v1/lookup_report /v1/replica/drop; membership, replication
     store/nixl_target.py  /v1/nixl/{metadata,get,reserve,commit}; the NIXL agent (docs/nixl.md)
+    store/control.py      /v1/control: the control channel (a WebSocket for lookups and probes)
 
 Each route module imports store/http.py and adds its own routes; none imports another, and this
 module imports them all, so the plane has no cycles. The store opens in the app's startup and
@@ -20,10 +21,10 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from . import admin, api, cluster, nixl_target
+from . import admin, api, cluster, control, nixl_target
 from .config import StoreConfig
 from .core import Store
-from .http import MIDDLEWARES, READINESS, STORE
+from .http import CONTROL_CALLS, MIDDLEWARES, READINESS, STORE
 from .membership import DnsResolver
 
 
@@ -38,6 +39,7 @@ def create_app(config: StoreConfig, clock: Callable[[], float] = time.monotonic,
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=MIDDLEWARES)
     app[STORE] = store
     app[READINESS] = {}
+    app[CONTROL_CALLS] = {}
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await store.start()
@@ -49,6 +51,7 @@ def create_app(config: StoreConfig, clock: Callable[[], float] = time.monotonic,
     admin.install(app)
     nixl_target.install(app, config)
     cluster.install(app, config, clock, resolver)
+    control.install(app)
     return app
 
 

@@ -70,7 +70,7 @@ def _malformed(path: str, message: str) -> StoreError:
     return StoreError(path, f"malformed answer: {message}", problem=Problem.UNAVAILABLE)
 
 
-def _answered(path: str, status: int, body: bytes) -> StoreError:
+def refusal(path: str, status: int, body: bytes) -> StoreError:
     """A non-200 answer as a typed error: the field from the store's JSON body ``{"error", "field"}``."""
     field = ""
     try:
@@ -356,7 +356,7 @@ async def _exchange(pool: FramePool, conn: Connection, request: bytes, views: Se
                              status=head.status)
         body = await receiver.read_exactly(head.content_length)
         conn.clean = head.keep_alive  # the answer was read whole: the connection can serve again
-        raise _answered(path, head.status, bytes(body))
+        raise refusal(path, head.status, bytes(body))
     if head.content_length < PREFIX_BYTES:
         raise _malformed(path, f"Content-Length {head.content_length} is shorter than a frame")
 
@@ -474,9 +474,9 @@ async def _call(pool: FramePool, head: bytes, parts: Sequence[bytes | memoryview
                 raise
             pool.release(conn)
             if answer.status != 200:
-                raise _answered(path, answer.status, bytes(body))
+                raise refusal(path, answer.status, bytes(body))
             return bytes(body)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-__all__ = ["FramePool", "GetBatch", "Malformed", "get_into", "get_json", "parse_head", "post", "request_head"]
+__all__ = ["MAX_ANSWER_HEADER_BYTES", "FramePool", "GetBatch", "Malformed", "get_into", "get_json", "parse_head", "post", "refusal", "request_head"]
