@@ -16,7 +16,8 @@ miss         a fresh random prompt of the same length (nothing held)
 ``idle``: one client, one lookup at a time. ``16 clients``: 15 more clients in a second process
 (each its own connection pool, one lookup in flight each, hits of the same length, in a loop)
 while the measured client runs, so 16 lookups are in flight at once. Hit and miss reps are
-interleaved (``--whole``: with lookups that carry every token, through a second client). The cluster's lookups go through the cluster client (the walk of DESIGN §8: the
+interleaved (``--whole``: with lookups that carry every token, through a second client;
+``--post``: with lookups sent as one POST each, the control channel off). The cluster's lookups go through the cluster client (the walk of DESIGN §8: the
 prompt's branch node answers, a report goes to the junction's owner).
 
 The machine has 2 cores: under load the store processes, the load process and the measured
@@ -64,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Also time lookups that carry every token of the prompt (a second client with "
                         "lookup_token_window=None: the request of every client before lean lookups, and on a "
                         "cluster every probe whole), interleaved with the lean ones: kinds hit-whole, miss-whole.")
+    p.add_argument("--post", action="store_true",
+                   help="Also time lookups sent as one HTTP POST each (a second client with control_channel=False: "
+                        "the request of every client before the control channel, and on a cluster every probe), "
+                        "interleaved with the others: kinds hit-post, miss-post.")
     p.add_argument("--no-loaded", action="store_true",
                    help="Skip the runs under concurrent clients (idle only).")
     H.add_common_args(p, reps="200 per cell (20 with --quick)", warmup="10 (2 with --quick)")
@@ -86,10 +91,12 @@ def namespace() -> Namespace:
                      kv=KVLayout(num_layers=1, num_heads=1, head_dim=2, dtype="float16"))
 
 
-def config(urls: Sequence[str], whole: bool = False) -> ClientConfig:
-    window = {"lookup_token_window": None} if whole else {}
-    return ClientConfig(url=urls[0], timeout_s=60, **window) if len(urls) == 1 else \
-        ClientConfig(urls=tuple(urls), timeout_s=60, **window)
+def config(urls: Sequence[str], whole: bool = False, post: bool = False) -> ClientConfig:
+    knobs: dict[str, Any] = {"lookup_token_window": None} if whole else {}
+    if post:
+        knobs["control_channel"] = False
+    return ClientConfig(url=urls[0], timeout_s=60, **knobs) if len(urls) == 1 else \
+        ClientConfig(urls=tuple(urls), timeout_s=60, **knobs)
 
 
 def prompt_tokens(seed: int, n: int) -> np.ndarray:
@@ -140,17 +147,19 @@ async def measure(args: argparse.Namespace, urls: list[str], loaded: bool) -> di
         if not await asyncio.to_thread(ready.wait, 120):
             raise SystemExit("load process did not start")
     try:
-        async with PrefixClient(ns, config(urls)) as lean, PrefixClient(ns, config(urls, whole=True)) as whole:
+        async with PrefixClient(ns, config(urls)) as lean, PrefixClient(ns, config(urls, whole=True)) as whole, \
+                PrefixClient(ns, config(urls, post=True)) as posts:
             for t in args.tokens:
                 hit = prompt_tokens(args.seed + t, t)
-                kinds = ["hit", "miss"] + (["hit-whole", "miss-whole"] if args.whole else [])
+                kinds = ["hit", "miss"] + (["hit-whole", "miss-whole"] if args.whole else []) + \
+                    (["hit-post", "miss-post"] if args.post else [])
                 samples = {k: H.Samples(k) for k in kinds}
                 for rep in range(args.warmup + args.reps):
                     miss = prompt_tokens(args.seed * 7919 + rep + 1, t)  # fresh every rep: never stored
                     order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]  # each kind first in turn
                     for kind in order:
                         toks, want = (hit, t) if kind.startswith("hit") else (miss, 0)
-                        client = whole if kind.endswith("whole") else lean
+                        client = whole if kind.endswith("whole") else posts if kind.endswith("post") else lean
                         start = time.perf_counter()
                         got = await client.lookup(toks)
                         took = time.perf_counter() - start
@@ -203,7 +212,7 @@ def plot(rows: list[dict[str, Any]], tokens: Sequence[int], path: Path) -> None:
         labels, p50, p99 = [], [], []
         for n in nodes:
             for load in loads:
-                for kind in ("hit", "miss", "hit-whole", "miss-whole"):
+                for kind in ("hit", "miss", "hit-whole", "miss-whole", "hit-post", "miss-post"):
                     r = next((r for r in rows if r["nodes"] == n and r["load"] == load and r["tokens"] == t
                               and r["kind"] == kind), None)
                     if r is None:
@@ -232,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     H.write_json(args.out, "lookup_latency", {"benchmark": "lookup_latency", "argv": sys.argv[1:],
                                               "machine": H.machine_note(), "args": {
         "tokens": args.tokens, "nodes": args.nodes, "concurrency": args.concurrency, "reps": args.reps,
-        "warmup": args.warmup, "quick": args.quick, "whole": args.whole, "no_loaded": args.no_loaded}, "results": rows, "table_markdown": table})
+        "warmup": args.warmup, "quick": args.quick, "whole": args.whole, "post": args.post, "no_loaded": args.no_loaded}, "results": rows, "table_markdown": table})
     plot(rows, args.tokens, args.out / "lookup_latency.png")
 
 

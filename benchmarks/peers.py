@@ -374,8 +374,6 @@ async def bench_size(size: int, args: argparse.Namespace, log_dir: Path) -> dict
             rs = await stack.enter_async_context(H.serve_store(
                 "subprocess", ram_bytes=ram_bytes, page_bytes=min(size, 64 << 10), **store_knobs(args)))
             client = await stack.enter_async_context(PrefixClient(ns, ClientConfig(url=rs.url, timeout_s=120)))
-        posts = await stack.enter_async_context(PrefixClient(ns, ClientConfig(url=rs.url, timeout_s=120,
-                                                                              control_channel=False)))
             chains, _, _ = await prepare(client, size, n, ram_bytes, args.seed)  # warms the arena
             chains.source[:] = batch.source  # its payloads are views of it: the same bytes as every peer's
             get_set = chains.fresh()
@@ -478,6 +476,8 @@ async def bench_lookup(args: argparse.Namespace, log_dir: Path) -> dict[str, obj
         rs = await stack.enter_async_context(H.serve_store("subprocess", ram_bytes=64 << 20, page_bytes=4 << 10,
                                                            **store_knobs(args)))
         client = await stack.enter_async_context(PrefixClient(ns, ClientConfig(url=rs.url, timeout_s=120)))
+        posts = await stack.enter_async_context(PrefixClient(ns, ClientConfig(url=rs.url, timeout_s=120,
+                                                                              control_channel=False)))
         prompt = client.prompt(tokens)
         specs = [spec for spec, _, _ in prompt.kv_items(prompt.num_tokens)]
         for lo in range(0, blocks, 4096):

@@ -4,15 +4,21 @@ carries its lookups and probes, each as one binary message, answers matched to c
 The channel is an optimisation, never a requirement. :meth:`ControlChannel.call` answers None
 where the channel cannot carry the call, and the caller sends it as a POST (transport/frames.py):
 
-* the node has no channel (an older store answers the upgrade 404), or a proxy refuses the
-  upgrade: no further try for ``RETRY_S``;
-* the channel broke before the call's answer came (the node restarted, the connection dropped):
-  the next call opens a new one; a call lost so is sent again as a POST, so a lookup may take a
-  second lease (the first one expires, ``lease_s``).
+* the node has no channel (an older store answers the upgrade 404, or the call's op 404), a
+  proxy refuses the upgrade, or the upgrade is not answered within ``timeout_s``: no further
+  try for ``RETRY_S``;
+* the channel broke before the call's answer came (the node restarted, closed an idle channel,
+  the connection dropped): the next call opens a new one; a call lost so is sent again as a POST,
+  so a lookup may take a second lease (the first one expires, ``lease_ttl_s``).
 
-A call the node answered with a refusal raises the same :class:`StoreError` as the POST would;
-a call not answered within ``timeout_s`` raises the POST's timeout error (no resend: the node is
-slow, a POST would be too).
+A call the node answered with a refusal raises the same :class:`StoreError` as the POST would.
+A call not answered within ``timeout_s`` raises the POST's timeout error and closes the channel
+(a flow that went silent, a NAT that forgot it, is never waited on twice); no resend: a node that
+slow would be as slow to a POST.
+
+Each opened WebSocket is a :class:`Link` with its own calls in flight, so the end of an old one
+fails only the calls sent on it. A client used from another event loop than the one its channel
+was opened on opens a new one there (aiohttp's session belongs to one loop).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Final
 
 import aiohttp
@@ -36,6 +44,21 @@ from prefixstore.transport.frames import MAX_ANSWER_HEADER_BYTES, FramePool, ref
 
 RETRY_S: Final = 30.0
 """After the channel could not be opened, calls go as POSTs for this long before the next try."""
+CLOSE_S: Final = 1.0
+"""How long closing a channel waits for the node's close frame before dropping the connection."""
+
+
+@dataclass(eq=False)
+class Link:
+    """One opened WebSocket and the calls sent on it."""
+
+    ws: aiohttp.ClientWebSocketResponse
+    pending: dict[int, asyncio.Future[tuple[int, bytes]]] = field(default_factory=dict)
+    reader: asyncio.Task[None] | None = None
+
+    @property
+    def open(self) -> bool:
+        return not self.ws.closed
 
 
 class ControlChannel:
@@ -43,46 +66,54 @@ class ControlChannel:
         self.pool = pool
         self.timeout_s = timeout_s
         self.clock = clock
+        parts = urllib.parse.urlsplit(pool.url)
+        self.url = f"{parts.scheme}://{pool.netloc}{pool.base_path}{CONTROL_PATH}"
         self._session: aiohttp.ClientSession | None = None
-        self._ws: aiohttp.ClientWebSocketResponse | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._opening: asyncio.Task[bool] | None = None
-        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._link: Link | None = None
+        self._opening: asyncio.Task[Link | None] | None = None
         self._ids = itertools.count(1)
+        self._closing: set[asyncio.Task[None]] = set()
         self.retry_at = -float("inf")
         self.opened = 0  # channels opened (tests, diagnostics)
         self.carried = 0  # calls answered over the channel
 
     @property
     def open(self) -> bool:
-        return self._ws is not None and not self._ws.closed
+        return self._link is not None and self._link.open
 
     async def call(self, path: str, header: dict[str, object]) -> dict[str, object] | None:
         """The answer's header, or None where the channel cannot carry this call (send it as a POST).
         Raises StoreError for a refusal or a timeout, as the POST would."""
         op = op_of(path)
-        if op is None or not await self._ensure():
+        if op is None:
             return None
-        ws = self._ws
-        assert ws is not None
-        call_id = next(self._ids) & 0xFFFFFFFF
-        future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = future
         try:
-            try:
-                await ws.send_bytes(CALL.pack(call_id, op) + encode_frame(header))
-                async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.timeout_s):
+                link = await self._ensure()
+                if link is None:
+                    return None
+                call_id = next(self._ids) & 0xFFFFFFFF
+                future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+                link.pending[call_id] = future
+                try:
+                    await link.ws.send_bytes(CALL.pack(call_id, op) + encode_frame(header))
                     status, body = await future
-            except (ConnectionError, aiohttp.ClientError, RuntimeError):
-                self._drop()
-                return None  # the channel broke: the caller sends it as a POST
+                except Exception:  # noqa: BLE001 - the channel broke under this call: the caller POSTs it
+                    self._drop(link)
+                    return None
+                finally:
+                    link.pending.pop(call_id, None)
         except TimeoutError:
+            if self._link is not None:
+                self._drop(self._link)
             raise StoreError(path, f"no complete answer within timeout_s={self.timeout_s}",
                              problem=Problem.TIMEOUT) from None
-        finally:
-            self._pending.pop(call_id, None)
         if status != 200:
-            raise refusal(path, status, body)
+            err = refusal(path, status, body)
+            if err.is_refusal(Problem.UNKNOWN, "op"):
+                return None  # a node that does not carry this call on its channel: a POST
+            raise err
         try:
             answer, _ = decode_frame(body, MAX_ANSWER_HEADER_BYTES)
         except WireError as err:
@@ -90,76 +121,104 @@ class ControlChannel:
         self.carried += 1
         return answer
 
-    async def _ensure(self) -> bool:
-        """Whether a channel is open, opening one if it is time to try."""
-        if self.open:
-            return True
+    async def _ensure(self) -> Link | None:
+        """The open channel, opening one if it is time to try; None: send as a POST."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # a new event loop: what the old one held cannot be used here
+            self._loop, self._session, self._link, self._opening = loop, None, None, None
+        link = self._link
+        if link is not None and link.open:
+            return link
         if self.clock() < self.retry_at or self.pool.closed:
-            return False
+            return None
         if self._opening is None:
             self._opening = asyncio.ensure_future(self._open())
         opening = self._opening
         try:
             return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if opening.cancelled() and (task is None or not task.cancelling()):
+                return None  # the channel was closed while it opened (close()), not this call
+            raise
         finally:
             if opening.done() and self._opening is opening:
                 self._opening = None
 
-    async def _open(self) -> bool:
+    async def _open(self) -> Link | None:
         pool = self.pool
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
                 total=None, connect=pool.connect_timeout_s, sock_connect=pool.connect_timeout_s))
         headers = {"Authorization": pool.authorization} if pool.authorization else {}
         try:
-            ws = await self._session.ws_connect(
-                pool.url + CONTROL_PATH, headers=headers, ssl=pool.ssl_context if pool.ssl_context else True,
-                max_msg_size=ANSWER.size + PREFIX_BYTES + MAX_ANSWER_HEADER_BYTES, autoping=True,
-                timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=1.0))
-        except (aiohttp.ClientError, OSError, TimeoutError):
+            async with asyncio.timeout(self.timeout_s):  # an upgrade nobody answers is not waited on
+                ws = await self._session.ws_connect(
+                    self.url, headers=headers, ssl=pool.ssl_context if pool.ssl_context else True,
+                    max_msg_size=ANSWER.size + PREFIX_BYTES + MAX_ANSWER_HEADER_BYTES, autoping=True)
+        except Exception:  # noqa: BLE001 - any failure to open it (refused, 404, no answer, an aiohttp race): POSTs
             self.retry_at = self.clock() + RETRY_S
-            return False
-        self._ws = ws
+            return None
+        link = Link(ws)
+        link.reader = asyncio.ensure_future(self._read(link))
+        self._link = link
         self.opened += 1
-        self._reader = asyncio.ensure_future(self._read(ws))
-        return True
+        return link
 
-    async def _read(self, ws: aiohttp.ClientWebSocketResponse) -> None:
-        """Hand each answer to its call, until the channel closes; then fail the calls left."""
+    async def _read(self, link: Link) -> None:
+        """Hand each answer to its call, until the channel closes; then fail its calls left."""
         try:
-            async for msg in ws:
+            async for msg in link.ws:
                 if msg.type is not aiohttp.WSMsgType.BINARY or len(msg.data) < ANSWER.size:
-                    break
+                    break  # not an answer: this is not a channel to trust further
                 call_id, status = ANSWER.unpack_from(msg.data)
-                future = self._pending.get(call_id)
+                future = link.pending.get(call_id)
                 if future is not None and not future.done():
                     future.set_result((status, msg.data[ANSWER.size:]))
+        except (aiohttp.ClientError, ConnectionError):
+            pass
         finally:
-            if self._ws is ws:
-                self._ws = None
-            for future in list(self._pending.values()):
+            self._drop(link)
+            for future in list(link.pending.values()):
                 if not future.done():
                     future.set_exception(ConnectionResetError("the control channel closed"))
 
-    def _drop(self) -> None:
-        ws, self._ws = self._ws, None
-        if ws is not None and not ws.closed:
-            asyncio.ensure_future(ws.close())
+    def _drop(self, link: Link) -> None:
+        """Stop using ``link`` (the next call opens a new channel) and close it in the background."""
+        if self._link is link:
+            self._link = None
+        if not link.ws.closed:
+            task = asyncio.ensure_future(self._close_link(link))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_link(link: Link) -> None:
+        try:
+            await asyncio.wait_for(link.ws.close(), CLOSE_S)
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
+            pass
 
     async def close(self) -> None:
-        ws, self._ws = self._ws, None
-        if ws is not None:
-            await ws.close()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
-            self._reader = None
-        if self._opening is not None:
-            self._opening.cancel()
-            await asyncio.gather(self._opening, return_exceptions=True)
-            self._opening = None
-        if self._session is not None:
+        if self._loop is not asyncio.get_running_loop():
+            # Opened on another event loop (closed or not): nothing of it can be awaited here.
+            self._session, self._link, self._opening, self._loop = None, None, None, None
+            self._closing.clear()
+            return
+        opening, self._opening = self._opening, None
+        if opening is not None:
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+        link, self._link = self._link, None
+        if link is not None:
+            await self._close_link(link)
+            if link.reader is not None:
+                await asyncio.gather(link.reader, return_exceptions=True)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+        if self._session is not None and self._loop is asyncio.get_running_loop():
             await self._session.close()
-            self._session = None
+        self._session = None
 
 
-__all__ = ["RETRY_S", "ControlChannel"]
+__all__ = ["CLOSE_S", "RETRY_S", "ControlChannel", "Link"]

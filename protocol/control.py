@@ -26,17 +26,19 @@ from typing import Final
 CONTROL_PATH: Final = "/v1/control"
 CALL: Final = struct.Struct("<IB")
 ANSWER: Final = struct.Struct("<IH")
-OPS: Final = ("/v1/lookup", "/v1/probe")
-"""The calls the channel carries; a call's op is its index here plus one."""
+OPS: Final = {1: "/v1/lookup", 2: "/v1/probe"}
+"""The calls the channel carries, by op (numbers are never reused; a store answers an op it does
+not know 404 naming ``op``, and the client sends that call as a POST)."""
+OP_OF: Final = {path: op for op, path in OPS.items()}
 
 
 def op_of(path: str) -> int | None:
     """The op of a POST path the channel carries, or None."""
-    return OPS.index(path) + 1 if path in OPS else None
+    return OP_OF.get(path)
 
 
 def path_of(op: int) -> str | None:
-    return OPS[op - 1] if 1 <= op <= len(OPS) else None
+    return OPS.get(op)
 
 
-__all__ = ["ANSWER", "CALL", "CONTROL_PATH", "OPS", "op_of", "path_of"]
+__all__ = ["ANSWER", "CALL", "CONTROL_PATH", "OPS", "OP_OF", "op_of", "path_of"]

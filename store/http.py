@@ -175,7 +175,7 @@ async def browsers(request: web.Request, handler: Handler) -> web.StreamResponse
     return await handler(request)
 
 
-def bearer(request: web.Request) -> str | None:
+def _bearer(request: web.Request) -> str | None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
@@ -194,7 +194,7 @@ async def authenticate(request: web.Request, handler: Handler) -> web.StreamResp
     if tenants is None or not request.path.startswith("/v1/"):
         request[TENANT] = OPEN_TENANT
         return await handler(request)
-    token = bearer(request)
+    token = _bearer(request)
     if request.path.startswith(ADMIN_PATHS):
         if token is None or not tenants.is_admin(token):
             store.metrics.auth_failures.inc()
@@ -280,5 +280,5 @@ def frame_response(header: dict[str, object]) -> web.Response:
     return web.Response(body=encode_frame(header), content_type=CONTENT_TYPE)
 
 
-__all__ = ["ADMIN_PATHS", "Answerer", "access_log", "bearer", "BODY_SENT", "CONTROL_CALLS", "LOOKUP_NIXL", "READINESS", "MIDDLEWARES", "OPEN_TENANT", "PEER", "PEER_PATHS", "PROBE_NIXL", "STORE",
+__all__ = ["ADMIN_PATHS", "Answerer", "access_log", "BODY_SENT", "CONTROL_CALLS", "LOOKUP_NIXL", "READINESS", "MIDDLEWARES", "OPEN_TENANT", "PEER", "PEER_PATHS", "PROBE_NIXL", "STORE",
            "TENANT", "control_header", "error_body", "error_response", "refusal_of", "frame_response", "owned", "read_body", "stalled"]

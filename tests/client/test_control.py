@@ -5,17 +5,19 @@ breaks costs nothing but the POST the call falls back to."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prefixstore.client import ClientConfig
 from prefixstore.client.control import ControlChannel
 from prefixstore.client.node import NodeClient
 from prefixstore.protocol.control import ANSWER, CALL, CONTROL_PATH, op_of
+from prefixstore.protocol.errors import Problem, StoreError
 from prefixstore.protocol.wire import decode_frame, encode_frame
 from prefixstore.store import StoreConfig, create_app
 from prefixstore.store import control as store_control
@@ -207,29 +209,6 @@ async def test_the_channel_takes_the_tenants_rules(start_store, tmp_path: Path) 
         await close_raw(ws)
 
 
-async def test_a_token_no_longer_valid_closes_an_open_channel(start_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    config = StoreConfig(port=0, data_dir=str(tmp_path / "lmdb"), ram_bytes=4 << 20, page_bytes=4096,
-                         disk_bytes=64 << 20, nixl="off", tenants_file=str(write_tenants(tmp_path / "t.toml")))
-    running = await start_store(config)
-    ns_b = make_namespace(tenant="beta")
-    async with running.client(ns_b, token=TOKENS["beta"]) as b:
-        await b.lookup(TOKENS_SAVED)  # registers the namespace
-    ws = await raw_channel(running.url, token=TOKENS["beta"])
-    try:
-        p = node(b).prompt(TOKENS_SAVED)
-        status, _ = await ask(ws, "/v1/lookup", {"ns": ns_b.id, "hashes": p.hash_bytes, "tokens": p.packed})
-        assert status == 200
-        tenants = running.store.tenants
-        assert tenants is not None  # beta's token taken out, as a tenants file read anew would
-        running.store.tenants = dataclasses.replace(tenants, tenants=tuple(t for t in tenants.tenants if t.name != "beta"))
-        status, body = await ask(ws, "/v1/lookup", {"ns": ns_b.id, "hashes": p.hash_bytes, "tokens": p.packed})
-        assert status == 401 and body["field"] == "authorization"
-        msg = await ws.receive(timeout=5)
-        assert msg.type is aiohttp.WSMsgType.CLOSE and msg.data == 1008
-    finally:
-        await close_raw(ws)
-
-
 async def test_a_store_shutting_down_closes_its_channels(store_config: StoreConfig) -> None:
     server = TestServer(create_app(store_config), host="127.0.0.1")
     await server.start_server()
@@ -253,7 +232,6 @@ async def test_the_channel_is_off_where_the_config_says(running: RunningStore) -
 
 async def test_answers_go_to_their_calls_whatever_their_order() -> None:
     """A node may answer overlapping calls in any order: each answer names its call."""
-    from aiohttp import web
     from prefixstore.transport.frames import FramePool
 
     async def reversed_answers(request: web.Request) -> web.WebSocketResponse:
@@ -282,3 +260,190 @@ async def test_answers_go_to_their_calls_whatever_their_order() -> None:
         await channel.close()
         pool.close()
         await server.close()
+
+
+async def test_an_idle_channel_is_closed_and_the_next_call_opens_another(start_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A channel holds a connection slot: no longer than a kept-alive connection (header_timeout_s)."""
+    config = StoreConfig(port=0, data_dir=str(tmp_path / "lmdb"), ram_bytes=4 << 20, page_bytes=4096,
+                         disk_bytes=64 << 20, nixl="off", header_timeout_s=0.3)
+    running = await start_store(config)
+    async with running.client(NS) as c:
+        await saved(node(c))
+        assert (await c.lookup(TOKENS_SAVED)).kv_tokens == len(TOKENS_SAVED)
+        channel = node(c).control
+        assert channel is not None and channel.opened == 1
+        for _ in range(100):
+            if not channel.open:
+                break
+            await asyncio.sleep(0.05)
+        assert not channel.open and not running.server.app[store_control.CHANNELS]  # closed by the store
+        assert (await c.lookup(TOKENS_SAVED)).kv_tokens == len(TOKENS_SAVED)
+        assert channel.opened == 2
+
+
+async def test_idle_channels_cannot_hold_a_nodes_connection_slots(tmp_path: Path) -> None:
+    """An attacker opens max_connections channels and sends nothing: the node still serves others."""
+    from prefixstore.store.runner import StoreRunner
+    config = StoreConfig(port=0, data_dir=str(tmp_path / "lmdb"), ram_bytes=4 << 20, page_bytes=4096,
+                         disk_bytes=64 << 20, nixl="off", max_connections=4, header_timeout_s=0.3)
+    runner = StoreRunner(create_app(config), config)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    held = [await raw_channel(url) for _ in range(4)]  # every slot, none of them reading
+    try:
+        async with aiohttp.ClientSession() as s:
+            statuses = []
+            for _ in range(40):
+                async with s.get(url + "/healthz") as r:
+                    statuses.append(r.status)
+                if r.status == 200:
+                    break
+                await asyncio.sleep(0.1)
+        assert statuses[-1] == 200, statuses  # the idle channels were closed, their slots freed
+        assert len(statuses) > 1  # and they did hold every slot until then
+    finally:
+        for ws in held:
+            await close_raw(ws)
+        await runner.cleanup()
+
+
+async def test_a_shutdown_is_not_held_by_a_client_that_reads_nothing(tmp_path: Path) -> None:
+    from prefixstore.store.runner import StoreRunner
+    config = StoreConfig(port=0, data_dir=str(tmp_path / "lmdb"), ram_bytes=4 << 20, page_bytes=4096,
+                         disk_bytes=64 << 20, nixl="off")
+    runner = StoreRunner(create_app(config), config)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    ws = await raw_channel(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    call = CALL.pack(1, 99) + encode_frame({"pad": b"x" * 2000})  # each answered (404): answers pile up unread
+
+    async def flood() -> None:
+        while True:
+            await ws.send_bytes(call)
+    sender = asyncio.ensure_future(flood())
+    try:
+        await asyncio.sleep(1.0)
+        assert not sender.done()  # the store stopped reading: its answers are not taken
+        await asyncio.wait_for(runner.cleanup(), 10)  # closing that channel gives up after CLOSE_S
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+        await close_raw(ws)
+
+
+async def test_a_client_gone_mid_answer_is_no_error(running: RunningStore, caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO)
+    for _ in range(2):
+        ws = await raw_channel(running.url)
+        call = CALL.pack(1, 99) + encode_frame({"pad": b"x" * 2000})
+        for _ in range(2000):
+            await ws.send_bytes(call)
+        transport = ws._response.connection.transport  # type: ignore[union-attr]
+        assert transport is not None
+        transport.abort()
+        await close_raw(ws)
+        await asyncio.sleep(0.3)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    async with running.client(NS) as c:
+        assert (await c.lookup(TOKENS_SAVED)).ok  # and the store keeps serving
+
+
+async def test_an_upgrade_nobody_answers_costs_one_timeout_then_posts() -> None:
+    """A node (or proxy) that takes the connection and never answers the upgrade."""
+    from prefixstore.transport.frames import FramePool
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client goes
+        writer.close()
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = FramePool(f"http://127.0.0.1:{port}", connect_timeout_s=1.0)
+    channel = ControlChannel(pool, timeout_s=0.5)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        got = await asyncio.gather(*(channel.call("/v1/lookup", {"x": i}) for i in range(3)), return_exceptions=True)
+        assert loop.time() - started < 2.0  # each within its timeout_s, not forever
+        assert all(isinstance(g, StoreError) and g.problem is Problem.TIMEOUT for g in got), got
+        for _ in range(40):  # the open gives up at its own deadline; from then on, calls are POSTs
+            if channel.retry_at > 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await channel.call("/v1/lookup", {"x": 9}) is None
+    finally:
+        await channel.close()
+        pool.close()
+        server.close()
+
+
+async def test_closing_the_client_does_not_cancel_another_tasks_lookup(running: RunningStore) -> None:
+    c = NodeClient(NS, ClientConfig(url=running.url, timeout_s=2.0))
+    await c.lookup(TOKENS_SAVED)
+    outcomes: list[str] = []
+
+    async def engine() -> None:
+        for _ in range(100):
+            outcomes.append("ok" if (await c.lookup(TOKENS_SAVED)).ok else "miss")
+    task = asyncio.ensure_future(engine())
+    await asyncio.sleep(0.02)
+    await c.close()
+    await asyncio.gather(task, return_exceptions=True)
+    await c.close()
+    assert not task.cancelled() and task.exception() is None, task
+    assert len(outcomes) == 100
+
+
+async def test_a_url_with_a_trailing_slash_reaches_the_channel(running: RunningStore) -> None:
+    async with NodeClient(NS, ClientConfig(url=running.url + "/")) as c:
+        assert (await c.lookup(TOKENS_SAVED)).ok
+        assert c.control is not None and c.control.opened == 1 and c.control.carried == 1
+
+
+async def test_an_op_the_node_does_not_carry_is_sent_as_a_post() -> None:
+    """A newer client's call on an older node's channel: 404 naming ``op``, so the caller POSTs it."""
+    from prefixstore.transport.frames import FramePool
+
+    async def no_such_op(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for msg in ws:
+            call_id, op = CALL.unpack_from(msg.data)
+            await ws.send_bytes(ANSWER.pack(call_id, 404) + json.dumps({"error": f"op: {op} unknown", "field": "op"}).encode())
+        return ws
+
+    app = web.Application()
+    app.router.add_get(CONTROL_PATH, no_such_op)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    pool = FramePool(str(server.make_url("")).rstrip("/"), connect_timeout_s=1.0)
+    channel = ControlChannel(pool, timeout_s=5.0)
+    try:
+        assert await channel.call("/v1/probe", {"x": 1}) is None
+        assert channel.open  # the channel stays: other calls may be carried
+    finally:
+        await channel.close()
+        pool.close()
+        await server.close()
+
+
+async def test_closing_a_channel_while_it_opens_does_not_cancel_the_calls_waiting_on_it() -> None:
+    from prefixstore.transport.frames import FramePool
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+        writer.close()
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    pool = FramePool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", connect_timeout_s=1.0)
+    channel = ControlChannel(pool, timeout_s=5.0)
+    try:
+        waiting = asyncio.ensure_future(channel.call("/v1/lookup", {"x": 1}))
+        await asyncio.sleep(0.1)  # the call waits on the upgrade
+        await channel.close()  # another task closes the client
+        assert await asyncio.wait_for(waiting, 2) is None  # the call is sent as a POST, not cancelled
+    finally:
+        await channel.close()
+        pool.close()
+        server.close()

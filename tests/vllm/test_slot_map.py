@@ -1,7 +1,7 @@
 """Where a token's K and V sit inside a vLLM CPU block, learned from the cache-write kernel
-(client/vllm/slot_map.py): the layouts of the kernels on this machine, an AMX-style packing that
-this machine cannot run (its tile pre-packing: pairs of elements interleaved), and kernels whose
-layout is refused.
+(client/vllm/slot_map.py): the layouts of the kernels on this machine (vec, vec16, and vLLM's AMX
+kernel where the CPU has AMX tiles), a modelled AMX-style packing that runs anywhere (tile
+pre-packing: pairs of elements interleaved), and kernels whose layout is refused.
 
 Why learned: vLLM's CPU backend picks its kernel by ISA, and on an AMX machine (bfloat16, blocks of
 a multiple of 32 tokens) it pre-packs K and V into tile rows; a connector that knew only the vec
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed: tests/vllm/install_vllm.sh installs its CPU build")
@@ -49,11 +50,31 @@ def tile_offsets(n: int, heads: int, d: int) -> tuple[Tensor, Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_tokens", [16, 32])
 def test_the_kernels_here_keep_k_transposed_then_v(dtype: torch.dtype, block_tokens: int) -> None:
-    """On this machine's ISAs (vec, vec16) the learned map is the layout the connector once
-    hard-coded: per block and head, K^T [d, n] then V [n, d]."""
+    """With the vec and vec16 kernels the learned map is the layout the connector once hard-coded:
+    per block and head, K^T [d, n] then V [n, d]. On a machine with AMX tiles, vLLM picks its AMX
+    kernel for bfloat16 blocks of 32: the learned map is then the tile packing modelled above
+    (``tile_offsets``), from vLLM's own kernel."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
     heads, d = 2, 32
     slot_map = learn_slot_map(heads, block_tokens, d, dtype, cpu_kernel_write(dtype, block_tokens, d))
     n = block_tokens
+    if "amx" in str(_get_attn_isa(dtype, block_tokens, d)):
+        # vLLM's AMX kernel (what this machine runs here): not strided, and not quite the packing
+        # modelled above (its K tiles hold 16 tokens). What the connector needs of the learned
+        # map: every element of the block once, and the kernel's own write read back exactly.
+        write = cpu_kernel_write(dtype, block_tokens, d)
+        assert slot_map.strided() is None
+        offsets = np.concatenate([slot_map.k.ravel(), slot_map.v.ravel()])
+        assert np.array_equal(np.sort(offsets), np.arange(2 * heads * n * d))
+        key, value = torch.randn(n, heads, d).to(dtype), torch.randn(n, heads, d).to(dtype)
+        scratch = torch.zeros(1, heads, n, 2 * d, dtype=dtype)
+        key_cache, value_cache = scratch.view(1, heads, 2 * n, d).chunk(2, dim=2)
+        write(key, value, key_cache, value_cache, torch.arange(n))
+        flat = scratch.view(-1)
+        assert torch.equal(flat[torch.from_numpy(slot_map.k)], key)
+        assert torch.equal(flat[torch.from_numpy(slot_map.v)], value)
+        return
     t = torch.arange(n)[:, None, None]
     h = torch.arange(heads)[None, :, None]
     j = torch.arange(d)[None, None, :]
