@@ -72,6 +72,7 @@ async def control(request: web.Request) -> web.StreamResponse:
         return ws  # the client went away during the upgrade
     channels = request.app[CHANNELS]
     channels[ws] = request
+    store.metrics.control_channels.inc()
     try:
         await serve_calls(request, ws, max_header)
     except ConnectionError:
@@ -82,6 +83,7 @@ async def control(request: web.Request) -> web.StreamResponse:
             await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error (logged)")
     finally:
         channels.pop(ws, None)
+        store.metrics.control_channels.dec()
     return ws
 
 

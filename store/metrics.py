@@ -170,6 +170,10 @@ class StoreMetrics:
         self._per_request: dict[tuple[str, int], tuple[Any, Any]] = {}  # observe_request's labelled children
         # Connection limits (max_connections, header_timeout_s).
         self.connections = Gauge("prefixstore_connections", "Client connections open now.", registry=r)
+        self.control_channels = Gauge(
+            "prefixstore_control_channels",
+            "Control channels open now (GET /v1/control WebSockets carrying lookups and probes; each holds "
+            "one of the connections).", registry=r)
         self.connections_refused = Counter(
             "prefixstore_connections_refused", "Connections closed on arrival because max_connections were open.",
             registry=r)

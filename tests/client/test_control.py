@@ -447,3 +447,18 @@ async def test_closing_a_channel_while_it_opens_does_not_cancel_the_calls_waitin
         await channel.close()
         pool.close()
         server.close()
+
+
+async def test_open_channels_are_a_gauge(running: RunningStore) -> None:
+    def gauge() -> float | None:
+        return running.store.metrics.registry.get_sample_value("prefixstore_control_channels")
+    assert gauge() == 0
+    async with running.client(NS) as a, running.client(NS) as b:
+        await a.lookup(TOKENS_SAVED)
+        await b.lookup(TOKENS_SAVED)
+        assert gauge() == 2
+    for _ in range(40):
+        if gauge() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert gauge() == 0

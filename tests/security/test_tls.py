@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 
 from prefixstore.client import ClientConfig, PrefixClient
+from prefixstore.client.node import NodeClient
 from prefixstore.store import StoreConfig, StoreRunner, create_app
 from prefixstore.store.config import ConfigError
 
@@ -56,13 +57,18 @@ def tls_config(tmp_path: Path, pki: Pki, **extra: str) -> StoreConfig:
 async def round_trip(url: str, **client: str) -> tuple[PrefixClient, int]:
     """Save, look up and read back (control calls and the bulk GET path).
 
-    Returns the closed client (for its failure counters) and the KV tokens the lookup found."""
+    Returns the closed client (for its failure counters) and the KV tokens the lookup found. A
+    lookup that found anything came over the control channel, over the same TLS (its certificate
+    checks, its client certificate): where the channel could not be opened this raises."""
     ns = make_namespace(tenant=client.pop("tenant", "default"))
     c = PrefixClient(ns, ClientConfig(url=url, timeout_s=5.0, **client))
     async with c:
         prompt = c.prompt(TOKENS_LIST)
         saved = await c.save(prompt, len(TOKENS_LIST), lambda a, b: kv_payload(ns, TOKENS_LIST, a, b))
         found = await c.lookup(TOKENS_LIST)
+        if found.kv_tokens:
+            channel = c.impl.control if isinstance(c.impl, NodeClient) else None
+            assert channel is not None and channel.carried >= 1, "the lookup went as a POST: no channel over TLS"
         if saved.stored and found.kv_tokens:
             reads = found.kv_reads(found.kv_tokens)
             outs = [bytearray(1 << 12) for _ in reads]

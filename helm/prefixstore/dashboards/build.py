@@ -188,8 +188,10 @@ def panels() -> list[Panel]:
                      "{{path}} {{direction}}")], "Bps", stack=True),
         timeseries("Nodes serving each data path", "How many nodes serve each path (nixl needs the gpu image).",
                    [(f"sum by (path) (prefixstore_data_path{{{SEL}}})", "{{path}}")], "short"),
-        timeseries("Connections", "Client connections open, and connections refused at max_connections.",
+        timeseries("Connections", "Client connections open (control channels among them), and connections "
+                   "refused at max_connections.",
                    [(f"sum(prefixstore_connections{{{SEL}}})", "open"),
+                    (f"sum(prefixstore_control_channels{{{SEL}}})", "control channels"),
                     (f"sum(rate(prefixstore_connections_refused_total{{{SEL}}}[{RATE}]))", "refused/s")], "short"),
         row("Latency and errors"),
     ]
