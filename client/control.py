@@ -19,6 +19,14 @@ slow would be as slow to a POST.
 Each opened WebSocket is a :class:`Link` with its own calls in flight, so the end of an old one
 fails only the calls sent on it. A client used from another event loop than the one its channel
 was opened on opens a new one there (aiohttp's session belongs to one loop).
+
+No task reads the channel in the background: the calls waiting for answers read them, one at a
+time, each handing every answer it reads to the call it belongs to (the node answers in order,
+so a call mostly reads its own). An idle channel thus holds no pending task, so a client an
+engine drops without closing leaves no coroutine suspended in the WebSocket reader for the
+garbage collector to finalise on another thread (CPython 3.11 crashed doing that: a test run
+here died in ``gen_close`` one time in five). The price: a node's idle close (``header_timeout_s``)
+is seen by the next call, which then goes as a POST, and the call after it opens a new channel.
 """
 
 from __future__ import annotations
@@ -54,7 +62,8 @@ class Link:
 
     ws: aiohttp.ClientWebSocketResponse
     pending: dict[int, asyncio.Future[tuple[int, bytes]]] = field(default_factory=dict)
-    reader: asyncio.Task[None] | None = None
+    reading: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held by the call that reads the next answer."""
 
     @property
     def open(self) -> bool:
@@ -98,7 +107,7 @@ class ControlChannel:
                 link.pending[call_id] = future
                 try:
                     await link.ws.send_bytes(CALL.pack(call_id, op) + encode_frame(header))
-                    status, body = await future
+                    status, body = await self._answer(link, future)
                 except Exception:  # noqa: BLE001 - the channel broke under this call: the caller POSTs it
                     self._drop(link)
                     return None
@@ -160,28 +169,33 @@ class ControlChannel:
             self.retry_at = self.clock() + RETRY_S
             return None
         link = Link(ws)
-        link.reader = asyncio.ensure_future(self._read(link))
         self._link = link
         self.opened += 1
         return link
 
-    async def _read(self, link: Link) -> None:
-        """Hand each answer to its call, until the channel closes; then fail its calls left."""
-        try:
-            async for msg in link.ws:
+    async def _answer(self, link: Link, future: asyncio.Future[tuple[int, bytes]]) -> tuple[int, bytes]:
+        """This call's answer: read answers (one reader at a time), each to its call, until it came.
+        Raises ConnectionResetError where the channel ended first."""
+        while not future.done():
+            async with link.reading:
+                if future.done():
+                    break
+                msg = await link.ws.receive()
                 if msg.type is not aiohttp.WSMsgType.BINARY or len(msg.data) < ANSWER.size:
-                    break  # not an answer: this is not a channel to trust further
+                    self._end(link)  # closed, or not an answer: not a channel to trust further
+                    break
                 call_id, status = ANSWER.unpack_from(msg.data)
-                future = link.pending.get(call_id)
-                if future is not None and not future.done():
-                    future.set_result((status, msg.data[ANSWER.size:]))
-        except (aiohttp.ClientError, ConnectionError):
-            pass
-        finally:
-            self._drop(link)
-            for future in list(link.pending.values()):
-                if not future.done():
-                    future.set_exception(ConnectionResetError("the control channel closed"))
+                waiting = link.pending.get(call_id)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result((status, msg.data[ANSWER.size:]))
+        return future.result()
+
+    def _end(self, link: Link) -> None:
+        """The channel ended: drop it and fail the calls sent on it."""
+        self._drop(link)
+        for future in list(link.pending.values()):
+            if not future.done():
+                future.set_exception(ConnectionResetError("the control channel closed"))
 
     def _drop(self, link: Link) -> None:
         """Stop using ``link`` (the next call opens a new channel) and close it in the background."""
@@ -212,8 +226,6 @@ class ControlChannel:
         link, self._link = self._link, None
         if link is not None:
             await self._close_link(link)
-            if link.reader is not None:
-                await asyncio.gather(link.reader, return_exceptions=True)
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
         if self._session is not None and self._loop is asyncio.get_running_loop():

@@ -36,6 +36,20 @@ from .results import LookupResult, SaveResult
 T = TypeVar("T")
 
 
+async def end_other_tasks(timeout_s: float = 5.0) -> None:
+    """Cancel every task of the running loop but this one and wait (up to ``timeout_s``) for them
+    to end. For a private loop about to be stopped and closed: a task left pending there leaves
+    its suspended coroutine to the garbage collector, which finalises it later on whatever thread
+    it runs on (CPython 3.11 crashed doing that here, in ``gen_close``, with aiohttp's WebSocket
+    coroutines among the garbage)."""
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)
+
+
 class SyncPrefixClient:
     """Blocking twin of :class:`PrefixClient`: same methods, same results, no ``await``.
 
@@ -86,9 +100,12 @@ class SyncPrefixClient:
         try:
             asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result()
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            try:
+                asyncio.run_coroutine_threadsafe(end_other_tasks(), self._loop).result(timeout=10)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
+                self._loop.close()
 
     # ------------------------------------------------------------ the async client's API
 
@@ -161,4 +178,4 @@ class SyncPrefixClient:
         return self._run(self._client.save(prompt, kv_upto, kv_payload, snapshots, start, origins))
 
 
-__all__ = ["SyncPrefixClient"]
+__all__ = ["SyncPrefixClient", "end_other_tasks"]

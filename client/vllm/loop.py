@@ -21,6 +21,7 @@ import threading
 from typing import Any
 
 from ..client import PrefixClient
+from ..sync import end_other_tasks
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,10 @@ class ClientLoop:
                 self.submit(client.close()).result(timeout=10)
             except Exception as err:  # noqa: BLE001 -- shutting down: nothing left to protect
                 log.debug("prefixstore client close: %s", err)
+        try:
+            self.submit(end_other_tasks()).result(timeout=10)
+        except Exception as err:  # noqa: BLE001 -- shutting down: nothing left to protect
+            log.debug("prefixstore client loop tasks: %s", err)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 

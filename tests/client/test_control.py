@@ -263,7 +263,9 @@ async def test_answers_go_to_their_calls_whatever_their_order() -> None:
 
 
 async def test_an_idle_channel_is_closed_and_the_next_call_opens_another(start_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """A channel holds a connection slot: no longer than a kept-alive connection (header_timeout_s)."""
+    """A channel holds a connection slot: no longer than a kept-alive connection (header_timeout_s).
+    The client sees the close at its next call (no task reads an idle channel), which goes as a
+    POST; the call after it opens a new channel."""
     config = StoreConfig(port=0, data_dir=str(tmp_path / "lmdb"), ram_bytes=4 << 20, page_bytes=4096,
                          disk_bytes=64 << 20, nixl="off", header_timeout_s=0.3)
     running = await start_store(config)
@@ -271,14 +273,15 @@ async def test_an_idle_channel_is_closed_and_the_next_call_opens_another(start_s
         await saved(node(c))
         assert (await c.lookup(TOKENS_SAVED)).kv_tokens == len(TOKENS_SAVED)
         channel = node(c).control
-        assert channel is not None and channel.opened == 1
+        assert channel is not None and channel.opened == 1 and channel.carried == 1
         for _ in range(100):
-            if not channel.open:
+            if not running.server.app[store_control.CHANNELS]:
                 break
             await asyncio.sleep(0.05)
-        assert not channel.open and not running.server.app[store_control.CHANNELS]  # closed by the store
+        assert not running.server.app[store_control.CHANNELS]  # closed by the store
+        assert (await c.lookup(TOKENS_SAVED)).kv_tokens == len(TOKENS_SAVED)  # by POST
         assert (await c.lookup(TOKENS_SAVED)).kv_tokens == len(TOKENS_SAVED)
-        assert channel.opened == 2
+        assert channel.opened == 2 and channel.carried == 2 and node(c).failures["lookup"] == 0
 
 
 async def test_idle_channels_cannot_hold_a_nodes_connection_slots(tmp_path: Path) -> None:

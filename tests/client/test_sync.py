@@ -100,3 +100,20 @@ def test_callback_calling_back_in_raises_instead_of_deadlocking(store: ServeProc
         with pytest.raises(RuntimeError, match="own loop thread"):
             c.save(c.prompt(toks), 8, payload)
         assert c.lookup(toks).ok  # still usable
+
+
+def test_close_leaves_no_task_pending_on_the_client_loop(store: ServeProcess) -> None:
+    """A task left pending on the private loop would be finalised later by the garbage collector,
+    on whatever thread it runs on (CPython 3.11 crashed so in a test run here): close ends them all,
+    the channel's and any still in flight."""
+    import asyncio
+
+    ns = make_namespace()
+    assert store.url is not None
+    c = SyncPrefixClient(ns, ClientConfig(url=store.url))
+    assert c.lookup(list(range(100, 111))).ok  # over the control channel: a WebSocket open on the loop
+    loop = c._loop  # the test looks at the private loop itself
+    in_flight = asyncio.run_coroutine_threadsafe(asyncio.sleep(3600), loop)  # a call still in flight
+    c.close()
+    assert in_flight.cancelled()
+    assert loop.is_closed() and not [t for t in asyncio.all_tasks(loop) if not t.done()]
