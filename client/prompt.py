@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from prefixstore.protocol import checksums
-from prefixstore.protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, chain_bytes, pack_tokens, root_hash, tail_hash
+from prefixstore.protocol.hashing import HASH_BYTES, TOKEN_BYTES, BlockHash, pack_and_chain, root_hash, tail_hash
 from prefixstore.protocol.keys import Kind, make_entry_key
 from prefixstore.protocol.namespace import Namespace
 from prefixstore.protocol.wire import ItemSpec
@@ -61,13 +61,12 @@ class Prompt:
     def __init__(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray | bytes,
                  extra_keys: Sequence[bytes] | None = None) -> None:
         self.namespace = namespace
-        self.packed = pack_tokens(tokens)
         self.extra_keys = list(extra_keys or ())
         self.root = root_hash(namespace)
         # The chain as a lookup sends it (16 bytes a block, back to back); the list of per-block
         # hashes only when something asks for it (saves, cluster walks): for a lookup of a
         # 131,072-token prompt the 8,192 bytes objects cost more than the hashing itself.
-        self.hash_bytes: bytes = chain_bytes(self.root, self.packed, namespace.block_tokens, self.extra_keys)
+        self.packed, self.hash_bytes = pack_and_chain(self.root, tokens, namespace.block_tokens, self.extra_keys)
         self._hashes: list[BlockHash] | None = None
 
     @property

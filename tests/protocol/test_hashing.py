@@ -247,6 +247,9 @@ def test_pack_tokens_is_little_endian_uint32() -> None:
     [2**64],
     np.array([-3], dtype=np.int32),
     np.array([2**32], dtype=np.int64),
+    np.array([0, 2**32], dtype=np.uint64),
+    np.array([5, -1], dtype=np.int16),
+    np.array([-1], dtype=np.int8),
     [[1, 2], [3, 4]],
     np.zeros((2, 2), dtype=np.uint32),
     np.uint32(5),
@@ -256,7 +259,7 @@ def test_pack_tokens_is_little_endian_uint32() -> None:
     (1, -1),
     np.array([True, False]),
     np.array([1.0, 2.0]),
-], ids=["neg", "neg-later", "2^32", "above", "2^64", "np-neg", "np-2^32", "2d-list", "2d-array", "scalar", "floats",
+], ids=["neg", "neg-later", "2^32", "above", "2^64", "np-neg", "np-2^32", "np-u64-2^32", "np-i16-neg", "np-i8-neg", "2d-list", "2d-array", "scalar", "floats",
         "str", "none", "tuple-neg", "np-bools", "np-floats"])
 def test_pack_tokens_rejects(bad: object) -> None:
     with pytest.raises(ValueError, match="^tokens"):
@@ -278,6 +281,9 @@ def test_pack_tokens_agrees_across_input_forms(tokens: list[int]) -> None:
     assert pack_tokens(np.array(tokens, dtype=np.uint32)) == expected
     assert pack_tokens(np.array(tokens, dtype=np.int64)) == expected
     assert pack_tokens(np.array(tokens, dtype=np.uint64)) == expected
+    small = [t for t in tokens if t < 2**31]
+    assert pack_tokens(np.array(small, dtype=np.int32)) == le_u32(small)
+    assert pack_tokens(np.array([t & 0xFFFF for t in tokens], dtype=np.uint16)) == le_u32([t & 0xFFFF for t in tokens])
 
 
 def test_pack_tokens_rejects_ragged_bytes() -> None:
@@ -320,3 +326,35 @@ def test_native_chain_equals_the_python_reference(tokens: list[int], block: int,
     assert hashing.chain_bytes(parent, packed, block, extras) == b"".join(
         hashing.chain_from_python(parent, packed, block, extras))
     assert hashing.chain_bytes(parent, packed, block) == b"".join(hashing.chain_from_python(parent, packed, block))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200), block=st.sampled_from([1, 3, 16]),
+       extras=st.lists(st.binary(max_size=12), max_size=20))
+def test_pack_and_chain_is_pack_then_chain_for_every_input_form(tokens: list[int], block: int,
+                                                                 extras: list[bytes]) -> None:
+    """The one-pass copy-and-hash of a uint32 array (protocol/_chain.c ``copy``) gives the bytes and
+    the chain of pack_tokens then chain_bytes, a partial last block included; every other form
+    (lists, other dtypes, byte order, strided views, bytes) takes the two-step path."""
+    from prefixstore.protocol import hashing
+
+    parent = hashing.root_hash(make_namespace(block_tokens=block))
+    expected = (pack_tokens(tokens), b"".join(hashing.chain_from_python(parent, pack_tokens(tokens), block, extras)))
+    arr = np.array(tokens, dtype=np.uint32)
+    doubled = np.repeat(arr, 2)  # arr[::1] of a strided view: doubled[::2] is arr, not contiguous
+    for form in (arr, tokens, tuple(tokens), arr.astype(">u4"), arr.astype(np.int64), doubled[::2], pack_tokens(tokens)):
+        got = hashing.pack_and_chain(parent, form, block, extras)
+        assert got == expected, type(form)
+        assert isinstance(got[0], bytes) and isinstance(got[1], bytes)
+    packed, _ = hashing.pack_and_chain(parent, arr, block, extras)
+    arr[:] = 7  # the prompt keeps its own copy: the caller may reuse its array
+    assert packed == expected[0]
+
+
+def test_a_prompt_of_a_uint32_array_is_hashed_as_its_list_is() -> None:
+    from prefixstore.client.prompt import Prompt
+
+    tokens = list(range(5, 5 + 3 * B + 2))
+    a, b = Prompt(NS, tokens), Prompt(NS, np.array(tokens, dtype=np.uint32))
+    assert (a.packed, a.hash_bytes) == (b.packed, b.hash_bytes)
+    assert a.hashes == block_hashes(NS, tokens)
