@@ -227,9 +227,7 @@ class NodeClient:
             spans = lean_levels(levels, B, window or 0, needed)
             if spans == ((0, levels),):  # a short request: whole
                 break
-            lean = dataclasses.replace(req, tokens=span_tokens(req.tokens, B, spans), spans=spans,
-                                       total_tokens=num_tokens)
-            answer = parse(await self.call(path, lean.to_header()))
+            answer = parse(await self.call(path, req.lean_header(span_tokens(req.tokens, B, spans), spans, num_tokens)))
             if answer.need_level is None:
                 return answer
             needed.append(answer.need_level - start)

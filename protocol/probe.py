@@ -87,15 +87,21 @@ class ProbeRequest:
                       self.spans, self.num_tokens)
 
     def to_header(self) -> dict[str, object]:
+        return self.lean_header(self.tokens, self.spans, self.total_tokens)
+
+    def lean_header(self, tokens: bytes, spans: tuple[tuple[int, int], ...] | None,
+                    total_tokens: int) -> dict[str, object]:
+        """The header of this request carrying ``tokens`` of ``spans`` (None: every token) instead:
+        a lean ask (client/node.py ``ask_lean``) without making another request first."""
         d: dict[str, object] = {"ns": self.namespace_id, "start": self.start, "parent": self.parent,
-                                "hashes": self.hashes, "tokens": self.tokens, "lease": self.lease}
+                                "hashes": self.hashes, "tokens": tokens, "lease": self.lease}
         if self.extras:
             d["extras"] = [[j, e] for j, e in self.extras]
         if self.nixl:
             d["nixl"] = True
-        if self.spans is not None:
-            d["spans"] = [[first, count] for first, count in self.spans]
-            d["total_tokens"] = self.total_tokens
+        if spans is not None:
+            d["spans"] = [[first, count] for first, count in spans]
+            d["total_tokens"] = total_tokens
         return d
 
     @classmethod

@@ -90,9 +90,11 @@ def encode_header_parts(header: dict[str, object]) -> list[bytes | memoryview]:
     return [p for p in parts if memoryview(p).nbytes]
 
 
-def encode_frame(header: dict[str, object], payloads: Sequence[bytes | memoryview] = ()) -> bytes:
-    """Whole frame in one buffer (control messages and tests; bulk paths stream)."""
-    return b"".join([encode_header(header), *payloads])
+def encode_frame(header: dict[str, object], payloads: Sequence[bytes | memoryview] = (), lead: bytes = b"") -> bytes:
+    """Whole frame in one buffer (control messages and tests; bulk paths stream), after ``lead``
+    (a control channel's call id and op): one copy of a 131,072-token lookup's hashes, not two."""
+    body = msgpack.packb(header, use_bin_type=True)
+    return b"".join([lead, PREFIX.pack(MAGIC, WIRE_VERSION, len(body)), body, *payloads])
 
 
 def parse_prefix(prefix: bytes, max_header_bytes: int) -> int:
@@ -187,15 +189,21 @@ class LookupRequest:
                       self.num_tokens)
 
     def to_header(self) -> dict[str, object]:
-        d: dict[str, object] = {"ns": self.namespace_id, "hashes": self.hashes, "tokens": self.tokens,
+        return self.lean_header(self.tokens, self.spans, self.total_tokens)
+
+    def lean_header(self, tokens: bytes, spans: tuple[tuple[int, int], ...] | None,
+                    total_tokens: int) -> dict[str, object]:
+        """The header of this request carrying ``tokens`` of ``spans`` (None: every token) instead:
+        a lean ask (client/node.py ``ask_lean``) without making another request first."""
+        d: dict[str, object] = {"ns": self.namespace_id, "hashes": self.hashes, "tokens": tokens,
                                 "lease": self.lease, "locations": self.locations}
         if self.nixl:
             d["nixl"] = True
         if self.extras:
             d["extras"] = [[i, x] for i, x in self.extras]
-        if self.spans is not None:
-            d["spans"] = [[first, count] for first, count in self.spans]
-            d["total_tokens"] = self.total_tokens
+        if spans is not None:
+            d["spans"] = [[first, count] for first, count in spans]
+            d["total_tokens"] = total_tokens
         return d
 
     @classmethod
