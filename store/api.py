@@ -72,7 +72,7 @@ def answer_lookup(request: web.Request, header: dict[str, object]) -> dict[str, 
     store = request.app[STORE]
     single_node_only(request, "lookup")
     req = LookupRequest.from_header(header, store.limits, lambda ns_id: owned(request, ns_id).block_tokens)
-    answer = store.lookup(req)
+    answer = store.lookup(req, asyncio.get_running_loop().call_soon)  # its lessons after the answer is sent
     if req.nixl and answer.need_level is None and (extension := request.app.get(LOOKUP_NIXL)) is not None:
         answer = dataclasses.replace(answer, nixl=extension(req, answer))
     return answer.to_header()

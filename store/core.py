@@ -251,8 +251,8 @@ class Store:
 
     # ------------------------------------------------------------ requests
 
-    def lookup(self, req: LookupRequest) -> LookupAnswer:
-        return self.lookups.lookup(req)
+    def lookup(self, req: LookupRequest, defer: Callable[[Callable[[], None]], object] | None = None) -> LookupAnswer:
+        return self.lookups.lookup(req, defer)
 
     def probe(self, req: ProbeRequest, replicas_of: Mapping[bytes, tuple[str, ...]] | None = None,
               root_home: Callable[[bytes], bool] = lambda key: True,

@@ -83,3 +83,37 @@ def test_no_checkpoint_hint_when_the_snapshot_covers_the_kv_match(ns, harness) -
     h.save(long, 300, {300: state_payload(ns, long, 300)})
     _, a = h.lookup(long + [5])
     assert (a.kv_tokens, a.state_tokens, a.checkpoint_hint) == (300, 300, 0)
+
+
+def test_deferred_lessons_run_after_the_answer_and_skip_what_was_evicted_meanwhile(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """The HTTP routes answer a lookup first and teach the policies after (``defer``, store/lookups.py).
+    The answer is the same, nothing is taught before the lessons run, and a lesson that runs after
+    the served block was evicted counts no hit on it: its eviction already told the admission
+    policy it had none (a hit counted now would reach no entry, and the policies would hear of a
+    use of a block the store no longer holds)."""
+    h = harness(ram_only(eviction="flop-aware"), ns)
+    h.save(A[:8], 8)
+    p = Prompt(ns, A[:8])
+    req = LookupRequest(namespace_id=ns.id, hashes=p.hash_bytes, tokens=p.packed, lease=False)
+    inline = h.store.lookup(req)
+    hits: list[bytes] = []
+    h.store.eviction.on_hit = lambda entry, now: hits.append(entry.key)
+    before = value(h.store, "prefixstore_lookups_total")
+
+    lessons: list[object] = []
+    answer = h.store.lookup(req, lessons.append)
+    assert answer == inline and len(lessons) == 1
+    assert value(h.store, "prefixstore_lookups_total") == before and hits == []  # nothing taught yet
+    lessons.pop()()  # type: ignore[operator]
+    assert value(h.store, "prefixstore_lookups_total") == before + 1
+    served = h.store.index.get_block(ns.id, p.hashes[1])
+    assert served is not None and hits == [served.key]
+
+    hits.clear()
+    answer = h.store.lookup(req, lessons.append)
+    assert answer == inline
+    h.store.space.evict(served, 0.0)  # between the answer and its lessons
+    assert h.store.index.get(served.key) is None
+    lessons.pop()()  # type: ignore[operator]
+    assert hits == []  # no hit on the evicted block
+    assert value(h.store, "prefixstore_lookups_total") == before + 2  # the lookup itself still counts
