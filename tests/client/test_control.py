@@ -5,8 +5,10 @@ breaks costs nothing but the POST the call falls back to."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -21,6 +23,7 @@ from prefixstore.protocol.errors import Problem, StoreError
 from prefixstore.protocol.wire import decode_frame, encode_frame
 from prefixstore.store import StoreConfig, create_app
 from prefixstore.store import control as store_control
+from prefixstore.transport.frames import FramePool
 
 from ..conftest import RunningStore
 from ..factories import kv_payload, make_namespace
@@ -40,6 +43,24 @@ def node(c: object) -> NodeClient:
     impl = getattr(c, "impl", c)
     assert isinstance(impl, NodeClient)
     return impl
+
+
+@contextlib.asynccontextmanager
+async def channel_to(handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                     timeout_s: float = 5.0) -> AsyncIterator[ControlChannel]:
+    """A channel to a stand-in node whose ``/v1/control`` is ``handler``."""
+    app = web.Application()
+    app.router.add_get(CONTROL_PATH, handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    pool = FramePool(str(server.make_url("")).rstrip("/"), connect_timeout_s=1.0)
+    channel = ControlChannel(pool, timeout_s=timeout_s)
+    try:
+        yield channel
+    finally:
+        await channel.close()
+        pool.close()
+        await server.close()
 
 
 def requests_counted(running: RunningStore, endpoint: str) -> float:
@@ -232,7 +253,6 @@ async def test_the_channel_is_off_where_the_config_says(running: RunningStore) -
 
 async def test_answers_go_to_their_calls_whatever_their_order() -> None:
     """A node may answer overlapping calls in any order: each answer names its call."""
-    from prefixstore.transport.frames import FramePool
 
     async def reversed_answers(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
@@ -247,19 +267,45 @@ async def test_answers_go_to_their_calls_whatever_their_order() -> None:
                 calls.clear()
         return ws
 
-    app = web.Application()
-    app.router.add_get(CONTROL_PATH, reversed_answers)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    pool = FramePool(str(server.make_url("")).rstrip("/"), connect_timeout_s=1.0)
-    channel = ControlChannel(pool, timeout_s=5.0)
-    try:
+    async with channel_to(reversed_answers) as channel:
         got = await asyncio.gather(*(channel.call("/v1/lookup", {"x": i}) for i in range(3)))
         assert got == [{"echo": 0}, {"echo": 1}, {"echo": 2}]
-    finally:
-        await channel.close()
-        pool.close()
-        await server.close()
+
+
+async def test_a_call_never_answered_times_out_and_ends_the_channel() -> None:
+    """An open channel whose node reads calls and answers only the first: the next call raises
+    the POST's timeout error after timeout_s (no sooner, and not forever), a call sent on the same
+    channel meanwhile goes as a POST, and the call after them opens a new channel. The channel's
+    watchdog, armed by the first call and long past its deadline, still bounds the later ones."""
+    answered: list[int] = []
+
+    async def answers_once(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for msg in ws:
+            call_id, _ = CALL.unpack_from(msg.data)
+            if not answered:
+                answered.append(call_id)
+                await ws.send_bytes(ANSWER.pack(call_id, 200) + encode_frame({"ok": True}))
+        return ws
+
+    async with channel_to(answers_once, timeout_s=0.4) as channel:
+        loop = asyncio.get_running_loop()
+        assert await channel.call("/v1/lookup", {"x": 0}) == {"ok": True}
+        await asyncio.sleep(0.6)  # the first call's watchdog fires with nothing pending
+        started = loop.time()
+        silent = asyncio.ensure_future(channel.call("/v1/lookup", {"x": 1}))
+        await asyncio.sleep(0.1)
+        beside = asyncio.ensure_future(channel.call("/v1/lookup", {"x": 2}))
+        with pytest.raises(StoreError) as err:
+            await asyncio.wait_for(silent, 3.0)
+        assert err.value.problem is Problem.TIMEOUT
+        assert 0.39 <= loop.time() - started < 2.0
+        assert await asyncio.wait_for(beside, 3.0) is None  # its channel ended: sent as a POST
+        assert not channel.open and channel.opened == 1
+        answered.clear()
+        assert await asyncio.wait_for(channel.call("/v1/lookup", {"x": 3}), 3.0) == {"ok": True}
+        assert channel.opened == 2
 
 
 async def test_an_idle_channel_is_closed_and_the_next_call_opens_another(start_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -356,7 +402,6 @@ async def test_a_client_gone_mid_answer_is_no_error(running: RunningStore, caplo
 
 async def test_an_upgrade_nobody_answers_costs_one_timeout_then_posts() -> None:
     """A node (or proxy) that takes the connection and never answers the upgrade."""
-    from prefixstore.transport.frames import FramePool
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()  # until the client goes
@@ -407,7 +452,6 @@ async def test_a_url_with_a_trailing_slash_reaches_the_channel(running: RunningS
 
 async def test_an_op_the_node_does_not_carry_is_sent_as_a_post() -> None:
     """A newer client's call on an older node's channel: 404 naming ``op``, so the caller POSTs it."""
-    from prefixstore.transport.frames import FramePool
 
     async def no_such_op(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
@@ -417,23 +461,12 @@ async def test_an_op_the_node_does_not_carry_is_sent_as_a_post() -> None:
             await ws.send_bytes(ANSWER.pack(call_id, 404) + json.dumps({"error": f"op: {op} unknown", "field": "op"}).encode())
         return ws
 
-    app = web.Application()
-    app.router.add_get(CONTROL_PATH, no_such_op)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    pool = FramePool(str(server.make_url("")).rstrip("/"), connect_timeout_s=1.0)
-    channel = ControlChannel(pool, timeout_s=5.0)
-    try:
+    async with channel_to(no_such_op) as channel:
         assert await channel.call("/v1/probe", {"x": 1}) is None
         assert channel.open  # the channel stays: other calls may be carried
-    finally:
-        await channel.close()
-        pool.close()
-        await server.close()
 
 
 async def test_closing_a_channel_while_it_opens_does_not_cancel_the_calls_waiting_on_it() -> None:
-    from prefixstore.transport.frames import FramePool
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()
