@@ -70,6 +70,11 @@ class Link:
     """Held by the call that reads the next answer."""
     deadlines: dict[int, float] = field(default_factory=dict)
     """Each pending call's deadline (the loop's clock)."""
+    sending: dict[int, asyncio.Task[object]] = field(default_factory=dict)
+    """The calls inside ``send_bytes`` (by their tasks): a send waiting for the socket to drain
+    wakes only if cancelled, so the channel's end cancels them (``interrupted``)."""
+    interrupted: set[int] = field(default_factory=set)
+    """Calls whose tasks the channel cancelled (:meth:`ControlChannel.interrupt`)."""
     watchdog: asyncio.TimerHandle | None = None
     """Armed while calls may be pending (:meth:`ControlChannel.watch`): one timer for the channel,
     not one per call."""
@@ -112,10 +117,11 @@ class ControlChannel:
         if op is None:
             return None
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         link = self._link
         if link is None or not link.open or self._loop is not loop:
             try:
-                async with asyncio.timeout(self.timeout_s):
+                async with asyncio.timeout_at(deadline):
                     link = await self._ensure()
             except TimeoutError:
                 raise self._timed_out(path) from None
@@ -124,20 +130,33 @@ class ControlChannel:
         call_id = next(self._ids) & 0xFFFFFFFF
         future: asyncio.Future[tuple[int, bytes]] = loop.create_future()
         link.pending[call_id] = future
-        link.deadlines[call_id] = deadline = loop.time() + self.timeout_s
-        if link.watchdog is None:
+        link.deadlines[call_id] = deadline
+        if link.watchdog is None or deadline < link.watchdog.when():  # (a call that began first, then waited to open)
+            if link.watchdog is not None:
+                link.watchdog.cancel()
             link.watchdog = loop.call_at(deadline, self.watch, link)
+        task = asyncio.current_task()
         try:
-            await link.ws.send_bytes(encode_frame(header, lead=CALL.pack(call_id, op)))
+            if task is not None:
+                link.sending[call_id] = task
+            try:
+                await link.ws.send_bytes(encode_frame(header, lead=CALL.pack(call_id, op)))
+            finally:
+                link.sending.pop(call_id, None)
             status, body = await self._answer(link, future)
+        except asyncio.CancelledError:
+            # Cancelled by the channel (its end, below) while the send waited to drain: a timeout
+            # or a POST, as for a call that waited for its answer; any other cancel goes on up.
+            if call_id not in link.interrupted or task is None or task.uncancel() > 0:
+                raise
+            return self._lost(path, future)
         except Exception:  # noqa: BLE001 - the channel broke under this call: the caller POSTs it
             self._drop(link)
-            if future.done() and not future.cancelled() and isinstance(future.exception(), CallTimedOut):
-                raise self._timed_out(path) from None
-            return None
+            return self._lost(path, future)
         finally:
             link.pending.pop(call_id, None)
             link.deadlines.pop(call_id, None)
+            link.interrupted.discard(call_id)
         if status != 200:
             err = refusal(path, status, body)
             if err.is_refusal(Problem.UNKNOWN, "op"):
@@ -149,6 +168,13 @@ class ControlChannel:
             raise StoreError(path, f"malformed answer: {err}", problem=Problem.UNAVAILABLE) from err
         self.carried += 1
         return answer
+
+    def _lost(self, path: str, future: asyncio.Future[tuple[int, bytes]]) -> None:
+        """A call its channel could not carry to the end: None (a POST), or the timeout error where
+        its deadline passed (the watchdog said so): never resent past its deadline."""
+        if future.done() and not future.cancelled() and isinstance(future.exception(), CallTimedOut):
+            raise self._timed_out(path) from None
+        return None
 
     def _timed_out(self, path: str) -> StoreError:
         return StoreError(path, f"no complete answer within timeout_s={self.timeout_s}", problem=Problem.TIMEOUT)
@@ -240,6 +266,18 @@ class ControlChannel:
         for future in list(link.pending.values()):
             if not future.done():
                 future.set_exception(ConnectionResetError("the control channel closed"))
+        self.interrupt(link)
+
+    @staticmethod
+    def interrupt(link: Link) -> None:
+        """Wake the calls still inside ``send_bytes`` on a channel that ended: a send parked until
+        the socket drains (a node that stopped reading) wakes only if cancelled; closing the
+        connection does not wake it while its buffer holds data. Each then ends as its future
+        says (a timeout, or a POST)."""
+        for call_id, task in list(link.sending.items()):
+            if call_id not in link.interrupted:
+                link.interrupted.add(call_id)
+                task.cancel()
 
     def _drop(self, link: Link) -> None:
         """Stop using ``link`` (the next call opens a new channel) and close it in the background."""

@@ -65,14 +65,14 @@ class Namespaces:
         else one derived from its layouts."""
         if ns_id not in self._shapes:
             ns = self._by_id.get(ns_id)
-            shape = None
-            if ns is not None:
-                shape = MODEL_PRESETS.get(ns.model) or ModelShape(
-                    name=ns.model, hidden_size=max(1, ns.kv.num_heads * ns.kv.head_dim),
-                    num_attention_layers=ns.kv.num_layers, num_linear_layers=ns.state.num_layers,
-                    num_kv_heads=ns.kv.num_heads, head_dim=ns.kv.head_dim, kv_components=ns.kv.num_components,
-                    kv_dtype=ns.kv.dtype, state_bytes_per_layer=ns.state.layer_bytes,
-                    linear_flops_per_token=8 * max(1, ns.kv.num_heads * ns.kv.head_dim) ** 2)
+            if ns is None:
+                return None  # not cached: a namespace registered later has its shape
+            shape = MODEL_PRESETS.get(ns.model) or ModelShape(
+                name=ns.model, hidden_size=max(1, ns.kv.num_heads * ns.kv.head_dim),
+                num_attention_layers=ns.kv.num_layers, num_linear_layers=ns.state.num_layers,
+                num_kv_heads=ns.kv.num_heads, head_dim=ns.kv.head_dim, kv_components=ns.kv.num_components,
+                kv_dtype=ns.kv.dtype, state_bytes_per_layer=ns.state.layer_bytes,
+                linear_flops_per_token=8 * max(1, ns.kv.num_heads * ns.kv.head_dim) ** 2)
             self._shapes[ns_id] = shape
         return self._shapes[ns_id]
 

@@ -308,6 +308,64 @@ async def test_a_call_never_answered_times_out_and_ends_the_channel() -> None:
         assert channel.opened == 2
 
 
+async def test_a_call_that_opens_the_channel_has_one_deadline_for_both() -> None:
+    """Opening the channel counts against the call's timeout_s: a slow upgrade then a silent node
+    times the call out timeout_s after it began, not timeout_s after the channel opened."""
+    async def slow_then_silent(request: web.Request) -> web.WebSocketResponse:
+        await asyncio.sleep(0.8)
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for _ in ws:
+            pass
+        return ws
+
+    async with channel_to(slow_then_silent, timeout_s=1.0) as channel:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(StoreError) as err:
+            await asyncio.wait_for(channel.call("/v1/lookup", {"x": 1}), 5.0)
+        assert err.value.problem is Problem.TIMEOUT
+        assert 0.99 <= loop.time() - started < 1.6  # one deadline: not 0.8 s + another 1.0 s
+
+
+async def test_calls_stuck_in_their_send_end_at_their_deadline_or_when_the_channel_closes() -> None:
+    """A node that stopped reading (a frozen process, a flow gone silent): calls larger than the
+    socket buffers park in their send, waiting to drain, which closing the connection does not
+    wake. Each still ends: past its deadline with the POST's timeout error, or, on a channel
+    closed meanwhile, as a POST (None), never cancelled and never hanging."""
+    released = asyncio.Event()
+
+    async def stops_reading(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        assert request.transport is not None
+        request.transport.pause_reading()
+        await released.wait()  # until the test is done with it (a node's close waits for its handlers)
+        request.transport.abort()  # frozen to the end: its close takes no handshake
+        return ws
+
+    big = {"tokens": b"\0" * (640 << 10)}  # a 163,840-token lookup's tokens: more than the buffers hold
+    async with channel_to(stops_reading, timeout_s=0.5) as channel:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        got = await asyncio.wait_for(
+            asyncio.gather(*(channel.call("/v1/lookup", big) for _ in range(16)), return_exceptions=True), 5.0)
+        released.set()
+        assert all(isinstance(g, StoreError) and g.problem is Problem.TIMEOUT for g in got), got
+        assert loop.time() - started < 2.0
+
+    released.clear()
+    async with channel_to(stops_reading, timeout_s=30.0) as channel:
+        calls = [asyncio.ensure_future(channel.call("/v1/lookup", big)) for _ in range(16)]
+        await asyncio.sleep(0.3)  # the sends are parked
+        parked = not any(c.done() for c in calls)
+        await asyncio.wait_for(channel.close(), 5.0)
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5.0)
+        released.set()
+        assert parked
+        assert outcomes == [None] * 16, outcomes  # POSTs, not cancelled
+
+
 async def test_an_idle_channel_is_closed_and_the_next_call_opens_another(start_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A channel holds a connection slot: no longer than a kept-alive connection (header_timeout_s).
     The client sees the close at its next call (no task reads an idle channel), which goes as a

@@ -117,3 +117,14 @@ def test_deferred_lessons_run_after_the_answer_and_skip_what_was_evicted_meanwhi
     lessons.pop()()  # type: ignore[operator]
     assert hits == []  # no hit on the evicted block
     assert value(h.store, "prefixstore_lookups_total") == before + 2  # the lookup itself still counts
+
+
+def test_a_namespace_asked_about_before_it_is_registered_gets_its_shape_once_it_is(ns, harness) -> None:  # type: ignore[no-untyped-def]
+    """A lesson deferred past its namespace's removal (a failed registration rolled back) asks for
+    the shape of an id the store does not know: that answer (None) must not stick, or the
+    namespace, registered again, would count no FLOPs saved and rank with no shape."""
+    h = harness(ram_only(eviction="flop-aware"), ns)
+    other = make_namespace(block_tokens=4, with_state=False, model="registered-later")
+    assert h.store.shape_of(other.id) is None
+    h.run(h.store.register_namespace(other))
+    assert h.store.shape_of(other.id) is not None
