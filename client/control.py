@@ -149,10 +149,12 @@ class ControlChannel:
             # or a POST, as for a call that waited for its answer; any other cancel goes on up.
             if call_id not in link.interrupted or task is None or task.uncancel() > 0:
                 raise
-            return self._lost(path, future)
+            self._raise_if_timed_out(path, future)
+            return None
         except Exception:  # noqa: BLE001 - the channel broke under this call: the caller POSTs it
             self._drop(link)
-            return self._lost(path, future)
+            self._raise_if_timed_out(path, future)
+            return None
         finally:
             link.pending.pop(call_id, None)
             link.deadlines.pop(call_id, None)
@@ -169,12 +171,11 @@ class ControlChannel:
         self.carried += 1
         return answer
 
-    def _lost(self, path: str, future: asyncio.Future[tuple[int, bytes]]) -> None:
-        """A call its channel could not carry to the end: None (a POST), or the timeout error where
-        its deadline passed (the watchdog said so): never resent past its deadline."""
+    def _raise_if_timed_out(self, path: str, future: asyncio.Future[tuple[int, bytes]]) -> None:
+        """A call its channel could not carry to the end goes as a POST, unless its deadline passed
+        (the watchdog said so): then the timeout error, never a resend past its deadline."""
         if future.done() and not future.cancelled() and isinstance(future.exception(), CallTimedOut):
             raise self._timed_out(path) from None
-        return None
 
     def _timed_out(self, path: str) -> StoreError:
         return StoreError(path, f"no complete answer within timeout_s={self.timeout_s}", problem=Problem.TIMEOUT)
