@@ -626,16 +626,18 @@ def plot(results: list[dict[str, Any]], lookup: dict[str, Any] | None, path: Pat
                 lo.append(f["median_gbps"] - f["p10_gbps"])
                 hi.append(f["p90_gbps"] - f["median_gbps"])
             ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=COLORS[name], label=name)
-        ax.set_xticks(range(len(results)), [f"{r['payload_bytes'] >> 10} KiB x {r['batch_items']}" for r in results],
-                      fontsize=8)
+        ax.set_xticks(range(len(results)), [f"{r['payload_bytes'] >> 10} KiB x {r['batch_items']}\n"
+                                            f"({r['batch_bytes'] >> 20} MiB a call)" for r in results], fontsize=8)
         ax.set_ylabel("GB/s (median, p10-p90)")
-        ax.set_title(f"batched {op.upper()}, {results[0]['batch_bytes'] >> 20} MiB a call", fontsize=9)
+        ax.set_title(f"batched {op.upper()}", fontsize=9)
         ax.legend(fontsize=7)
     if lookup is not None:
         ax = axes[2]
         names = list(lookup["figures"])
         ax.bar(names, [lookup["figures"][n]["median_ms"] for n in names], color=[COLORS[n.rsplit("_", 1)[0]] for n in names])
-        ax.tick_params(axis="x", labelsize=6)
+        ax.tick_params(axis="x", labelsize=6, labelrotation=35)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
         ax.set_ylabel("ms (median)")
         ax.set_title(f"lookup of {lookup['tokens']} tokens ({lookup['blocks']} keys)", fontsize=9)
     fig.suptitle("prefixstore vs peers (loopback, every peer in its own process)", fontsize=10)
