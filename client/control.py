@@ -32,7 +32,9 @@ is seen by the next call, which then goes as a POST, and the call after it opens
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import socket
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -127,6 +129,8 @@ class ControlChannel:
                 raise self._timed_out(path) from None
             if link is None:
                 return None
+            if loop.time() >= deadline:  # opened just at its deadline: not sent at all
+                raise self._timed_out(path)
         call_id = next(self._ids) & 0xFFFFFFFF
         future: asyncio.Future[tuple[int, bytes]] = loop.create_future()
         link.pending[call_id] = future
@@ -136,24 +140,35 @@ class ControlChannel:
                 link.watchdog.cancel()
             link.watchdog = loop.call_at(deadline, self.watch, link)
         task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0  # asked of this task before this call
+        in_send = False
         try:
             if task is not None:
                 link.sending[call_id] = task
+            in_send = True
             try:
                 await link.ws.send_bytes(encode_frame(header, lead=CALL.pack(call_id, op)))
             finally:
                 link.sending.pop(call_id, None)
+            in_send = False
             status, body = await self._answer(link, future)
         except asyncio.CancelledError:
-            # Cancelled by the channel (its end, below) while the send waited to drain: a timeout
-            # or a POST, as for a call that waited for its answer; any other cancel goes on up.
-            if call_id not in link.interrupted or task is None or task.uncancel() > 0:
+            if not in_send or task is None:
+                raise  # an outside cancel while the answer was awaited: the channel stays
+            # A cancel in the send: the channel's end (interrupt), this call's caller, or another
+            # call's caller (aiohttp's senders on one connection share one drain waiter, and
+            # cancelling one sender cancels it for all). The drain waiter is spent either way:
+            # the channel ends. Only a cancel someone asked of this task goes on up.
+            if call_id in link.interrupted:
+                task.uncancel()
+            self._end(link)
+            if task.cancelling() > cancels:
                 raise
-            self._raise_if_timed_out(path, future)
+            self._raise_if_timed_out(path, future, deadline)
             return None
         except Exception:  # noqa: BLE001 - the channel broke under this call: the caller POSTs it
             self._drop(link)
-            self._raise_if_timed_out(path, future)
+            self._raise_if_timed_out(path, future, deadline)
             return None
         finally:
             link.pending.pop(call_id, None)
@@ -171,10 +186,12 @@ class ControlChannel:
         self.carried += 1
         return answer
 
-    def _raise_if_timed_out(self, path: str, future: asyncio.Future[tuple[int, bytes]]) -> None:
+    def _raise_if_timed_out(self, path: str, future: asyncio.Future[tuple[int, bytes]], deadline: float) -> None:
         """A call its channel could not carry to the end goes as a POST, unless its deadline passed
-        (the watchdog said so): then the timeout error, never a resend past its deadline."""
-        if future.done() and not future.cancelled() and isinstance(future.exception(), CallTimedOut):
+        (the watchdog said so, or it is simply past): then the timeout error, never a resend past
+        its deadline."""
+        if (future.done() and not future.cancelled() and isinstance(future.exception(), CallTimedOut)) \
+                or asyncio.get_running_loop().time() >= deadline:
             raise self._timed_out(path) from None
 
     def _timed_out(self, path: str) -> StoreError:
@@ -198,7 +215,7 @@ class ControlChannel:
             if future is not None and not future.done():
                 future.set_exception(CallTimedOut())
         # Ending it wakes a call that waits to read (the close feeds its reader the closing
-        # message) or to send (a close that takes over CLOSE_S drops the connection).
+        # message) or to send (interrupt); a close not answered within CLOSE_S shuts the socket.
         self._end(link)
 
     async def _ensure(self) -> Link | None:
@@ -285,16 +302,22 @@ class ControlChannel:
         if self._link is link:
             self._link = None
         if not link.ws.closed:
-            task = asyncio.ensure_future(self._close_link(link))
+            task = asyncio.ensure_future(self.close_link(link))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
     @staticmethod
-    async def _close_link(link: Link) -> None:
+    async def close_link(link: Link) -> None:
+        """Close the channel; one whose node takes no close frame within CLOSE_S has its socket
+        shut: aiohttp then closes the connection gracefully, which waits, with every frame still
+        buffered, for a node that may never read again."""
+        sock = link.ws.get_extra_info("socket")
         try:
             await asyncio.wait_for(link.ws.close(), CLOSE_S)
         except (TimeoutError, aiohttp.ClientError, ConnectionError):
-            pass
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
     async def close(self) -> None:
         if self._loop is not asyncio.get_running_loop():
@@ -311,7 +334,7 @@ class ControlChannel:
             if link.watchdog is not None:
                 link.watchdog.cancel()
                 link.watchdog = None
-            await self._close_link(link)
+            self._end(link)  # its calls go as POSTs (parked sends woken); closed in the background, awaited below
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
         if self._session is not None and self._loop is asyncio.get_running_loop():

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prefixstore.client import ClientConfig
-from prefixstore.client.control import ControlChannel
+from prefixstore.client.control import ControlChannel, Link
 from prefixstore.client.node import NodeClient
 from prefixstore.protocol.control import ANSWER, CALL, CONTROL_PATH, op_of
 from prefixstore.protocol.errors import Problem, StoreError
@@ -308,6 +308,88 @@ async def test_a_call_never_answered_times_out_and_ends_the_channel() -> None:
         assert channel.opened == 2
 
 
+def stops_reading_node() -> tuple[Callable[[web.Request], Awaitable[web.StreamResponse]], asyncio.Event]:
+    """A stand-in node that accepts the channel, then reads nothing (a frozen process) until the
+    event is set, and then drops the connection."""
+    released = asyncio.Event()
+
+    async def stops_reading(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        assert request.transport is not None
+        request.transport.pause_reading()
+        await released.wait()  # until the test is done with it (a node's close waits for its handlers)
+        request.transport.abort()
+        return ws
+    return stops_reading, released
+
+
+HUGE = {"tokens": b"\0" * (48 << 20)}  # far more than loopback's socket buffers take: its send parks
+
+
+async def test_one_parked_send_is_woken_by_closing_the_channel() -> None:
+    """A single call parked in its send, no call reading: closing the client ends it as a POST."""
+    handler, released = stops_reading_node()
+    async with channel_to(handler, timeout_s=30.0) as channel:
+        try:
+            call = asyncio.ensure_future(channel.call("/v1/lookup", HUGE))
+            await asyncio.sleep(0.3)
+            parked = not call.done()
+            await asyncio.wait_for(channel.close(), 5.0)
+            outcome = await asyncio.wait_for(asyncio.gather(call, return_exceptions=True), 5.0)
+        finally:
+            released.set()
+        assert parked and list(outcome) == [None]
+
+
+async def test_cancelling_one_parked_send_does_not_cancel_the_others() -> None:
+    """aiohttp's senders on one connection share one drain waiter: cancelling one call's task
+    cancels it for all. The call whose caller cancelled it raises CancelledError; the others end
+    as POSTs (their channel, its drain spent, ends), not with a cancel nobody asked for."""
+    handler, released = stops_reading_node()
+    async with channel_to(handler, timeout_s=30.0) as channel:
+        try:
+            calls = [asyncio.ensure_future(channel.call("/v1/lookup", HUGE)) for _ in range(3)]
+            await asyncio.sleep(0.3)
+            parked = not any(c.done() for c in calls)
+            calls[0].cancel()
+            outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5.0)
+        finally:
+            released.set()
+        assert parked
+        assert isinstance(outcomes[0], asyncio.CancelledError)
+        assert outcomes[1:] == [None, None], outcomes
+        assert not channel.open
+
+
+async def test_a_channel_whose_node_takes_no_close_has_its_socket_shut() -> None:
+    """Closing a channel to a node that reads nothing: aiohttp's graceful close would keep the
+    socket, and every frame buffered in it, until the node reads again. After CLOSE_S it is shut."""
+    handler, released = stops_reading_node()
+    app = web.Application()
+    app.router.add_get(CONTROL_PATH, handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    async with aiohttp.ClientSession() as session:
+        ws = await session.ws_connect(str(server.make_url(CONTROL_PATH)))
+        sock = ws.get_extra_info("socket")
+        link = Link(ws)
+        try:
+            sender = asyncio.ensure_future(ws.send_bytes(HUGE["tokens"]))
+            await asyncio.sleep(0.3)
+            await asyncio.wait_for(ControlChannel.close_link(link), 5.0)
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+            for _ in range(50):
+                if sock.fileno() == -1:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            released.set()
+        assert sock.fileno() == -1  # the socket is closed: nothing left buffered for the node
+    await server.close()
+
+
 async def test_a_call_that_opens_the_channel_has_one_deadline_for_both() -> None:
     """Opening the channel counts against the call's timeout_s: a slow upgrade then a silent node
     times the call out timeout_s after it began, not timeout_s after the channel opened."""
@@ -328,42 +410,22 @@ async def test_a_call_that_opens_the_channel_has_one_deadline_for_both() -> None
         assert 0.99 <= loop.time() - started < 1.6  # one deadline: not 0.8 s + another 1.0 s
 
 
-async def test_calls_stuck_in_their_send_end_at_their_deadline_or_when_the_channel_closes() -> None:
+async def test_calls_stuck_in_their_send_end_at_their_deadline() -> None:
     """A node that stopped reading (a frozen process, a flow gone silent): calls larger than the
-    socket buffers park in their send, waiting to drain, which closing the connection does not
-    wake. Each still ends: past its deadline with the POST's timeout error, or, on a channel
-    closed meanwhile, as a POST (None), never cancelled and never hanging."""
-    released = asyncio.Event()
-
-    async def stops_reading(request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse()
-        await ws.prepare(request)
-        assert request.transport is not None
-        request.transport.pause_reading()
-        await released.wait()  # until the test is done with it (a node's close waits for its handlers)
-        request.transport.abort()  # frozen to the end: its close takes no handshake
-        return ws
-
+    socket buffers park in their send, waiting to drain, which closing the connection gracefully
+    does not wake. Each still ends past its deadline, with the POST's timeout error."""
+    stops_reading, released = stops_reading_node()
     big = {"tokens": b"\0" * (640 << 10)}  # a 163,840-token lookup's tokens: more than the buffers hold
     async with channel_to(stops_reading, timeout_s=0.5) as channel:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        got = await asyncio.wait_for(
-            asyncio.gather(*(channel.call("/v1/lookup", big) for _ in range(16)), return_exceptions=True), 5.0)
-        released.set()
+        try:
+            got = await asyncio.wait_for(
+                asyncio.gather(*(channel.call("/v1/lookup", big) for _ in range(16)), return_exceptions=True), 5.0)
+        finally:
+            released.set()
         assert all(isinstance(g, StoreError) and g.problem is Problem.TIMEOUT for g in got), got
-        assert loop.time() - started < 2.0
-
-    released.clear()
-    async with channel_to(stops_reading, timeout_s=30.0) as channel:
-        calls = [asyncio.ensure_future(channel.call("/v1/lookup", big)) for _ in range(16)]
-        await asyncio.sleep(0.3)  # the sends are parked
-        parked = not any(c.done() for c in calls)
-        await asyncio.wait_for(channel.close(), 5.0)
-        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5.0)
-        released.set()
-        assert parked
-        assert outcomes == [None] * 16, outcomes  # POSTs, not cancelled
+        assert loop.time() - started < 0.5 + 0.8  # at their deadline, not CLOSE_S (1 s) later when the socket is shut
 
 
 async def test_an_idle_channel_is_closed_and_the_next_call_opens_another(start_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
