@@ -1,9 +1,10 @@
 """One connector load and one connector save, timed phase by phase, against a raw read of the same
 bytes from the same store, in one run: where a load's time goes, and what is left above the wire.
 
-The connector's worker (vLLM's real ``KVConnectorFactory``, its KV cache allocator and views,
-the wide model's shapes: 4 attention layers of 2 KV heads of 256, float32, 16 KiB of KV per token,
-plus 4 conv-state layers; blocks of 32 tokens) against a real ``prefixstore serve`` process:
+The connector's worker (vLLM's real ``KVConnectorFactory``, its KV cache allocator and views, a
+serving model's shapes (``--model``): the wide LFM2's 4 attention layers of 2 KV heads of 256,
+float32, 16 KiB of KV per token, plus 4 conv-state layers; or the tests' tiny LFM2's 2 layers of 2
+heads of 64, 2 KiB a token; blocks of 32 tokens) against a real ``prefixstore serve`` process:
 
 * ``load``: what a hybrid request's asynchronous load does (the worker's own leased lookup, the
   reads into the staging region, checksums, the scatter into vLLM's blocks and the state block),
@@ -18,6 +19,7 @@ registered staging region).
 
     python benchmarks/vllm_load.py                     # 2,239 tokens (the multi-turn benchmark's turn 5)
     python benchmarks/vllm_load.py --tokens 8192 --data-path nixl
+    python benchmarks/vllm_load.py --model tiny --tokens 464 --data-path nixl   # a tiny-model turn's hit
     python benchmarks/vllm_load.py --quick
 """
 
@@ -41,7 +43,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 BLOCK = 32
-HEADS, HEAD_DIM, LAYERS = 2, 256, 4
+SHAPES = {"wide": (2, 256, 4, 512), "tiny": (2, 64, 2, 128)}
+"""Per model: KV heads, head size, attention layers (as many conv layers beside them), hidden size
+(a conv state is hidden x 2): benchmarks/vllm_serving.py's wide and tiny LFM2."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -49,6 +53,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     h.add_common_args(p, reps="7 (quick: 2)", warmup="1")
     p.add_argument("--tokens", type=int, default=None,
                    help="Tokens per load (and per save). Default: 2239 (quick: 200).")
+    p.add_argument("--model", choices=tuple(SHAPES), default="wide",
+                   help="Whose KV shapes: wide (LFM2 hidden 512, 8 layers, 16 KiB a token) or tiny (the tests' "
+                        "LFM2, hidden 128, 4 layers, 2 KiB a token). Default: wide.")
     p.add_argument("--data-path", choices=("http", "nixl", "auto"), default="http",
                    help="The connector's and the raw read's data path (ClientConfig.data_path). Default: http.")
     args = p.parse_args(argv)
@@ -63,7 +70,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 class Rig:
     """vLLM's connector, both roles, over views vLLM allocates, against a store process."""
 
-    def __init__(self, url: str, data_path: str, tokens: int) -> None:
+    def __init__(self, url: str, data_path: str, tokens: int, model: str = "wide") -> None:
         import torch
         from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -73,8 +80,9 @@ class Rig:
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.worker.utils import allocate_kv_cache
 
-        self.attn = [f"model.layers.{2 * i + 1}.self_attn.attn" for i in range(LAYERS)]
-        mamba = [f"model.layers.{2 * i}.conv" for i in range(LAYERS)]
+        heads, head_dim, layers, hidden = SHAPES[model]
+        self.attn = [f"model.layers.{2 * i + 1}.self_attn.attn" for i in range(layers)]
+        mamba = [f"model.layers.{2 * i}.conv" for i in range(layers)]
         transfer = KVTransferConfig(kv_connector="PrefixStoreConnector", kv_role="kv_both",
                                     kv_connector_module_path="prefixstore.client.vllm.connector",
                                     kv_connector_extra_config={"url": url, "model_id": f"vllm-load-{time.time_ns()}",
@@ -82,12 +90,12 @@ class Rig:
         config = VllmConfig(kv_transfer_config=transfer, cache_config=CacheConfig(block_size=BLOCK,
                                                                                   mamba_cache_mode="align"))
         config.cache_config.kv_cache_layout = "LBHNC"  # what vLLM's engine core resolves on CPU
-        specs: dict[str, Any] = {n: FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM,
+        specs: dict[str, Any] = {n: FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=head_dim,
                                                       dtype=torch.float32) for n in self.attn}
-        specs.update({n: MambaSpec(block_size=BLOCK, shapes=((512, 2),), dtypes=(torch.float32,),
+        specs.update({n: MambaSpec(block_size=BLOCK, shapes=((hidden, 2),), dtypes=(torch.float32,),
                                    mamba_cache_mode="align") for n in mamba})
         blocks = 4 * (-(-tokens // BLOCK)) + 8
-        page = (BLOCK * 2 * HEADS * HEAD_DIM * 4) * (len(self.attn) + len(mamba))
+        page = (BLOCK * 2 * heads * head_dim * 4) * (len(self.attn) + len(mamba))
         kv_config = get_kv_cache_config_from_groups(config, get_kv_cache_groups(config, specs), blocks * page)
         self.views = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout.LBHNC,
                                        [g.kv_cache_spec.block_size for g in kv_config.kv_cache_groups])
@@ -183,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vllm-load-") as tmp:
         urls, procs = prefixstore_nodes(1, Path(tmp), ["--state-admission", "always"])
         try:
-            rig = Rig(urls[0], args.data_path, N)
+            rig = Rig(urls[0], args.data_path, N, args.model)
             side = rig.worker.worker_side
             copies = [rig.save(tokens, N)]  # the first copy touches fresh pages: a warm-up
             for k in range(args.reps):  # later saves of other requests' tokens: the copies a served engine makes
@@ -228,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "load_over_raw": med(loads) / med(raws), "phases_ms": {k: v * 1e3 for k, v in phase.items()},
                "save_copy_ms": med(copies[1:]) * 1e3, "save_copy_first_ms": copies[0] * 1e3,
                "loads_ms": [x * 1e3 for x in loads], "raws_ms": [x * 1e3 for x in raws]}
-    h.print_table(f"One connector load of {N} tokens ({nbytes / 1e6:.1f} MB, {args.data_path}) against a raw read "
+    h.print_table(f"One connector load of {N} tokens ({args.model} model, {nbytes / 1e6:.1f} MB, {args.data_path}) against a raw read "
                   "of the same bytes (medians)",
                   ["what", "ms", "GB/s"],
                   [["load (whole)", results["load_ms"], results["load_gb_s"]],
@@ -246,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["save_copy_ms"]]
     ax.barh(names, vals, color=["gray", "C0", "C0", "C0", "C0", "C1"])
     ax.set_xlabel("ms (median)")
-    ax.set_title(f"{N}-token connector load vs raw read ({args.data_path})", fontsize=9)
+    ax.set_title(f"{N}-token connector load vs raw read ({args.model} model, {args.data_path})", fontsize=9)
     h.save_figure(fig, args.out / "vllm_load.png")
     return 0
 

@@ -343,10 +343,8 @@ class DataPath:
                 continue
             if item.whole:
                 offset, length = 0, d.size
-            elif self._config.verify_checksums or not item.all_heads:
-                # The store keeps one xxh3 per payload: a layer range is checked only when the store
-                # hashes it for /v1/nixl/get. Unchecked bytes only where the operator turned checks off.
-                # A head range (a run per layer and component) goes that way too: the store describes it.
+            elif not item.all_heads:
+                # A head range (a run per layer and component) goes the usual road: the store describes it.
                 rest.append(i)
                 continue
             else:
@@ -355,6 +353,14 @@ class DataPath:
                 try:
                     offset, length = ns.payload_range(is_state, tokens, item.layer_start, item.layer_end)
                 except ValueError:
+                    rest.append(i)
+                    continue
+                if self._config.verify_checksums and (offset, length) != (0, d.size):
+                    # The store keeps one xxh3 per payload: a layer range less than the whole payload
+                    # is checked only when the store hashes it for /v1/nixl/get. Unchecked bytes only
+                    # where the operator turned checks off. A range that is the whole payload (every
+                    # layer, named: a load of all layers asks [0, num_layers)) is checked here by
+                    # that xxh3, and READ at once.
                     rest.append(i)
                     continue
             found.append((d, offset, length))
